@@ -1,0 +1,60 @@
+"""The one linear function every projection of the model goes through.
+
+Swapping the base weights between dense bf16 and packed 4-bit formats, choosing the matmul
+backend and adding the LoRA delta all happen here, so the model code never branches on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed
+
+BACKENDS = ("xla", "pallas")
+
+
+def _dense_matmul(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(
+        x_MxK, w_NxK.astype(x_MxK.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight, backend: str = "xla") -> jax.Array:
+    """x [M, K] @ W.T for W [N, K] dense or packed; float32 [M, N]."""
+    if not is_packed(w):
+        return _dense_matmul(x_MxK, w)
+    if backend == "pallas":
+        import pallas_kernels  # imported lazily: the kernels are only needed on this path
+
+        return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w).astype(jnp.float32)
+    if backend == "xla":
+        return _dense_matmul(x_MxK, dequantize(w, x_MxK.dtype))
+    raise ValueError(f"unknown linear backend {backend!r}; expected one of {BACKENDS}")
+
+
+def linear(
+    x: jax.Array,
+    w: jax.Array | PackedWeight,
+    *,
+    bias: jax.Array | None = None,
+    lora: dict[str, Any] | None = None,
+    lora_scale: float = 1.0,
+    backend: str = "xla",
+) -> jax.Array:
+    """y [..., N] = x [..., K] @ W.T (+ bias) (+ lora_scale * x @ A.T @ B.T), in x.dtype.
+
+    W is [N, K] (HF layout), dense or a `PackedWeight`; lora is {"a": [r, K], "b": [N, r]}.
+    Accumulation is float32.
+    """
+    *lead, k = x.shape
+    x_MxK = x.reshape(-1, k)
+    y_MxN = base_matmul(x_MxK, w, backend)
+    if bias is not None:
+        y_MxN = y_MxN + bias.astype(jnp.float32)
+    if lora is not None:
+        h_MxR = _dense_matmul(x_MxK, lora["a"])
+        y_MxN = y_MxN + lora_scale * _dense_matmul(h_MxR.astype(x.dtype), lora["b"])
+    return y_MxN.astype(x.dtype).reshape(*lead, y_MxN.shape[-1])

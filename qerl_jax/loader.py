@@ -1,0 +1,305 @@
+"""Load a local Hugging Face checkpoint directory (config.json + safetensors) into our pytrees.
+
+Tensors are read one at a time into stacked host buffers ([L, ...] per projection), so host
+memory holds one copy of the model, in its final (bf16 or packed 4-bit) form; with `quant`
+each linear is quantized on the device as it is read and only its packed form is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+
+SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the path and field."""
+
+
+def _hf_proj_prefix(proj: str) -> str:
+    return "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+
+
+def hf_linear_name(layer: int, proj: str) -> str:
+    """The HF module name of a projection, e.g. 'model.layers.3.self_attn.q_proj'."""
+    return f"model.layers.{layer}.{_hf_proj_prefix(proj)}.{proj}"
+
+
+def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
+    """Parses `path/config.json` into a ModelConfig; also returns the raw dict."""
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"model directory {path!r} does not exist. Point the config at a local Hugging Face checkpoint "
+            "directory (config.json + *.safetensors + tokenizer files); the hub is not used."
+        )
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path} is missing: a Hugging Face checkpoint directory needs config.json")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{cfg_path}: model_type {model_type!r} is not supported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    archs = raw.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
+    if SUPPORTED_ARCHITECTURES[model_type] not in archs:
+        raise CheckpointError(
+            f"{cfg_path}: architectures {archs} is not supported; expected {SUPPORTED_ARCHITECTURES[model_type]!r}"
+        )
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(f"{cfg_path}: use_sliding_window=true is not supported (Qwen2.5 checkpoints have it off)")
+    try:
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        # transformers >= 5 writes rope_parameters (theta inside); older checkpoints rope_theta + rope_scaling.
+        rope_params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = raw.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+        rope_params.pop("rope_theta", None)
+        if rope_params.get("rope_type", rope_params.get("type", "default")) == "default":
+            rope_params = {}
+        config = ModelConfig(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            model_type=model_type,
+            rope_scaling=tuple(sorted(rope_params.items())) if rope_params else None,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
+            pad_token_id=raw.get("pad_token_id"),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path}: required field {e.args[0]!r} is missing") from None
+    if raw.get("mlp_bias"):
+        raise CheckpointError(f"{cfg_path}: mlp_bias=true is not supported")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise CheckpointError(
+            f"{cfg_path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={config.num_key_value_heads}"
+        )
+    return config, raw
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint (single file or sharded with an index)."""
+    single = os.path.join(path, SAFETENSORS_FILE)
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
+        return files
+    names = os.listdir(path)
+    if any(n.endswith(".bin") or n.endswith(".pt") or n.endswith(".pth") for n in names):
+        raise CheckpointError(
+            f"{path} holds only PyTorch pickle weights (*.bin); qerl-jax loads safetensors only, since pickles can "
+            "execute code. Convert once with transformers: AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(out_dir, safe_serialization=True)."
+        )
+    raise CheckpointError(f"{path} has no {SAFETENSORS_FILE} and no {SAFETENSORS_INDEX}")
+
+
+def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (name, numpy array) for every tensor of the checkpoint, one at a time."""
+    for file in weight_files(path):
+        with safe_open(file, framework="numpy") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a dense checkpoint of this config."""
+    d, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    proj_shapes = {
+        "q_proj": (q_out, d),
+        "k_proj": (kv_out, d),
+        "v_proj": (kv_out, d),
+        "o_proj": (d, q_out),
+        "gate_proj": (config.intermediate_size, d),
+        "up_proj": (config.intermediate_size, d),
+        "down_proj": (d, config.intermediate_size),
+    }
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    for i in range(config.num_hidden_layers):
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (d,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (d,)
+        for proj, shape in proj_shapes.items():
+            shapes[f"{hf_linear_name(i, proj)}.weight"] = shape
+            if config.attention_bias and proj in ("q_proj", "k_proj", "v_proj"):
+                shapes[f"{hf_linear_name(i, proj)}.bias"] = shape[:1]
+    return shapes
+
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
+_NORM_RE = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
+
+
+class _StackedBuffers:
+    """Host buffers that collect per-layer arrays into [L, ...] stacks as they arrive."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.buffers: dict[tuple[str, ...], Any] = {}
+        self.filled: dict[tuple[str, ...], np.ndarray] = {}
+
+    def put(self, key: tuple[str, ...], layer: int, value) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        if key not in self.buffers:
+            stacked = [np.empty((self.num_layers, *np.shape(x)), dtype=np.asarray(x).dtype) for x in leaves]
+            self.buffers[key] = (stacked, treedef)
+            self.filled[key] = np.zeros(self.num_layers, bool)
+        stacked, _ = self.buffers[key]
+        for buf, leaf in zip(stacked, leaves):
+            buf[layer] = np.asarray(leaf)
+        self.filled[key][layer] = True
+
+    def get(self, key: tuple[str, ...]):
+        stacked, treedef = self.buffers[key]
+        return jax.tree_util.tree_unflatten(treedef, stacked)
+
+
+def load_model(
+    path: str,
+    dtype: str = "bfloat16",
+    quant: str | None = None,
+    *,
+    quant_skip: tuple[str, ...] = (),
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """Loads a local HF Qwen2/Qwen2.5/Llama checkpoint.
+
+    Args:
+      path: directory with config.json and model.safetensors (or sharded + index).
+      dtype: "bfloat16" | "float32" | "float16" for the dense tensors.
+      quant: None/"bf16" to keep linears dense, or "nvfp4" | "mxfp4" | "nf4" to quantize every
+        linear projection while loading. A compressed-tensors NVFP4 checkpoint is read as packed
+        weights directly (then `quant` must be None or match it).
+      quant_skip: projection names (e.g. ("down_proj",)) kept dense even when quantizing.
+    Returns:
+      (config, params) with params = {"base": ..., "norms": ...} on the default device.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
+    np_dtype = _DTYPES[dtype]
+    config, raw = read_config(path)
+    stored_fmt = None
+    if quant not in (None, "bf16") or "quantization_config" in raw:
+        from qerl_jax import quant as quantlib  # noqa: PLC0415 (only needed for quantized models)
+
+        stored_fmt = quantlib.compressed_tensors.detect_format(raw)
+    if quant in (None, "bf16"):
+        quant = stored_fmt
+    elif quant not in quantlib.FORMATS:
+        raise ValueError(f"quant {quant!r} is not supported; expected None, 'bf16' or one of {quantlib.FORMATS}")
+    elif stored_fmt is not None and stored_fmt != quant:
+        raise CheckpointError(f"{path} is stored as {stored_fmt}; it cannot be loaded as {quant}")
+
+    expected = expected_shapes(config)
+    layers = _StackedBuffers(config.num_hidden_layers)
+    top: dict[str, np.ndarray] = {}
+    packed_parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    seen: set[str] = set()
+    quantize_fn = jax.jit(quantlib.quantize, static_argnums=1) if quant else None
+
+    for name, array in iter_tensors(path):
+        if name.startswith("model.rotary_emb") or name.endswith(".inv_freq"):
+            continue
+        m = _LAYER_RE.match(name)
+        ct_part = None
+        if m is None and stored_fmt:
+            ct = re.match(r"(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj))\.(weight_\w+)$", name)
+            if ct:
+                ct_part = (int(ct.group(2)), ct.group(3), ct.group(4))
+        if ct_part is not None:
+            layer, proj, field = ct_part
+            parts = packed_parts.setdefault((layer, proj), {})
+            parts[field] = array
+            if {"weight_packed", "weight_scale", "weight_global_scale"} <= parts.keys():
+                packed = quantlib.compressed_tensors.packed_from_tensors(parts, stored_fmt)
+                layers.put(("base", proj, "w"), layer, packed)
+                seen.add(f"{hf_linear_name(layer, proj)}.weight")
+                del packed_parts[(layer, proj)]
+            continue
+        if name not in expected:
+            if name.endswith("_proj.weight_zero_point") or name.endswith(".weight_shape"):
+                continue
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model of this config")
+        if tuple(array.shape) != expected[name]:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, expected {expected[name]}")
+        seen.add(name)
+        if m is not None:
+            layer, proj, kind = int(m.group(1)), m.group(3), m.group(4)
+            if kind == "weight" and quant and proj not in quant_skip:
+                if not np.all(np.isfinite(array.astype(np.float32))):
+                    raise CheckpointError(f"{path}: tensor {name!r} has non-finite values")
+                packed = quantize_fn(jnp.asarray(array), quant)
+                layers.put(("base", proj, "w"), layer, jax.device_get(packed))
+            else:
+                layers.put(("base", proj, "w" if kind == "weight" else "b"), layer, array.astype(np_dtype))
+            continue
+        n = _NORM_RE.match(name)
+        if n is not None:
+            layers.put(("norms", n.group(2)), int(n.group(1)), array.astype(np_dtype))
+            continue
+        top[name] = array.astype(np_dtype)
+
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    base_layers = {proj: {} for proj in PROJECTIONS}
+    norm_layers = {}
+    for key in layers.buffers:
+        if key[0] == "base":
+            base_layers[key[1]][key[2]] = layers.get(key)
+        else:
+            norm_layers[key[1]] = layers.get(key)
+    base = {"embed": top["model.embed_tokens.weight"], "layers": base_layers}
+    if not config.tie_word_embeddings:
+        base["lm_head"] = top["lm_head.weight"]
+    params = {"base": base, "norms": {"final_norm": top["model.norm.weight"], "layers": norm_layers}}
+    return config, jax.device_put(params)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer (transformers AutoTokenizer, with its chat template), offline."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (heavy import, only when asked)
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"tokenizer directory {path!r} does not exist")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no usable tokenizer files (tokenizer.json / tokenizer_config.json): {e}") from e

@@ -1,0 +1,258 @@
+"""The Qwen2 / Qwen2.5 decoder (and Llama, which differs only in flags) in Flax linen.
+
+The module declares no parameters of its own: it reads three separate variable collections,
+so the frozen base, the RMSNorm scales and the LoRA adapters stay separate pytrees:
+
+- "base":  embed [V, D], lm_head [V, D] (untied only), layers/{q,k,v,o,gate,up,down}_proj/{w, b}
+- "norms": final_norm [D], layers/{input_layernorm, post_attention_layernorm} [D]
+- "lora":  layers/<proj>/{a [r, K], b [N, r]} (optional; any subset of the projections)
+
+Per-layer variables are stacked on a leading [L] axis and the layers run under `nn.scan`, so
+a 64-layer model compiles one layer body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qerl_jax.linear import linear
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS = PROJECTIONS[:4]
+_MASK_VALUE = -1e30  # finite, so fully masked rows (left padding) give a uniform softmax, not NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, read from a Hugging Face `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = True
+    max_position_embeddings: int = 32768
+    model_type: str = "qwen2"
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable form of the HF dict
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """Static choices of how the forward runs (not what it computes)."""
+
+    lora_scale: float = 1.0
+    backend: str = "xla"  # linear backend: "xla" | "pallas"
+    remat: bool = False  # gradient checkpointing per layer
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """float32 [head_dim // 2] inverse frequencies, with the checkpoint's rope scaling applied."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    scaling = dict(config.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = jnp.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return jnp.where(is_medium, smoothed, out)
+    raise ValueError(f"config.json rope_scaling type {kind!r} is not supported; expected default, linear or llama3")
+
+
+def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the HF "rotate half" layout; computed in float32."""
+    angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+    cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+    sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+    x = x_BxTxHxD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxHxD.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """y = x / rms(x) * scale, normalised in float32 and cast back (as HF Qwen2RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * x_hat.astype(x.dtype)
+
+
+def attention(
+    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Grouped-query softmax attention; scores and softmax in float32. Returns [B, T, H, D]."""
+    b, t, h, d = q_BxTxHxD.shape
+    kv_heads = k_BxSxKxD.shape[2]
+    q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention then SwiGLU MLP, each with a residual."""
+
+    config: ModelConfig
+    options: ForwardOptions
+
+    def _proj(self, name: str, x: jax.Array) -> jax.Array:
+        p = self.get_variable("base", name)
+        lora = self.get_variable("lora", name) if self.has_variable("lora", name) else None
+        return linear(
+            x, p["w"], bias=p.get("b"), lora=lora, lora_scale=self.options.lora_scale, backend=self.options.backend
+        )
+
+    @nn.compact
+    def __call__(self, h_BxTxD, cache_kv, positions_BxT, kv_valid_BxS, cache_index):
+        cfg = self.config
+        b, t, _ = h_BxTxD.shape
+        x = rms_norm(h_BxTxD, self.get_variable("norms", "input_layernorm"), cfg.rms_norm_eps)
+        inv_freq = rope_inv_freq(cfg)
+        q = self._proj("q_proj", x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = self._proj("k_proj", x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self._proj("v_proj", x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = apply_rope(q, positions_BxT, inv_freq)
+        k = apply_rope(k, positions_BxT, inv_freq)
+
+        if cache_kv is None:
+            keys, values, new_cache = k, v, None
+        else:
+            k_cache, v_cache = cache_kv
+            keys = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
+            values = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
+            new_cache = (keys, values)
+        s = keys.shape[1]
+        query_slot_T = cache_index + jnp.arange(t)
+        causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+        mask_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
+        attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxTxS)
+        h_BxTxD = h_BxTxD + self._proj("o_proj", attn.reshape(b, t, -1))
+
+        x = rms_norm(h_BxTxD, self.get_variable("norms", "post_attention_layernorm"), cfg.rms_norm_eps)
+        gated = jax.nn.silu(self._proj("gate_proj", x)) * self._proj("up_proj", x)
+        h_BxTxD = h_BxTxD + self._proj("down_proj", gated)
+        return h_BxTxD, new_cache
+
+
+class Qwen2(nn.Module):
+    """Embedding -> L decoder layers -> final RMSNorm -> (tied or untied) LM head."""
+
+    config: ModelConfig
+    options: ForwardOptions = ForwardOptions()
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        kv_valid_BxS: jax.Array,
+        cache=None,
+        cache_index: jax.Array | int = 0,
+        compute_logits: bool = True,
+    ):
+        """Runs the decoder over T new tokens.
+
+        Args:
+          input_ids_BxT: int32 token ids.
+          positions_BxT: int32 rotary positions (0 for the first real token of each row).
+          kv_valid_BxS: bool/int [B, S], which key slots hold real tokens. Without a cache S = T.
+          cache: None, or (k, v) each [L, B, S, KVH, head_dim]; the new keys/values are written
+            at slots [cache_index, cache_index + T).
+          cache_index: where the new tokens go in the cache (and their causal slot offset).
+          compute_logits: False returns the final normed hidden states [B, T, D] instead.
+        Returns:
+          (float32 logits [B, T, V] or hidden [B, T, D], the updated cache or None).
+        """
+        cfg = self.config
+        base = self.get_variable("base", "embed")
+        h = jnp.take(base, input_ids_BxT, axis=0)
+
+        layer_cls = DecoderLayer
+        if self.options.remat:
+            layer_cls = nn.remat(layer_cls, prevent_cse=False)  # scan already blocks CSE
+        layers = nn.scan(
+            layer_cls,
+            variable_axes={"base": 0, "norms": 0, "lora": 0},
+            split_rngs={},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_hidden_layers,
+        )(cfg, self.options, name="layers")
+        h, new_cache = layers(h, cache, positions_BxT, kv_valid_BxS, cache_index)
+
+        h = rms_norm(h, self.get_variable("norms", "final_norm"), cfg.rms_norm_eps)
+        if not compute_logits:
+            return h, new_cache
+        head = base if cfg.tie_word_embeddings else self.get_variable("base", "lm_head")
+        logits = jnp.einsum("btd,vd->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+        return logits, new_cache
+
+
+def positions_from_mask(attention_mask_BxT: jax.Array) -> jax.Array:
+    """Rotary positions for a left-padded batch: 0 at each row's first real token."""
+    return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def variables(params: dict[str, Any]) -> dict[str, Any]:
+    """Our params dict -> the linen variable dict (collections base, norms and lora)."""
+    out = {"base": params["base"], "norms": params["norms"]}
+    if params.get("lora"):
+        out["lora"] = {"layers": params["lora"]["layers"]}
+    return out
+
+
+def forward(
+    config: ModelConfig,
+    params: dict[str, Any],
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    lora_scale: float = 1.0,
+    backend: str = "xla",
+    remat: bool = False,
+    compute_logits: bool = True,
+) -> jax.Array:
+    """Pure full-sequence forward: float32 logits [B, T, V] (or hidden [B, T, D]).
+
+    input_ids int32 [B, T]; attention_mask [B, T] with 0 on (left) padding, all ones if None.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape {input_ids.shape}")
+    options = ForwardOptions(lora_scale=lora_scale, backend=backend, remat=remat)
+    out, _ = Qwen2(config, options).apply(
+        variables(params),
+        input_ids.astype(jnp.int32),
+        positions_from_mask(attention_mask),
+        attention_mask.astype(bool),
+        compute_logits=compute_logits,
+    )
+    return out

@@ -1,0 +1,1 @@
+"""RL losses and the jitted train step."""

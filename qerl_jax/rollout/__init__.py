@@ -1,0 +1,1 @@
+"""The rollout engine: KV-cache generation on the (quantized) policy."""

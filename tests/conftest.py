@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random transformers checkpoints built on the fly (no hub access)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+TINY_QWEN2 = dict(
+    vocab_size=131,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def make_hf_model(model_type: str = "qwen2", seed: int = 0, **overrides):
+    """A tiny random transformers causal LM (torch, float32) with non-trivial norms and biases."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    kwargs = {**TINY_QWEN2, **overrides}
+    if model_type == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
+    elif model_type == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    else:
+        raise ValueError(model_type)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # ones would hide a missing norm
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_hf_model(model, path, shard_size: str | None = None) -> str:
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kwargs)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A saved tiny Qwen2 checkpoint and its torch model, shared by the session."""
+    model = make_hf_model()
+    path = save_hf_model(model, tmp_path_factory.mktemp("tiny_qwen2"))
+    return path, model
