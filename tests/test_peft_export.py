@@ -1,0 +1,54 @@
+"""PEFT export: our LoRA pytree, saved in PEFT's format, gives the same logits under transformers+peft."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import qerl_jax
+from qerl_jax.peft_export import export_peft_adapter
+
+
+def _random_lora(config, params, rank, targets, seed=0):
+    rng = np.random.default_rng(seed)
+    layers = {}
+    for proj in targets:
+        L, n, k = params["base"]["layers"][proj]["w"].shape
+        layers[proj] = {
+            "a": rng.normal(0, 0.2, (L, rank, k)).astype(np.float32),
+            "b": rng.normal(0, 0.2, (L, n, rank)).astype(np.float32),
+        }
+    return {"layers": layers}
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_peft_adapter_reproduces_our_logits(tmp_path, tiny_qwen2_dir, rslora):
+    from peft import PeftModel
+
+    path, model = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32")
+    rank, alpha = 4, 8.0
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj")
+    lora = _random_lora(config, params, rank, targets)
+    scale = alpha / (rank**0.5 if rslora else rank)
+    out = export_peft_adapter(lora, str(tmp_path / "adapter"), rank=rank, alpha=alpha, rslora=rslora)
+    assert json.load(open(os.path.join(out, "adapter_config.json")))["target_modules"] == sorted(targets)
+
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, (2, 9)).astype(np.int32)
+    ours = np.asarray(qerl_jax.forward(config, {**params, "lora": lora}, ids, lora_scale=scale))
+    peft_model = PeftModel.from_pretrained(model, out).eval()
+    try:
+        with torch.no_grad():
+            ref = peft_model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    finally:
+        peft_model.unload()  # restores the shared session model without the adapter
+    base = np.asarray(qerl_jax.forward(config, params, ids))
+    assert np.abs(ref - base).max() > 1e-2  # the adapter really changes the logits
+    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+
+
+def test_empty_lora_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="empty LoRA"):
+        export_peft_adapter({"layers": {}}, str(tmp_path), rank=4, alpha=4)
