@@ -128,10 +128,16 @@ def weight_files(path: str) -> list[str]:
 
 def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (name, numpy array) for every tensor of the checkpoint, one at a time."""
+    from qerl_jax.quant.compressed_tensors import read_safetensors  # noqa: PLC0415
+
     for file in weight_files(path):
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if f.get_slice(name).get_dtype().startswith("F8"):
+                    # safetensors' numpy backend has no float8 (NVFP4 block scales): read raw bytes.
+                    yield from read_safetensors(file, [name])
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -227,8 +233,22 @@ def load_model(
     layers = _StackedBuffers(config.num_hidden_layers)
     top: dict[str, np.ndarray] = {}
     packed_parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    pending: dict[tuple[int, tuple[str, ...]], dict[str, np.ndarray]] = {}  # fused groups awaiting members
     seen: set[str] = set()
-    quantize_fn = jax.jit(quantlib.quantize, static_argnums=1) if quant else None
+    stored_fields = set(quantlib.compressed_tensors.TENSOR_SUFFIXES[stored_fmt]) if stored_fmt else set()
+
+    def quantize_group(layer: int, arrays: dict[str, np.ndarray]) -> None:
+        """Quantizes the projections of one fused group (nvfp4: one shared global scale, as vLLM)."""
+        dense = {proj: jnp.asarray(a) for proj, a in arrays.items()}
+        amax = None
+        if quant == "nvfp4":
+            amax = jnp.max(jnp.stack([jnp.max(jnp.abs(w.astype(jnp.float32))) for w in dense.values()]))
+        for proj, w in dense.items():
+            name = f"{hf_linear_name(layer, proj)}.weight"
+            if not bool(jnp.all(jnp.isfinite(w))):
+                raise CheckpointError(f"{path}: tensor {name!r} has non-finite values")
+            packed = quantlib.quantize(w, quant, amax=amax) if amax is not None else quantlib.quantize(w, quant)
+            layers.put(("base", proj, "w"), layer, jax.device_get(packed))
 
     for name, array in iter_tensors(path):
         if name.startswith("model.rotary_emb") or name.endswith(".inv_freq"):
@@ -241,9 +261,11 @@ def load_model(
                 ct_part = (int(ct.group(2)), ct.group(3), ct.group(4))
         if ct_part is not None:
             layer, proj, field = ct_part
+            if field not in stored_fields:
+                continue  # e.g. input_global_scale of W4A4 checkpoints: we keep activations in bf16
             parts = packed_parts.setdefault((layer, proj), {})
             parts[field] = array
-            if {"weight_packed", "weight_scale", "weight_global_scale"} <= parts.keys():
+            if stored_fields <= parts.keys():
                 packed = quantlib.compressed_tensors.packed_from_tensors(parts, stored_fmt)
                 layers.put(("base", proj, "w"), layer, packed)
                 seen.add(f"{hf_linear_name(layer, proj)}.weight")
@@ -259,10 +281,12 @@ def load_model(
         if m is not None:
             layer, proj, kind = int(m.group(1)), m.group(3), m.group(4)
             if kind == "weight" and quant and proj not in quant_skip:
-                if not np.all(np.isfinite(array.astype(np.float32))):
-                    raise CheckpointError(f"{path}: tensor {name!r} has non-finite values")
-                packed = quantize_fn(jnp.asarray(array), quant)
-                layers.put(("base", proj, "w"), layer, jax.device_get(packed))
+                group = next((g for g in quantlib.FUSED_GROUPS if proj in g), (proj,))
+                group = tuple(p for p in group if p not in quant_skip)
+                members = pending.setdefault((layer, group), {})
+                members[proj] = array
+                if len(members) == len(group):
+                    quantize_group(layer, pending.pop((layer, group)))
             else:
                 layers.put(("base", proj, "w" if kind == "weight" else "b"), layer, array.astype(np_dtype))
             continue
@@ -272,6 +296,9 @@ def load_model(
             continue
         top[name] = array.astype(np_dtype)
 
+    if pending or packed_parts:
+        incomplete = sorted({hf_linear_name(layer, p) for (layer, g) in pending for p in g} | {hf_linear_name(l, p) for l, p in packed_parts})
+        raise CheckpointError(f"{path}: incomplete quantized projection(s): {incomplete[:5]}")
     missing = sorted(set(expected) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")

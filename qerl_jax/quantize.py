@@ -1,0 +1,261 @@
+"""Quantize a Hugging Face checkpoint into a compressed-tensors (vLLM-loadable) checkpoint.
+
+  python -m qerl_jax.quantize --model DIR --format nvfp4 --out DIR2     (or: qerl-quantize ...)
+
+Every 2-D `model.layers.*.(self_attn|mlp).*_proj.weight` becomes `weight_packed`,
+`weight_scale` (+ `weight_global_scale` for nvfp4); all other tensors are copied unchanged.
+Shards mirror the input's (single `model.safetensors` or sharded with an index). For nvfp4
+q/k/v and gate/up of each layer share one global scale (their joint amax), which vLLM
+requires; that takes a first pass over the linear weights to measure amax. Tensors are read
+one at a time and each output shard is written once complete, so memory holds at most one
+input tensor plus one output shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import sys
+from typing import Sequence
+
+import numpy as np
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+QUANTIZABLE = re.compile(r"^(?P<module>model\.layers\.\d+\.(?:self_attn|mlp)\.(?P<proj>\w+_proj))\.weight$")
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+# Tokenizer / generation files copied next to the new weights and config.
+COPY_PATTERNS = (
+    "generation_config.json",
+    "tokenizer*",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "*.tiktoken",
+    "*.model",
+    "preprocessor_config.json",
+    "README*",
+    "LICENSE*",
+)
+
+
+class QuantizeError(ValueError):
+    """Bad input to the quantization CLI; the message names the file, tensor or option."""
+
+
+def _shards(model_dir: str) -> tuple[list[str], dict | None]:
+    """The input shard file names and the index dict (None for a single file)."""
+    if os.path.isfile(os.path.join(model_dir, SAFETENSORS_FILE)):
+        return [SAFETENSORS_FILE], None
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        shards = sorted(set(index.get("weight_map", {}).values()))
+        if not shards:
+            raise QuantizeError(f"{index_path} has an empty weight_map")
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
+        if missing:
+            raise QuantizeError(f"{index_path} lists shard(s) that do not exist: {missing}")
+        return shards, index
+    names = os.listdir(model_dir)
+    if any(n.endswith((".bin", ".pt", ".pth")) for n in names):
+        raise QuantizeError(
+            f"{model_dir} holds only PyTorch pickle weights (*.bin); this tool reads safetensors only. Convert "
+            "once with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, "
+            "safe_serialization=True)"
+        )
+    raise QuantizeError(f"{model_dir} has no {SAFETENSORS_FILE} and no {SAFETENSORS_INDEX}")
+
+
+def _fused_key(name: str) -> str:
+    m = QUANTIZABLE.match(name)
+    group = _FUSED.get(m.group("proj")) if m else None
+    return m.group("module").rsplit(".", 1)[0] + "." + group if group else name
+
+
+def _is_quantizable(name: str, shape: Sequence[int]) -> bool:
+    return QUANTIZABLE.match(name) is not None and len(shape) == 2
+
+
+def _check_tensor(name: str, array: np.ndarray, fmt: str, block: int) -> None:
+    if array.shape[-1] % block:
+        raise QuantizeError(
+            f"tensor {name!r} has shape {tuple(array.shape)}: {fmt} needs K (the last axis) to be a multiple of {block}"
+        )
+    if not np.all(np.isfinite(array.astype(np.float32))):
+        raise QuantizeError(f"tensor {name!r} has non-finite values (inf or nan); cannot quantize it")
+
+
+def quantize_checkpoint(
+    model_dir: str,
+    out_dir: str,
+    fmt: str,
+    *,
+    fuse_global_scale: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> str:
+    """Writes the `fmt`-quantized compressed-tensors checkpoint of `model_dir` to `out_dir`.
+
+    Returns out_dir. Raises QuantizeError (a ValueError) for a missing directory or
+    config.json, pickle-only or already quantized checkpoints, formats without a
+    compressed-tensors representation, K not a multiple of the block size and non-finite
+    weights (naming the tensor).
+    """
+    import jax  # noqa: PLC0415 (keeps `--help` fast)
+    import jax.numpy as jnp  # noqa: PLC0415
+    import safetensors.numpy  # noqa: PLC0415
+    from safetensors import safe_open  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from qerl_jax import quant  # noqa: PLC0415
+    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+
+    if fmt not in ct.CT_FORMATS:
+        if fmt in quant.CONFIG_FORMATS:
+            raise QuantizeError(
+                f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"
+            )
+        raise QuantizeError(f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}")
+    if not os.path.isdir(model_dir):
+        raise QuantizeError(f"model directory {model_dir!r} does not exist")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise QuantizeError(f"{config_path} is missing: a Hugging Face checkpoint directory needs config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method")
+        raise QuantizeError(f"{config_path} already has a quantization_config (quant_method={method!r}); expected a dense checkpoint")
+    shards, index = _shards(model_dir)
+    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
+        raise QuantizeError("--out must differ from --model")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise QuantizeError(f"output directory {out_dir!r} is not empty (pass --overwrite to replace its files)")
+    block = quant.BLOCK_SIZES[fmt]
+
+    def tensors(desc: str, only_quantizable: bool):
+        """Yields (shard, name, array) over all shards, with a progress bar over tensors."""
+        total = 0
+        for shard in shards:
+            with safe_open(os.path.join(model_dir, shard), framework="numpy") as f:
+                total += sum(1 for n in f.keys() if not only_quantizable or QUANTIZABLE.match(n))
+        with tqdm(total=total, desc=desc, unit="tensor", disable=not progress) as bar:
+            for shard in shards:
+                with safe_open(os.path.join(model_dir, shard), framework="numpy") as f:
+                    for name in f.keys():
+                        if only_quantizable and not QUANTIZABLE.match(name):
+                            continue
+                        yield shard, name, f.get_tensor(name)
+                        bar.update(1)
+
+    # Pass 1 (nvfp4): amax of every linear weight, maxed over fused groups.
+    group_amax: dict[str, np.float32] = {}
+    if fmt == "nvfp4":
+        for _, name, array in tensors("measuring amax", only_quantizable=True):
+            if not _is_quantizable(name, array.shape):
+                continue
+            _check_tensor(name, array, fmt, block)
+            key = _fused_key(name) if fuse_global_scale else name
+            amax = np.float32(np.max(np.abs(array.astype(np.float32))))
+            group_amax[key] = max(group_amax.get(key, np.float32(0)), amax)
+
+    quantize_fn = jax.jit(quant.quantize, static_argnums=1)
+    os.makedirs(out_dir, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    ignore = {"lm_head"}
+    out_tensors: dict[str, np.ndarray] = {}
+    current = shards[0]
+
+    def flush(shard: str) -> None:
+        nonlocal out_tensors, total_size
+        path = os.path.join(out_dir, shard)
+        safetensors.numpy.save_file(out_tensors, path, metadata={"format": "pt"})
+        os.chmod(path, 0o644)  # safetensors creates it owner-only
+        total_size += sum(a.nbytes for a in out_tensors.values())
+        out_tensors = {}
+
+    for shard, name, array in tensors(f"quantizing to {fmt}", only_quantizable=False):
+        if shard != current:
+            flush(current)
+            current = shard
+        if _is_quantizable(name, array.shape):
+            if fmt != "nvfp4":  # nvfp4 weights were checked in pass 1
+                _check_tensor(name, array, fmt, block)
+            amax = None
+            if fmt == "nvfp4":
+                amax = jnp.float32(group_amax[_fused_key(name) if fuse_global_scale else name])
+            packed = quantize_fn(jnp.asarray(array), fmt, amax=amax)
+            module = name[: -len(".weight")]
+            for suffix, value in ct.tensors_from_packed(packed).items():
+                out_tensors[f"{module}.{suffix}"] = value
+                weight_map[f"{module}.{suffix}"] = shard
+            continue
+        if name.endswith(".weight") and array.ndim == 2 and name != "model.embed_tokens.weight":
+            ignore.add(name[: -len(".weight")])  # a dense 2-D weight the "Linear" target must skip
+        out_tensors[name] = array
+        weight_map[name] = shard
+    flush(current)
+
+    if index is not None:
+        new_index = {"metadata": {**index.get("metadata", {}), "total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+            json.dump(new_index, f, indent=2)
+    config["quantization_config"] = ct.quantization_config(fmt, ignore=sorted(ignore))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    for entry in sorted(os.listdir(model_dir)):
+        src = os.path.join(model_dir, entry)
+        if os.path.isfile(src) and any(fnmatch.fnmatch(entry, p) for p in COPY_PATTERNS):
+            shutil.copyfile(src, os.path.join(out_dir, entry))
+    return out_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="qerl-quantize",
+        description="Quantize a Hugging Face safetensors checkpoint to a compressed-tensors (vLLM) checkpoint.",
+    )
+    parser.add_argument("--model", required=True, help="input checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("--out", required=True, help="output directory (created; must be empty unless --overwrite)")
+    parser.add_argument("--format", default="nvfp4", help="nvfp4 (default) or mxfp4")
+    parser.add_argument(
+        "--no-fuse-global-scale",
+        action="store_true",
+        help="nvfp4: give each projection its own global scale instead of sharing one across q/k/v and gate/up "
+        "(vLLM needs them shared)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    try:
+        out = quantize_checkpoint(
+            args.model,
+            args.out,
+            args.format,
+            fuse_global_scale=not args.no_fuse_global_scale,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+    except QuantizeError as e:
+        print(f"qerl-quantize: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.format} checkpoint to {out}")
+    return 0
+
+
+def run() -> None:
+    """Console entry point `qerl-quantize`."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
