@@ -211,7 +211,8 @@ def load_model(
         weights directly (then `quant` must be None or match it).
       quant_skip: projection names (e.g. ("down_proj",)) kept dense even when quantizing.
     Returns:
-      (config, params) with params = {"base": ..., "norms": ...} on the default device.
+      (config, params) with params = {"base": ..., "norms": ...} on the default device; the
+      RMSNorm scales are float32 (tiny, and where AQN adds its noise).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
@@ -291,10 +292,10 @@ def load_model(
                 layers.put(("base", proj, "w" if kind == "weight" else "b"), layer, array.astype(np_dtype))
             continue
         n = _NORM_RE.match(name)
-        if n is not None:
-            layers.put(("norms", n.group(2)), int(n.group(1)), array.astype(np_dtype))
+        if n is not None:  # norms stay float32 whatever `dtype`: AQN's small noise must not round away
+            layers.put(("norms", n.group(2)), int(n.group(1)), array.astype(np.float32))
             continue
-        top[name] = array.astype(np_dtype)
+        top[name] = array.astype(np.float32 if name == "model.norm.weight" else np_dtype)
 
     if pending or packed_parts:
         incomplete = sorted({hf_linear_name(layer, p) for (layer, g) in pending for p in g} | {hf_linear_name(l, p) for l, p in packed_parts})

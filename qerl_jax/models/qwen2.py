@@ -94,10 +94,15 @@ def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """y = x / rms(x) * scale, normalised in float32 and cast back (as HF Qwen2RMSNorm)."""
+    """y = x / rms(x) * scale, computed in float32 and cast back to x.dtype.
+
+    Unlike HF's Qwen2RMSNorm (which multiplies by the scale in the activation dtype), the scale
+    multiply is float32: AQN's noise (sigma down to 1e-4) lives in the norm scales and would
+    otherwise round away in bfloat16 (spacing 2^-8 near 1).
+    """
     x32 = x.astype(jnp.float32)
     x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * x_hat.astype(x.dtype)
+    return (scale.astype(jnp.float32) * x_hat).astype(x.dtype)
 
 
 def attention(

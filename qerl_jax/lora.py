@@ -1,0 +1,134 @@
+"""LoRA adapters as their own pytree, separate from the frozen base and the norms.
+
+Layout (see the shared conventions): ``lora = {"layers": {proj: {"a": [L, r, K], "b": [L, N, r]}}}``
+for each targeted projection, stacked over layers like the base weights. A projection then
+computes ``y = x @ W.T + scale * (x @ a.T) @ b.T`` with ``scale = lora_scale(cfg)`` passed to the
+forward as a static float. Only this pytree is trained: it is what goes to optax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters (PEFT names: r, lora_alpha, target_modules, use_rslora, lora_dropout).
+
+    dropout must be 0: the model forward takes no dropout PRNG key, so LoRA dropout is not
+    implemented (QeRL's RL runs use none); a non-zero value is rejected, not ignored.
+    """
+
+    rank: int = 16
+    alpha: float = 16.0
+    targets: tuple[str, ...] = PROJECTIONS
+    rslora: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            raise ValueError(f"LoraConfig.targets must be a tuple of projection names, got the string {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank must be a positive int; got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha must be > 0; got {self.alpha!r}")
+        if not self.targets:
+            raise ValueError(f"LoraConfig.targets is empty; expected a non-empty subset of {PROJECTIONS}")
+        unknown = [t for t in self.targets if t not in PROJECTIONS]
+        if unknown:
+            raise ValueError(f"LoraConfig.targets has unknown projection name(s) {unknown}; expected names from {PROJECTIONS}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoraConfig.targets has duplicates: {self.targets}")
+        if self.dropout != 0.0:
+            raise ValueError(
+                f"LoraConfig.dropout={self.dropout}: LoRA dropout is not implemented (the model forward takes no "
+                "dropout RNG key); set dropout=0.0"
+            )
+
+
+def lora_scale(cfg: LoraConfig) -> float:
+    """The LoRA output multiplier: alpha / r, or alpha / sqrt(r) with rsLoRA (as PEFT)."""
+    return float(cfg.alpha / (math.sqrt(cfg.rank) if cfg.rslora else cfg.rank))
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N = out features, K = in features) of each projection's weight W [N, K]."""
+    d, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    inter = config.intermediate_size
+    return {
+        "q_proj": (q_out, d),
+        "k_proj": (kv_out, d),
+        "v_proj": (kv_out, d),
+        "o_proj": (d, q_out),
+        "gate_proj": (inter, d),
+        "up_proj": (inter, d),
+        "down_proj": (d, inter),
+    }
+
+
+def init_lora(key: jax.Array, config: ModelConfig, cfg: LoraConfig, dtype=jnp.float32) -> dict[str, Any]:
+    """A fresh adapter: A [L, r, K] ~ U(-1/sqrt(K), 1/sqrt(K)), B [L, N, r] = 0.
+
+    A's distribution is PEFT's default (`kaiming_uniform_(a=sqrt(5))` on a [r, K] matrix has
+    bound sqrt(6 / ((1 + 5) K)) = 1/sqrt(K)), drawn independently for every layer. B = 0 makes
+    the adapted model start exactly at the base model.
+    """
+    shapes = projection_shapes(config)
+    n_layers = config.num_hidden_layers
+    layers = {}
+    for i, proj in enumerate(PROJECTIONS):  # fixed order: the key of a projection doesn't depend on the others
+        if proj not in cfg.targets:
+            continue
+        n, k = shapes[proj]
+        bound = 1.0 / math.sqrt(k)
+        a = jax.random.uniform(jax.random.fold_in(key, i), (n_layers, cfg.rank, k), jnp.float32, -bound, bound)
+        layers[proj] = {"a": a.astype(dtype), "b": jnp.zeros((n_layers, n, cfg.rank), dtype)}
+    return {"layers": layers}
+
+
+def check_lora(lora: dict[str, Any], config: ModelConfig) -> int:
+    """Validates a LoRA pytree's structure and shapes against the model; returns its rank."""
+    if not isinstance(lora, dict) or not isinstance(lora.get("layers"), dict) or not lora["layers"]:
+        raise ValueError("LoRA pytree must be {'layers': {proj: {'a': [L, r, K], 'b': [L, N, r]}}} with >= 1 projection")
+    shapes = projection_shapes(config)
+    ranks = set()
+    for proj, ab in lora["layers"].items():
+        if proj not in shapes:
+            raise ValueError(f"LoRA projection {proj!r} is unknown; expected names from {PROJECTIONS}")
+        if set(ab) != {"a", "b"}:
+            raise ValueError(f"lora['layers'][{proj!r}] must have keys 'a' and 'b'; got {sorted(ab)}")
+        n, k = shapes[proj]
+        a_shape, b_shape = tuple(ab["a"].shape), tuple(ab["b"].shape)
+        r = a_shape[1] if len(a_shape) == 3 else -1
+        want_a, want_b = (config.num_hidden_layers, r, k), (config.num_hidden_layers, n, r)
+        if a_shape != want_a or b_shape != want_b:
+            raise ValueError(
+                f"lora['layers'][{proj!r}] has a {a_shape}, b {b_shape}; expected a [L, r, K] = {want_a} and "
+                f"b [L, N, r] = {want_b}"
+            )
+        ranks.add(r)
+    if len(ranks) != 1:
+        raise ValueError(f"LoRA projections have different ranks {sorted(ranks)}; expected one rank")
+    return ranks.pop()
+
+
+def with_lora(frozen: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
+    """The model's params dict from the frozen {base, norms} and an adapter (None: no adapter)."""
+    params = {"base": frozen["base"], "norms": frozen["norms"]}
+    if lora is not None:
+        params["lora"] = lora
+    return params
+
+
+def num_lora_params(lora: dict[str, Any]) -> int:
+    """Number of trainable scalars in the adapter."""
+    return sum(int(x.size) for x in jax.tree.leaves(lora))

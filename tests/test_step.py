@@ -1,0 +1,236 @@
+"""The jitted train step and the optimizer: alignment, LoRA-only updates, accumulation, NaN skips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import qerl_jax
+from qerl_jax.lora import LoraConfig, init_lora, lora_scale
+from qerl_jax.optim import make_optimizer, make_schedule
+from qerl_jax.rl.logprobs import to_token_aligned, token_logprobs
+from qerl_jax.rl.losses import LossConfig, policy_loss
+from qerl_jax.rl.step import NonFiniteError, check_nonfinite, init_train_state, make_train_step
+
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+LCFG = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+SCALE = lora_scale(LCFG)
+DAPO = LossConfig(kind="dapo", eps_low=0.2, eps_high=0.28)
+B, T = 4, 12
+LR = 0.5
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_qwen2_dir):
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32")
+    lora = init_lora(jax.random.key(0), config, LCFG)
+    keys = iter(jax.random.split(jax.random.key(1), 32))
+    lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), lora)  # B != 0
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, config.vocab_size, (B, T)).astype(np.int32)
+    attn = np.ones((B, T), np.int32)
+    attn[1, :3] = 0  # left padding (prompt)
+    attn[2, -2:] = 0  # right padding (short response)
+    ids[attn == 0] = 0
+    resp = np.zeros((B, T), np.float32)
+    resp[:, 6:] = 1
+    resp[attn == 0] = 0
+    # SGD with momentum: the first update is exactly -LR * grad, so gradients can be compared tightly
+    # (Adam's g / (|g| + eps) amplifies rounding for tiny gradients); make_optimizer is tested below.
+    opt = optax.sgd(LR, momentum=0.9)
+    return config, params, lora, ids, attn, resp, opt
+
+
+_LOGP = {}
+
+
+def _logp_fn(config, params):
+    """Jitted next-token log-probs under a LoRA (compiled once per module)."""
+    if "fn" not in _LOGP:
+        _LOGP["fn"] = jax.jit(lambda lo, i, m: token_logprobs(config, {**params, "lora": lo}, i, m, lora_scale=SCALE)[0])
+    return _LOGP["fn"]
+
+
+def _batch(setup, noise=0.3, adv=(1.0, -0.7, 0.4, -1.2)):
+    config, params, lora, ids, attn, resp, _ = setup
+    logp = np.asarray(to_token_aligned(_logp_fn(config, params)(lora, ids, attn)))
+    old = (logp + np.random.default_rng(1).normal(0, noise, logp.shape)) * resp
+    return dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logp=old.astype(np.float32),
+                advantages=np.array(adv, np.float32))
+
+
+_STEPS = {}
+
+
+def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None):
+    key = (loss_cfg, micro, remat, chunk)
+    if key not in _STEPS:
+        config, *_, opt = setup
+        _STEPS[key] = make_train_step(
+            config, loss_cfg, opt, lora_scale=SCALE, remat=remat, micro_batch_size=micro, logprob_chunk=chunk,
+            lr_schedule=make_schedule(LR, warmup_steps=0, total_steps=10, schedule="constant"),
+        )
+    return _STEPS[key]
+
+
+def test_on_policy_batch_has_unit_ratio(setup):
+    """old_logp built token-aligned by hand from the model's logits: the step must see ratio 1."""
+    config, params, lora, ids, attn, resp, opt = setup
+    logits = np.asarray(jax.jit(lambda p: qerl_jax.forward(config, p, ids, attn, lora_scale=SCALE))({**params, "lora": lora}))
+    logits = logits.astype(np.float64)
+    old = np.zeros((B, T), np.float32)
+    for b in range(B):
+        for t in range(1, T):  # the token at t was sampled from the distribution at t - 1
+            row = logits[b, t - 1]
+            old[b, t] = (row[ids[b, t]] - row.max() - np.log(np.exp(row - row.max()).sum())) * resp[b, t]
+    batch = dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logp=old,
+                 advantages=np.array([1.0, -0.7, 0.4, -1.2], np.float32))
+    _, m = _step(setup)(init_train_state(lora, opt), params, batch)
+    assert abs(float(m["ratio_max"]) - 1) < 1e-4 and abs(float(m["ratio_min"]) - 1) < 1e-4
+    assert float(m["clip_frac"]) == 0 and float(m["response_tokens"]) == resp.sum()
+
+
+def test_step_equals_direct_update_and_touches_only_lora(setup):
+    config, params, lora, ids, attn, resp, opt = setup
+    batch = _batch(setup)
+    frozen_before = jax.tree.map(np.array, params)
+    new_state, m = _step(setup)(init_train_state(lora, opt), params, batch)
+
+    def direct_loss(lo):  # the shift written out by hand: logp[:, t] scores token t + 1
+        lp = _logp_fn(config, params)(lo, ids, attn)
+        return policy_loss(lp, jnp.asarray(batch["old_logp"][:, 1:]), jnp.asarray(batch["advantages"]),
+                           jnp.asarray(resp[:, 1:]), DAPO)
+
+    (loss, dm), grads = jax.value_and_grad(direct_loss, has_aux=True)(lora)
+    for new, old, g in zip(jax.tree.leaves(new_state.lora), jax.tree.leaves(lora), jax.tree.leaves(grads)):
+        step_grad = (np.asarray(old) - np.asarray(new)) / LR
+        # atol: recovering the gradient from float32 params costs ~ulp(param) / LR
+        np.testing.assert_allclose(step_grad, np.asarray(g), atol=1e-7, rtol=1e-4)
+    assert any(not np.allclose(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(new_state.lora), jax.tree.leaves(lora)))
+    np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.global_norm(grads)), rtol=1e-5)
+    assert 0 < float(m["clip_frac"]) < 1 and float(m["clip_frac"]) == pytest.approx(float(dm["clip_frac"]))
+    assert int(new_state.step) == 1 and float(m["skipped"]) == 0 and float(m["lr"]) == pytest.approx(LR)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(frozen_before)):  # base and norms bit-identical
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_micro_batches_remat_and_chunks_give_the_full_batch_update(setup):
+    _, params, lora, *_, opt = setup
+    batch = _batch(setup)
+    full_state, full_m = _step(setup)(init_train_state(lora, opt), params, batch)
+    micro_state, micro_m = _step(setup, micro=2, remat=True, chunk=4)(init_train_state(lora, opt), params, batch)
+    for a, b, old in zip(jax.tree.leaves(micro_state.lora), jax.tree.leaves(full_state.lora), jax.tree.leaves(lora)):
+        g_full = np.asarray(old) - np.asarray(b)
+        np.testing.assert_allclose(np.asarray(old) - np.asarray(a), g_full, atol=1e-7, rtol=1e-4)
+    for k in ("loss", "grad_norm", "clip_frac", "entropy", "approx_kl", "ratio_max"):
+        np.testing.assert_allclose(float(micro_m[k]), float(full_m[k]), rtol=1e-5, err_msg=k)
+
+
+def test_nonfinite_batches_are_skipped_and_counted(setup):
+    _, params, lora, *_, opt = setup
+    step = _step(setup)
+    state = init_train_state(lora, opt)
+    before = jax.tree.map(np.array, state)
+    bad = _batch(setup, adv=(1.0, np.nan, 0.4, -1.2))
+    for i in (1, 2):
+        state, m = step(state, params, bad)
+        assert float(m["skipped"]) == 1 and int(m["consecutive_skips"]) == i
+        for a, b in zip(jax.tree.leaves(state.lora) + jax.tree.leaves(state.opt_state), jax.tree.leaves(before.lora) + jax.tree.leaves(before.opt_state)):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    check_nonfinite(state, max_consecutive=3)  # 2 < 3: fine
+    with pytest.raises(NonFiniteError, match="2 consecutive train steps"):
+        check_nonfinite(state, max_consecutive=2)
+    state, m = step(state, params, _batch(setup))
+    assert float(m["skipped"]) == 0 and int(state.consecutive_skips) == 0 and int(state.total_skips) == 2
+    assert int(state.step) == 1
+
+
+def test_kl_reference_is_the_base_without_lora(setup):
+    config, params, lora, ids, attn, resp, opt = setup
+    grpo = LossConfig(kind="grpo", eps_low=0.2, eps_high=0.2, beta=0.1)
+    batch = _batch(setup)
+    step = _step(setup, loss_cfg=grpo)
+    _, m_inner = step(init_train_state(lora, opt), params, batch)
+    ref = np.asarray(jax.jit(lambda: token_logprobs(config, params, ids, attn)[0])(), np.float64)  # no "lora" key
+    logp = np.asarray(_logp_fn(config, params)(lora, ids, attn), np.float64)
+    d = (ref - logp)[resp[:, 1:] > 0]
+    assert float(m_inner["kl_ref"]) > 1e-4
+    np.testing.assert_allclose(float(m_inner["kl_ref"]), np.mean(np.exp(d) - d - 1), rtol=1e-4)
+    # A given ref_logp (token-aligned) replaces the inner forward: the policy itself as reference gives KL 0.
+    own = np.asarray(to_token_aligned(jnp.asarray(logp, jnp.float32)))
+    _, m_given = step(init_train_state(lora, opt), params, batch, ref_logp=own)
+    assert abs(float(m_given["kl_ref"])) < 1e-6
+
+
+def test_bad_batches_are_rejected(setup):
+    _, params, lora, *_, opt = setup
+    step = _step(setup, micro=2, remat=True, chunk=4)
+    good = _batch(setup)
+    state = init_train_state(lora, opt)
+    cases = {
+        "old_logp": dict(good, old_logp=good["old_logp"][:, :-1]),
+        "advantages": dict(good, advantages=good["advantages"][:3]),
+        "missing": {k: v for k, v in good.items() if k != "response_mask"},
+        "micro_batch_size": {k: v[:3] for k, v in good.items()},
+        "position 0": dict(good, response_mask=np.ones_like(good["response_mask"])),
+        "padding": dict(good, response_mask=good["attention_mask"] * 0 + np.arange(T)[None] >= 1),
+        "ref_logp": None,
+    }
+    for what, batch in cases.items():
+        with pytest.raises(ValueError, match=what):
+            if what == "ref_logp":
+                step(state, params, good, ref_logp=np.zeros((B, T + 1), np.float32))
+            else:
+                step(state, params, batch)
+
+
+def test_schedule_matches_transformers():
+    import transformers
+
+    def hf_lrs(fn, n, **kw):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=3e-4)
+        sched = fn(opt, **kw)
+        out = []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return np.array(out)
+
+    cos = make_schedule(3e-4, warmup_steps=5, total_steps=20, schedule="cosine")
+    const = make_schedule(3e-4, warmup_steps=5, total_steps=20, schedule="constant")
+    ours_cos = np.array([float(cos(i)) for i in range(21)])
+    ours_const = np.array([float(const(i)) for i in range(25)])
+    assert float(cos(30)) == 0.0  # past total_steps ours stays at 0 (transformers' cosine rises again)
+    np.testing.assert_allclose(ours_cos, hf_lrs(transformers.get_cosine_schedule_with_warmup, 21, num_warmup_steps=5, num_training_steps=20), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(ours_const, hf_lrs(transformers.get_constant_schedule_with_warmup, 25, num_warmup_steps=5), rtol=1e-6)
+    with pytest.raises(ValueError, match="schedule"):
+        make_schedule(1e-3, warmup_steps=0, total_steps=10, schedule="linear")
+
+
+def test_optimizer_matches_torch_adamw_with_clipping():
+    rng = np.random.default_rng(0)
+    params = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
+    grads = [{k: rng.normal(size=v.shape).astype(np.float32) * s for k, v in params.items()} for s in (1.0, 0.05, 3.0)]
+    tx = make_optimizer(1e-2, warmup_steps=0, total_steps=10, schedule="constant", b1=0.9, b2=0.99, weight_decay=0.1, clip_norm=0.2)
+    ours = jax.tree.map(jnp.asarray, params)
+    state = tx.init(ours)
+    for g in grads:
+        updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
+        ours = optax.apply_updates(ours, updates)
+
+    tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in params.items()}
+    topt = torch.optim.AdamW(list(tp.values()), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for g in grads:
+        for k, p in tp.items():
+            p.grad = torch.tensor(g[k])
+        torch.nn.utils.clip_grad_norm_(list(tp.values()), 0.2)
+        topt.step()
+    for k in params:
+        np.testing.assert_allclose(np.asarray(ours[k]), tp[k].detach().numpy(), atol=1e-6, rtol=1e-5)
