@@ -1,0 +1,495 @@
+"""W4A16 matmul on packed 4-bit weights (NVFP4 / MXFP4 / NF4) in Pallas (Triton lowering).
+
+    y [M, N] = x [M, K] @ dequantize(packed).T        (x, y bf16; float32 accumulation)
+
+The kernels read the `PackedWeight` layout as stored (codes uint8 [N, K/2], low nibble =
+even k; scales [N, K/block]; a scalar global scale): no repacking. Per K step a program
+loads a tile of code bytes and their block scales, decodes the nibbles to bf16 already
+multiplied by the block scale (`decode_asm`: byte-permute lookups, one bf16 rounding),
+and feeds them to a tensor-core dot with the x tile; the global scale divides the fp32
+accumulator once at the end.
+
+Regimes, picked from M and the autotune table (`autotune.get_config`):
+- decode (M <= 64, memory-bound): x padded to 16/32/64 rows, narrow N tiles (64) so that
+  every SM streams weights, split-K with an XLA reduction when N tiles are too few, and
+  optionally W as the dot's left operand (`swap`, y.T = W @ x.T);
+- 64 < M <= 256: the fused kernel with [bm, bn] tiles and a grouped program order;
+- M > 256 ("dequant" mode): a Pallas kernel writes W as bf16 with the same decode, then an
+  XLA / cuBLAS dot (the fused kernel was measured slower there; KERNEL_NOTES.md).
+
+Backward (`jax.custom_vjp`): dx = dy @ dequantize(W) by a second kernel that walks the
+same packed layout with the contraction over N (or dequant + dot for M > 64); W is
+frozen (no cotangent for codes / scales / global scale).
+
+`interpret=None` runs the Pallas interpreter when the default backend is CPU (the nibble
+decode then uses jnp selects instead of PTX), the compiled Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import autotune, decode_asm
+from pallas_kernels.formats import BLOCK_SIZES, CODE_TABLES, FORMATS, SCALE_DTYPES, decode_jnp, scales_to_bf16
+
+_DECODES = ("asm", "jnp")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(x: Any, packed: Any, fmts: tuple[str, ...] = FORMATS) -> tuple[str, int, int, int]:
+    """Checks x and packed before anything is traced into a kernel; returns (fmt, M, N, K)."""
+    for field in ("codes", "scales", "global_scale", "fmt"):
+        if not hasattr(packed, field):
+            raise TypeError(f"packed must be a PackedWeight (codes, scales, global_scale, fmt); got {type(packed).__name__}")
+    fmt = packed.fmt
+    if fmt not in fmts:
+        raise ValueError(f"packed.fmt must be one of {fmts}, got {fmt!r}")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"x must be an array, got {type(x).__name__}")
+    if len(x.shape) != 2:
+        raise ValueError(f"x must be 2-D [M, K] (flatten leading axes first), got shape {tuple(x.shape)}")
+    if x.dtype != jnp.bfloat16:
+        raise TypeError(f"x must be bfloat16, got {x.dtype}")
+    codes, scales, gs = packed.codes, packed.scales, packed.global_scale
+    if codes.ndim != 2:
+        raise ValueError(
+            f"packed.codes must be 2-D [N, K/2] (one matrix; slice stacked layers first), got shape {tuple(codes.shape)}"
+        )
+    if codes.dtype != jnp.uint8:
+        raise TypeError(f"packed.codes must be uint8, got {codes.dtype}")
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"K mismatch: x has K={x.shape[1]} but packed.codes {tuple(codes.shape)} holds K={k}")
+    block = BLOCK_SIZES[fmt]
+    if k % block:
+        raise ValueError(f"K={k} must be a multiple of the {fmt} block size {block}")
+    if tuple(scales.shape) != (n, k // block):
+        raise ValueError(f"packed.scales must have shape {(n, k // block)} for {fmt}, got {tuple(scales.shape)}")
+    if scales.dtype != SCALE_DTYPES[fmt]:
+        raise TypeError(f"packed.scales must be {SCALE_DTYPES[fmt]} for {fmt}, got {scales.dtype}")
+    if int(np.prod(gs.shape)) != 1:
+        raise ValueError(f"packed.global_scale must be a scalar, got shape {tuple(gs.shape)}")
+    if not jnp.issubdtype(gs.dtype, jnp.floating):
+        raise TypeError(f"packed.global_scale must be floating point, got {gs.dtype}")
+    if n == 0 or k == 0:
+        raise ValueError(f"empty weight: N={n}, K={k}")
+    return fmt, m, n, k
+
+
+def _resolve_interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def _pow2_divisor(x: int, cap: int) -> int:
+    """Largest power of two <= cap dividing x."""
+    d = 1
+    while d * 2 <= cap and x % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _compiler_params(cfg: autotune.Config) -> Any:
+    return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ----------------------------------------------------------------------------- tile decode
+
+
+def _decode_tile(codes, scales, fmt: str, decode: str, words=None) -> jax.Array:
+    """uint8 codes [R, C/2] + raw scales [R, C/block] -> bf16 weight tile [R, C] (scaled).
+
+    words: the lookup words as int32 scalars loaded by the kernel (see `_table_input`).
+    """
+    r, half = codes.shape
+    block = BLOCK_SIZES[fmt]
+    nb = scales.shape[1]
+    s = scales_to_bf16(scales, fmt)
+    if decode == "asm":
+        # Per scale a bf16 pair (s, s) in one 32-bit word, broadcast to its code bytes.
+        bits = jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
+        s2 = bits | (bits << 16)
+        s2 = jnp.broadcast_to(s2[:, :, None], (r, nb, block // 2)).reshape(r, half)
+        table = CODE_TABLES[fmt]
+        extra = [jnp.broadcast_to(w, (r, half)) for w in words] if words is not None else []
+        [pairs] = plgpu.elementwise_inline_asm(
+            decode_asm.ptx(table, words_as_operands=words is not None),
+            args=[codes, s2, *extra],
+            constraints=decode_asm.constraints(table, words_as_operands=words is not None),
+            pack=4,
+            # int32, not uint32: the asm result type must be a signless integer.
+            result_shape_dtypes=[jax.ShapeDtypeStruct((r, half), jnp.int32)],
+        )
+        even = jax.lax.bitcast_convert_type(pairs.astype(jnp.uint16), jnp.bfloat16)
+        odd = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(pairs, 16).astype(jnp.uint16), jnp.bfloat16)
+    else:
+        s = jnp.broadcast_to(s[:, :, None], (r, nb, block // 2)).reshape(r, half)  # per code byte
+        even, odd = decode_jnp(codes, s, fmt)
+    return jnp.stack([even, odd], axis=-1).reshape(r, 2 * half)
+
+
+def _kernel_scales(scales: jax.Array) -> jax.Array:
+    """e4m3 scales travel as their bytes (a free bitcast): masked loads can then fill 0."""
+    if scales.dtype == jnp.float8_e4m3fn:
+        return jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    return scales
+
+
+def _scale_words_ok(fmt: str, k: int, bk: int) -> bool:
+    """Whether 1-byte scales can be loaded as int32 words for this K and K step."""
+    per_word = 4 * BLOCK_SIZES[fmt]
+    return SCALE_DTYPES[fmt].itemsize == 1 and k % per_word == 0 and bk % per_word == 0
+
+
+def _as_words(scales: jax.Array) -> jax.Array:
+    """uint8-sized scales [N, S] -> int32 [N, S / 4] (little-endian: scale 4j + i in byte i)."""
+    s = _kernel_scales(scales)
+    n, ns = s.shape
+    return jax.lax.bitcast_convert_type(s.reshape(n, ns // 4, 4), jnp.int32)
+
+
+def _unpack_words(w: jax.Array) -> jax.Array:
+    """int32 [R, W] -> uint8 [R, 4 W], the inverse of `_as_words` on a tile."""
+    r, nw = w.shape
+    shifts = (8 * jax.lax.broadcasted_iota(jnp.int32, (r, nw, 4), 2))
+    b = jax.lax.shift_right_logical(jnp.broadcast_to(w[:, :, None], (r, nw, 4)), shifts) & 0xFF
+    return b.reshape(r, 4 * nw).astype(jnp.uint8)
+
+
+def _table_input(fmt: str) -> jax.Array:
+    """The PTX lookup words as an int32 array input: loaded at run time, ptxas keeps them
+    in registers (as immediates it re-materialised one before every lookup)."""
+    words = np.array(decode_asm.table_words(CODE_TABLES[fmt]), np.uint32).view(np.int32)
+    return jnp.asarray(np.pad(words, (0, 8 - words.size)))
+
+
+def _load_words(t_ref, fmt: str, decode: str):
+    if decode != "asm":
+        return None
+    return [t_ref[j] for j in range(len(decode_asm.table_words(CODE_TABLES[fmt])))]
+
+
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """Tensor-core dot with fp32 accumulation (lax.dot_general; pl.dot is gone in jax 0.12)."""
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _iota(n: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _load(ref, idx, mask, other):
+    if mask is None:
+        return ref[idx]
+    return plgpu.load(ref.at[idx], mask=mask, other=other)
+
+
+# ----------------------------------------------------------------------------- forward kernel
+
+
+def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, k_chunk, decode):
+    o_ref = rest[-1]  # rest = (o_ref,) or (poison_in_ref, o_ref)
+    words = _load_words(t_ref, fmt, decode)
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    block = BLOCK_SIZES[fmt]
+    num_m, num_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
+    pid = pl.program_id(0)
+    if num_m == 1:
+        pid_m, pid_n = 0, pid
+    else:  # grouped order: group_m row-tiles share each W column-tile while it is in L2
+        group = cfg.group_m * num_n
+        first_m = (pid // group) * cfg.group_m
+        size_m = jnp.minimum(num_m - first_m, cfg.group_m)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+    ks = pl.program_id(1)
+    m0 = pid_m * bm
+    n0 = pid_n * bn
+    rows_m = m0 + _iota(bm)
+    rows_n = n0 + _iota(bn)
+    mask_x = None if m % bm == 0 else jnp.broadcast_to((rows_m < m)[:, None], (bm, bk))
+    mask_c = None if n % bn == 0 else jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // 2))
+    mask_s = None if n % bn == 0 else jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // block))
+    mask_w = None
+    if cfg.scale_words and n % bn:
+        mask_w = jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // (4 * block)))
+    k_base = ks * k_chunk
+
+    def body(i, acc):
+        k0 = pl.multiple_of(k_base + i * bk, bk)
+        x = _load(x_ref, (pl.ds(m0, bm), pl.ds(k0, bk)), mask_x, 0.0)
+        c = _load(c_ref, (pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
+        if cfg.scale_words:
+            per_word = 4 * block
+            s = _unpack_words(_load(s_ref, (pl.ds(n0, bn), pl.ds(k0 // per_word, bk // per_word)), mask_w, 0))
+        else:
+            s = _load(s_ref, (pl.ds(n0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
+        w = _decode_tile(c, s, fmt, decode, words)
+        if cfg.swap:
+            return acc + _dot(w, x, contract=(1, 1))  # [bn, bm]
+        return acc + _dot(x, w, contract=(1, 1))  # [bm, bn]
+
+    acc_shape = (bn, bm) if cfg.swap else (bm, bn)
+    acc = jax.lax.fori_loop(0, k_chunk // bk, body, jnp.zeros(acc_shape, jnp.float32))
+    acc = acc * (1.0 / g_ref[0])
+    if cfg.swap:
+        acc = acc.T
+    out = acc.astype(o_ref.dtype)
+    row0 = m0 if cfg.split_k == 1 else ks * m + m0
+    idx = (pl.ds(row0, bm), pl.ds(n0, bn))
+    if m % bm == 0 and n % bn == 0:
+        o_ref[idx] = out
+    else:
+        mask = (rows_m < m)[:, None] & (rows_n < n)[None, :]
+        plgpu.store(o_ref.at[idx], out, mask=mask)
+
+
+def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -> tuple[autotune.Config, int]:
+    """Fits a (table or given) config to the problem; returns it and the K chunk per split."""
+    cfg = cfg or autotune.get_config("fwd", m, n, k)
+    block = BLOCK_SIZES[fmt]
+    min_bk = max(16, block)
+    if m <= autotune.DECODE_MAX_M or cfg.swap:
+        cfg = dataclasses.replace(cfg, bm=max(16, 1 << (m - 1).bit_length()) if m <= autotune.DECODE_MAX_M else cfg.bm)
+    split_k = cfg.split_k
+    if k % (split_k * min_bk):  # the table's split does not fit this K: no split
+        split_k = 1
+    k_chunk = k // split_k
+    bk = _pow2_divisor(k_chunk, cfg.bk)
+    if bk < min_bk:  # only when K is not a multiple of 16 * 2**i: fall back to one block
+        bk = min_bk
+    cfg = dataclasses.replace(cfg, bk=bk, split_k=split_k,
+                              scale_words=cfg.scale_words and _scale_words_ok(fmt, k_chunk, bk))
+    return cfg, k_chunk
+
+
+def _forward(x, codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None,
+             cfg: autotune.Config | None = None, poison: bool = False) -> jax.Array:
+    """The forward launch (no custom_vjp); `poison` NaN-fills the kernel's output first."""
+    m, k = x.shape
+    n = codes.shape[0]
+    if m == 0:
+        return jnp.zeros((0, n), jnp.bfloat16)
+    decode = decode or ("jnp" if interpret else "asm")
+    if decode not in _DECODES:
+        raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
+    cfg, k_chunk = _fwd_config(m, n, k, fmt, cfg)
+    if cfg.mode == "dequant":
+        return _dot_nt(x, _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode))
+    num_tiles = pl.cdiv(m, cfg.bm) * pl.cdiv(n, cfg.bn)
+    split = cfg.split_k > 1
+    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
+    kernel = functools.partial(_fwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
+    s_arg = _as_words(scales) if cfg.scale_words else _kernel_scales(scales)
+    args = [x, codes, s_arg, jnp.reshape(gs.astype(jnp.float32), (1,)), _table_input(fmt)]
+    aliases = {}
+    if poison:
+        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        aliases = {len(args) - 1: 0}
+    y = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_tiles, cfg.split_k),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=_compiler_params(cfg),
+        name=f"w4a16_{fmt}_fwd",
+    )(*args)
+    if split:
+        y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
+    return y
+
+
+# ----------------------------------------------------------------------------- backward kernel
+
+
+def _bwd_kernel(dy_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, decode):
+    """dx [M, K] = dy [M, N] @ W [N, K]; one [bm, bk] tile of dx per program, loop over N."""
+    o_ref = rest[-1]
+    words = _load_words(t_ref, fmt, decode)
+    bm, bk, bc = cfg.bm, cfg.bk, cfg.bc
+    block = BLOCK_SIZES[fmt]
+    num_m, num_k = pl.cdiv(m, bm), k // bk
+    pid = pl.program_id(0)
+    if num_m == 1:
+        pid_m, pid_k = 0, pid
+    else:
+        group = cfg.group_m * num_k
+        first_m = (pid // group) * cfg.group_m
+        size_m = jnp.minimum(num_m - first_m, cfg.group_m)
+        pid_m = first_m + (pid % group) % size_m
+        pid_k = (pid % group) // size_m
+    m0 = pid_m * bm
+    k0 = pid_k * bk
+    rows_m = m0 + _iota(bm)
+    ragged_m, ragged_n = m % bm != 0, n % bc != 0
+
+    def body(i, acc):
+        n0 = pl.multiple_of(i * bc, bc)
+        cols_n = n0 + _iota(bc)
+        mask_dy = mask_c = mask_s = None
+        if ragged_m or ragged_n:
+            mask_dy = jnp.broadcast_to((rows_m < m)[:, None] & (cols_n < n)[None, :], (bm, bc))
+        if ragged_n:
+            mask_c = jnp.broadcast_to((cols_n < n)[:, None], (bc, bk // 2))
+            mask_s = jnp.broadcast_to((cols_n < n)[:, None], (bc, bk // block))
+        dy = _load(dy_ref, (pl.ds(m0, bm), pl.ds(n0, bc)), mask_dy, 0.0)
+        c = _load(c_ref, (pl.ds(n0, bc), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
+        s = _load(s_ref, (pl.ds(n0, bc), pl.ds(k0 // block, bk // block)), mask_s, 0)
+        w = _decode_tile(c, s, fmt, decode, words)  # [bc, bk]
+        return acc + _dot(dy, w, contract=(1, 0))
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(n, bc), body, jnp.zeros((bm, bk), jnp.float32))
+    out = (acc * (1.0 / g_ref[0])).astype(o_ref.dtype)
+    idx = (pl.ds(m0, bm), pl.ds(k0, bk))
+    if ragged_m:
+        plgpu.store(o_ref.at[idx], out, mask=jnp.broadcast_to((rows_m < m)[:, None], (bm, bk)))
+    else:
+        o_ref[idx] = out
+
+
+def _backward(dy, codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None,
+              cfg: autotune.Config | None = None, poison: bool = False) -> jax.Array:
+    """dx [M, K] bf16 = dy [M, N] @ dequantize(W) [N, K], fp32 accumulation."""
+    m, n = dy.shape
+    k = 2 * codes.shape[1]
+    if m == 0:
+        return jnp.zeros((0, k), jnp.bfloat16)
+    decode = decode or ("jnp" if interpret else "asm")
+    cfg = cfg or autotune.get_config("bwd", m, n, k)
+    if cfg.mode == "dequant":
+        w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode)
+        dx = jax.lax.dot_general(dy.astype(jnp.bfloat16), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return dx.astype(jnp.bfloat16)
+    block = BLOCK_SIZES[fmt]
+    bm = max(16, 1 << (m - 1).bit_length()) if m <= autotune.DECODE_MAX_M else cfg.bm
+    bk = max(_pow2_divisor(k, cfg.bk), max(16, block))
+    bc = max(16, min(cfg.bc, 1 << (n - 1).bit_length()))
+    cfg = dataclasses.replace(cfg, bm=bm, bk=bk, bc=bc)
+    out_shape = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    kernel = functools.partial(_bwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, decode=decode)
+    args = [dy.astype(jnp.bfloat16), codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)),
+            _table_input(fmt)]
+    aliases = {}
+    if poison:
+        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        aliases = {len(args) - 1: 0}
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(m, bm) * (k // bk),),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=_compiler_params(cfg),
+        name=f"w4a16_{fmt}_bwd",
+    )(*args)
+
+
+# ----------------------------------------------------------------------------- dequantize kernel
+
+
+def _dequant_kernel(c_ref, s_ref, g_ref, t_ref, o_ref, *, fmt, n, k, bn, bk, decode):
+    """One [bn, bk] tile of W = table[codes] * scale / global_scale, written as bf16."""
+    words = _load_words(t_ref, fmt, decode)
+    block = BLOCK_SIZES[fmt]
+    n0 = pl.program_id(0) * bn
+    k0 = pl.program_id(1) * bk
+    rows = n0 + _iota(bn)
+    ragged = n % bn != 0
+    mask_c = jnp.broadcast_to((rows < n)[:, None], (bn, bk // 2)) if ragged else None
+    mask_s = jnp.broadcast_to((rows < n)[:, None], (bn, bk // block)) if ragged else None
+    c = _load(c_ref, (pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
+    s = _load(s_ref, (pl.ds(n0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
+    w = (_decode_tile(c, s, fmt, decode, words).astype(jnp.float32) * (1.0 / g_ref[0])).astype(o_ref.dtype)
+    idx = (pl.ds(n0, bn), pl.ds(k0, bk))
+    if ragged:
+        plgpu.store(o_ref.at[idx], w, mask=jnp.broadcast_to((rows < n)[:, None], (bn, bk)))
+    else:
+        o_ref[idx] = w
+
+
+def _dequantize(codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None,
+                bn: int = 64, bk: int = 256) -> jax.Array:
+    """W bf16 [N, K] from the packed arrays (the 'dequant' path: then an XLA dot)."""
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    decode = decode or ("jnp" if interpret else "asm")
+    block = BLOCK_SIZES[fmt]
+    bk = max(_pow2_divisor(k, bk), max(16, block))
+    kernel = functools.partial(_dequant_kernel, fmt=fmt, n=n, k=k, bn=bn, bk=bk, decode=decode)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, k), jnp.bfloat16),
+        grid=(pl.cdiv(n, bn), k // bk),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name=f"w4a16_{fmt}_dequant",
+    )(codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)), _table_input(fmt))
+
+
+def _dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [N, K].T in bf16 with fp32 accumulation (XLA / cuBLAS)."""
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _qmm(x, codes, scales, gs, fmt, interpret):
+    return _forward(x, codes, scales, gs, fmt=fmt, interpret=interpret)
+
+
+def _qmm_fwd(x, codes, scales, gs, fmt, interpret):
+    return _qmm(x, codes, scales, gs, fmt, interpret), (codes, scales, gs)
+
+
+def _qmm_bwd(fmt, interpret, res, dy):
+    codes, scales, gs = res
+    dx = _backward(dy, codes, scales, gs, fmt=fmt, interpret=interpret)
+    # W is frozen: no cotangent for codes / scales / global scale.
+    return dx, None, None, None
+
+
+_qmm.defvjp(_qmm_fwd, _qmm_bwd)
+
+
+def quant_matmul(x: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
+    """y bf16 [M, N] = x bf16 [M, K] @ dequantize(packed).T, fp32 accumulation.
+
+    packed: a 2-D `PackedWeight` (codes uint8 [N, K/2], scales [N, K/block], scalar
+    global_scale) of format "nvfp4", "mxfp4" or "nf4". Differentiable in x (custom VJP,
+    W frozen). interpret: None = Pallas interpreter on CPU, compiled Triton on GPU.
+    Raises ValueError / TypeError on bad shapes or dtypes before anything is launched.
+    """
+    fmt, _, _, _ = _validate(x, packed)
+    return _qmm(x, packed.codes, packed.scales, packed.global_scale, fmt, _resolve_interpret(interpret))
+
+
+def nvfp4_matmul(x: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
+    """`quant_matmul` restricted to NVFP4 weights (E2M1 codes, e4m3 block-16 scales)."""
+    fmt, _, _, _ = _validate(x, packed, fmts=("nvfp4",))
+    return _qmm(x, packed.codes, packed.scales, packed.global_scale, fmt, _resolve_interpret(interpret))
+
+
+def quant_matmul_dx(dy: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
+    """dx bf16 [M, K] = dy bf16 [M, N] @ dequantize(packed) (the backward kernel, exposed)."""
+    if not hasattr(dy, "ndim") or dy.ndim != 2:
+        raise ValueError(f"dy must be 2-D [M, N], got {getattr(dy, 'shape', type(dy).__name__)}")
+    n = getattr(getattr(packed, "codes", None), "shape", (None,))[0]
+    if dy.shape[1] != n:
+        raise ValueError(f"N mismatch: dy has N={dy.shape[1]} but packed has N={n}")
+    fake_x = jax.ShapeDtypeStruct((dy.shape[0], 2 * packed.codes.shape[1]), dy.dtype)
+    fmt, _, _, _ = _validate(fake_x, packed)
+    return _backward(dy, packed.codes, packed.scales, packed.global_scale, fmt=fmt,
+                     interpret=_resolve_interpret(interpret))

@@ -1,0 +1,273 @@
+"""Pallas W4A16 kernels (pallas_kernels/) in interpret mode on CPU against the jnp reference.
+
+Every check draws fresh random codes, scales, global scale and activations, NaN-fills the
+kernel's output buffer first (so unwritten elements fail), and compares in float32 with
+the relative Frobenius error. The PTX nibble decoder, which interpret mode cannot run, is
+checked through its numpy model (`decode_asm.emulate`) for all 256 byte values.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import autotune, decode_asm, formats
+from pallas_kernels.quant_matmul import _backward, _dequantize, _forward
+from qerl_jax.quant import packed as packed_lib
+
+TOL = 1e-2  # bf16 output (and bf16 NF4 table / scales) against float32
+
+
+def _rng(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def rand_packed(rng: np.random.Generator, n: int, k: int, fmt: str) -> packed_lib.PackedWeight:
+    """Random codes, random positive finite block scales, random global scale."""
+    block = packed_lib.BLOCK_SIZES[fmt]
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    if fmt == "nvfp4":
+        scales = jnp.asarray(rng.uniform(2.0**-6, 448.0, (n, k // block)).astype(np.float32)).astype(jnp.float8_e4m3fn)
+    elif fmt == "mxfp4":
+        scales = jnp.asarray(rng.integers(112, 143, (n, k // block), dtype=np.uint8))
+    else:
+        scales = jnp.asarray(rng.uniform(0.01, 3.0, (n, k // block)).astype(np.float32))
+    gs = jnp.float32(rng.uniform(20.0, 3000.0) if fmt == "nvfp4" else rng.uniform(0.5, 2.0))
+    return packed_lib.PackedWeight(jnp.asarray(codes), scales, gs, fmt)
+
+
+def rand_x(rng: np.random.Generator, m: int, k: int) -> jax.Array:
+    return jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.bfloat16)
+
+
+def reference(x: jax.Array, p: packed_lib.PackedWeight) -> jax.Array:
+    w = packed_lib.dequantize(p, jnp.float32)
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+def rel_err(out: jax.Array, ref: jax.Array) -> float:
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.isfinite(out).all(), "output has NaN/inf: an element was not written"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _args(p):
+    return p.codes, p.scales, p.global_scale
+
+
+# ----------------------------------------------------------------------------- format pieces
+
+
+def test_tables_match_packed_module():
+    for fmt in packed_lib.FORMATS:
+        np.testing.assert_array_equal(formats.CODE_TABLES[fmt], packed_lib.CODE_TABLES[fmt])
+        assert formats.BLOCK_SIZES[fmt] == packed_lib.BLOCK_SIZES[fmt]
+    assert formats.FORMATS == packed_lib.FORMATS
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])  # mxfp4 shares nvfp4's table
+def test_ptx_decoder_model_all_bytes(fmt):
+    rng = _rng("ptx", fmt)
+    table = formats.CODE_TABLES[fmt]
+    codes = np.tile(np.arange(256, dtype=np.uint8), 4)
+    scales = rng.uniform(2.0**-9, 448.0, codes.shape).astype(np.float32)
+    scales[:8] = 0.0  # zero scale (masked rows) must give 0, not NaN
+    sbits = decode_asm.bf16_bits(scales)
+    even, odd = decode_asm.emulate(table, codes, sbits)
+    t = decode_asm.bf16_to_f32(decode_asm.bf16_bits(table))
+    s = decode_asm.bf16_to_f32(sbits)
+    np.testing.assert_array_equal(decode_asm.bf16_to_f32(even), decode_asm.bf16_to_f32(decode_asm.bf16_bits(t[codes & 15] * s)))
+    np.testing.assert_array_equal(decode_asm.bf16_to_f32(odd), decode_asm.bf16_to_f32(decode_asm.bf16_bits(t[codes >> 4] * s)))
+
+
+def test_ptx_text_uses_only_modelled_instructions():
+    for fmt in ("nvfp4", "nf4"):
+        text = decode_asm.ptx(formats.CODE_TABLES[fmt])
+        ops = {line.split()[0] for line in text.splitlines()[2:-1]}
+        assert ops <= {"mov.b32", "and.b32", "shr.u32", "shl.b32", "prmt.b32", "lop3.b32", "fma.rn.bf16x2"}, ops
+        assert text.count("$4") >= 1 and all(f"${i}" in text for i in range(9))
+
+
+@pytest.mark.parametrize("fmt", packed_lib.FORMATS)
+def test_scale_decode(fmt):
+    p = rand_packed(_rng("scale", fmt), 8, 128, fmt)
+    want = packed_lib.block_scales_f32(packed_lib.replace(p, global_scale=jnp.float32(1.0)))
+    got = formats.scales_to_bf16(p.scales, fmt).astype(jnp.float32)
+    rtol = 2.0**-8 if fmt == "nf4" else 0.0  # nf4's f32 absmax is rounded to bf16
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol)
+    if fmt == "mxfp4":  # the e = 0 (2**-127, subnormal) and e = 255 (inf) ends
+        ends = formats.scales_to_bf16(jnp.array([0, 1, 254, 255], jnp.uint8), fmt).astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(ends), np.array([2.0**-127, 2.0**-126, 2.0**127, np.inf], np.float32))
+
+
+# ----------------------------------------------------------------------------- forward
+
+# (fmt, M, N, K): every format sees both regimes (M <= 64 decode, M = 130 prefill),
+# non-power-of-two N and both K sizes.
+FWD_CASES = [
+    ("nvfp4", 1, 48, 64), ("nvfp4", 3, 200, 256), ("nvfp4", 16, 96, 256), ("nvfp4", 64, 200, 64),
+    ("nvfp4", 130, 96, 256),
+    ("mxfp4", 1, 200, 256), ("mxfp4", 16, 48, 64), ("mxfp4", 64, 96, 256), ("mxfp4", 130, 200, 64),
+    ("nf4", 1, 96, 256), ("nf4", 3, 48, 64), ("nf4", 16, 200, 256), ("nf4", 130, 48, 256),
+]
+
+
+@pytest.mark.parametrize("fmt,m,n,k", FWD_CASES)
+def test_forward_matches_reference(fmt, m, n, k):
+    rng = _rng("fwd", fmt, m, n, k)
+    p = rand_packed(rng, n, k, fmt)
+    x = rand_x(rng, m, k)
+    out = _forward(x, *_args(p), fmt=fmt, interpret=True, poison=True)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, reference(x, p)) < TOL
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        autotune.Config(bm=16, bn=32, bk=64, split_k=2),  # split-K partials + reduction
+        autotune.Config(bm=16, bn=64, bk=128, swap=True),  # y.T = W @ x.T
+        autotune.Config(bm=32, bn=32, bk=64, group_m=2),  # several M tiles, grouped order
+        autotune.Config(bm=64, bn=64, bk=64, mode="dequant"),  # dequant kernel + XLA dot
+        autotune.Config(bm=16, bn=64, bk=256, split_k=2, scale_words=True),  # scales as int32 words
+    ],
+    ids=["splitk", "swap", "grouped", "dequant", "scale_words"],
+)
+def test_forward_configs(cfg):
+    rng = _rng("cfg", cfg)
+    m, n, k = (20, 72, 256) if cfg.group_m != 2 else (100, 72, 128)
+    p = rand_packed(rng, n, k, "nvfp4")
+    x = rand_x(rng, m, k)
+    out = _forward(x, *_args(p), fmt="nvfp4", interpret=True, cfg=cfg, poison=True)
+    assert rel_err(out, reference(x, p)) < TOL
+
+
+@pytest.mark.parametrize("fmt", packed_lib.FORMATS)
+def test_dequantize_kernel(fmt):
+    rng = _rng("deq", fmt)
+    p = rand_packed(rng, 40, 128, fmt)  # 40 rows: a ragged last tile
+    w = _dequantize(*_args(p), fmt=fmt, interpret=True)
+    want = packed_lib.dequantize(p, jnp.float32)
+    # nvfp4 / mxfp4: table * scale is exact in bf16, then one rounding after / global_scale;
+    # nf4 also rounds its table entry, its absmax and the product to bf16.
+    np.testing.assert_allclose(np.asarray(w, np.float32), np.asarray(want), rtol=2.0**-6 if fmt == "nf4" else 2.0**-8)
+
+
+def test_public_api_and_nvfp4_alias():
+    rng = _rng("api")
+    p = rand_packed(rng, 48, 64, "nvfp4")
+    x = rand_x(rng, 5, 64)
+    ref = reference(x, p)
+    assert rel_err(pallas_kernels.quant_matmul(x, p), ref) < TOL  # interpret=None -> CPU -> interpret
+    assert rel_err(jax.jit(pallas_kernels.nvfp4_matmul)(x, p), ref) < TOL
+    with pytest.raises(ValueError, match="nvfp4"):
+        pallas_kernels.nvfp4_matmul(x, rand_packed(rng, 48, 64, "mxfp4"))
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("fmt,m,n,k", [("nvfp4", 1, 200, 64), ("mxfp4", 130, 48, 256), ("nf4", 16, 96, 128)])
+def test_backward_kernel(fmt, m, n, k):
+    rng = _rng("bwd", fmt, m, n, k)
+    p = rand_packed(rng, n, k, fmt)
+    dy = rand_x(rng, m, n)
+    want = jnp.dot(dy.astype(jnp.float32), packed_lib.dequantize(p, jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    fused = autotune.Config(bm=64, bn=0, bk=64, bc=64)  # the default for M > 64 is "dequant"
+    out = _backward(dy, *_args(p), fmt=fmt, interpret=True, poison=True, cfg=fused)
+    assert out.shape == (m, k) and out.dtype == jnp.bfloat16
+    assert rel_err(out, want) < TOL
+    out = _backward(dy, *_args(p), fmt=fmt, interpret=True, cfg=autotune.Config(bm=64, bn=0, bk=64, mode="dequant"))
+    assert rel_err(out, want) < TOL
+
+
+@pytest.mark.parametrize("fmt,m", [("nvfp4", 3), ("nf4", 70)])
+def test_grad_wrt_x_matches_reference(fmt, m):
+    rng = _rng("grad", fmt, m)
+    n, k = 48, 128
+    p = rand_packed(rng, n, k, fmt)
+    x = rand_x(rng, m, k)
+    g = jnp.asarray(rng.standard_normal((m, n)).astype(np.float32))
+
+    def loss(fn, x):
+        return jnp.sum(fn(x).astype(jnp.float32) * g)
+
+    got = jax.grad(lambda x: loss(lambda x: pallas_kernels.quant_matmul(x, p), x))(x)
+    want = jax.grad(lambda x: loss(lambda x: reference(x, p), x))(x)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, want) < TOL
+
+
+def test_weight_cotangents_are_zero():
+    rng = _rng("wgrad")
+    p = rand_packed(rng, 48, 64, "nvfp4")
+    x = rand_x(rng, 4, 64)
+    _, vjp = jax.vjp(lambda x, p: pallas_kernels.quant_matmul(x, p), x, p)
+    dx, dp = vjp(jnp.ones((4, 48), jnp.bfloat16))
+    assert dp.codes.dtype == jax.dtypes.float0  # integer codes: float0
+    assert not np.any(np.asarray(dp.scales, np.float32)) and not np.any(np.asarray(dp.global_scale))
+    assert np.any(np.asarray(dx, np.float32))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_errors_before_launch():
+    rng = _rng("err")
+    p = rand_packed(rng, 48, 64, "nvfp4")
+    x = rand_x(rng, 4, 64)
+    qm = pallas_kernels.quant_matmul
+    with pytest.raises(ValueError, match="2-D"):
+        qm(x[0], p)
+    with pytest.raises(ValueError, match="2-D"):
+        qm(x[None], p)
+    with pytest.raises(ValueError, match="K mismatch"):
+        qm(rand_x(rng, 4, 32), p)
+    with pytest.raises(TypeError, match="bfloat16"):
+        qm(x.astype(jnp.float32), p)
+    with pytest.raises(ValueError, match="block size"):
+        bad = packed_lib.PackedWeight(jnp.zeros((48, 12), jnp.uint8), jnp.zeros((48, 1), jnp.float8_e4m3fn), jnp.float32(1), "nvfp4")
+        qm(rand_x(rng, 4, 24), bad)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        qm(x, packed_lib.replace(p, scales=p.scales[:, :2]))
+    with pytest.raises(TypeError, match="scales must be"):
+        qm(x, packed_lib.replace(p, scales=p.scales.astype(jnp.float32)))
+    with pytest.raises(TypeError, match="codes must be uint8"):
+        qm(x, packed_lib.replace(p, codes=p.codes.astype(jnp.int32)))
+    with pytest.raises(ValueError, match="slice stacked layers"):
+        stacked = jax.tree.map(lambda a: jnp.stack([a, a]), p)
+        qm(x, stacked)
+    with pytest.raises(TypeError, match="PackedWeight"):
+        qm(x, jnp.zeros((48, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="fmt"):
+        qm(x, packed_lib.replace(p, fmt="int4"))
+
+
+# ----------------------------------------------------------------------------- autotune
+
+
+def test_autotune_lookup(monkeypatch):
+    assert [autotune.m_bucket(m) for m in (1, 16, 17, 64, 65, 300, 5000)] == [16, 16, 32, 64, 256, 1024, 4096]
+    entry = autotune.Config(bm=16, bn=128, bk=512, split_k=4, num_warps=8)
+    monkeypatch.setattr(autotune, "_table", lambda: {"fwd:16:4096:11008": entry.to_dict()})
+    assert autotune.get_config("fwd", 7, 4096, 11008) == entry
+    default = autotune.get_config("fwd", 7, 4096, 4096)
+    assert default == autotune.default_config("fwd", 7, 4096, 4096) and default.bm == 16
+    assert autotune.get_config("fwd", 4096, 4096, 4096).bm >= 64  # prefill tiles
+
+
+def test_autotune_table_entries_are_valid_configs():
+    for key, entry in autotune._table().items():
+        kind, bucket, n, k = key.split(":")
+        assert kind in ("fwd", "bwd") and int(bucket) in autotune.M_BUCKETS and int(n) > 0 and int(k) > 0
+        cfg = autotune.Config(**entry)
+        assert cfg.mode in ("fused", "dequant")
+        for size in (cfg.bm, cfg.bk, cfg.bc) + ((cfg.bn,) if kind == "fwd" else ()):
+            assert size & (size - 1) == 0, (key, entry)
