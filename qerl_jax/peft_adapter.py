@@ -1,4 +1,4 @@
-"""Export a trained LoRA pytree as a PEFT adapter (adapter_config.json + adapter_model.safetensors).
+"""LoRA pytrees <-> PEFT adapters (adapter_config.json + adapter_model.safetensors).
 
 The adapter applies to the original (unquantized) base model with transformers/PEFT or vLLM.
 """
@@ -10,9 +10,11 @@ import os
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save_file
+import re
 
-from qerl_jax.loader import hf_linear_name
+from safetensors.numpy import load_file, save_file
+
+from qerl_jax.loader import CheckpointError, hf_linear_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -63,3 +65,33 @@ def export_peft_adapter(
         json.dump(config, f, indent=2)
     save_file(peft_state_dict(lora), os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out_dir
+
+
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+
+
+def load_peft_adapter(adapter_dir: str, num_layers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reads a PEFT LoRA adapter -> (lora pytree with [L, ...] stacks, adapter_config dict)."""
+    cfg_file = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    weights_file = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    for f in (cfg_file, weights_file):
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{f} is missing: a PEFT adapter directory needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    with open(cfg_file) as f:
+        config = json.load(f)
+    if config.get("peft_type") != "LORA":
+        raise CheckpointError(f"{cfg_file}: peft_type {config.get('peft_type')!r} is not supported; expected 'LORA'")
+    per_layer: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    for name, array in load_file(weights_file).items():
+        m = _PEFT_KEY.match(name)
+        if m is None:
+            raise CheckpointError(f"{weights_file}: unexpected tensor {name!r} (only LoRA A/B of linear projections)")
+        layer, proj, ab = int(m.group(1)), m.group(2), m.group(3).lower()
+        per_layer.setdefault(proj, {"a": {}, "b": {}})[ab][layer] = array.astype(np.float32)
+    layers = {}
+    for proj, ab in per_layer.items():
+        for part in ("a", "b"):
+            if sorted(ab[part]) != list(range(num_layers)):
+                raise CheckpointError(f"{weights_file}: {proj} lora_{part.upper()} covers layers {sorted(ab[part])}, expected 0..{num_layers - 1}")
+        layers[proj] = {part: np.stack([ab[part][i] for i in range(num_layers)]) for part in ("a", "b")}
+    return {"layers": layers}, config

@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import fractions
 import functools
+import importlib
 import logging
 import math
 import os
@@ -70,13 +71,26 @@ def list_reward_fns() -> list[str]:
 
 
 def get_reward_fn(name: str) -> RewardFn:
-  """The registered reward function called `name` (ValueError if unknown)."""
-  try:
+  """The reward function `name`: a registered name, or "package.module:function".
+
+  The second form lets a config use a user's own module-level reward function
+  (it is imported here and, by reference, in the pool's worker processes).
+  """
+  if name in _REGISTRY:
     return _REGISTRY[name]
-  except KeyError:
-    raise ValueError(
-        f"unknown reward function {name!r}; known: {', '.join(list_reward_fns())}."
-    ) from None
+  if ":" in name:
+    module_name, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"reward function {name!r} cannot be imported: {e}") from None
+    if not callable(fn):
+      raise ValueError(f"reward function {name!r} is not callable.")
+    return fn
+  raise ValueError(
+      f"unknown reward function {name!r}; known: {', '.join(list_reward_fns())}, "
+      "or 'package.module:function'."
+  )
 
 
 # --------------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import pytest
 
@@ -56,3 +59,11 @@ def tiny_qwen2_dir(tmp_path_factory):
     model = make_hf_model()
     path = save_hf_model(model, tmp_path_factory.mktemp("tiny_qwen2"))
     return path, model
+
+
+def load_config(name: str, arg: str | None = None):
+    """configs/<name>.py's get_config(arg), as `--config=configs/<name>.py[:arg]` would give."""
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(REPO, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)

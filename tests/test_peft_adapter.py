@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qerl_jax
-from qerl_jax.peft_export import export_peft_adapter
+from qerl_jax.peft_adapter import export_peft_adapter
 
 
 def _random_lora(config, params, rank, targets, seed=0):
@@ -52,3 +52,17 @@ def test_peft_adapter_reproduces_our_logits(tmp_path, tiny_qwen2_dir, rslora):
 def test_empty_lora_is_refused(tmp_path):
     with pytest.raises(ValueError, match="empty LoRA"):
         export_peft_adapter({"layers": {}}, str(tmp_path), rank=4, alpha=4)
+
+
+def test_load_round_trip(tmp_path, tiny_qwen2_dir):
+    from qerl_jax.peft_adapter import load_peft_adapter
+
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32")
+    lora = _random_lora(config, params, 4, ("k_proj", "up_proj"))
+    out = export_peft_adapter(lora, str(tmp_path / "a"), rank=4, alpha=8.0)
+    loaded, adapter_cfg = load_peft_adapter(out, config.num_hidden_layers)
+    assert adapter_cfg["r"] == 4 and adapter_cfg["lora_alpha"] == 8.0
+    for proj in ("k_proj", "up_proj"):
+        for part in ("a", "b"):
+            np.testing.assert_array_equal(loaded["layers"][proj][part], lora["layers"][proj][part])

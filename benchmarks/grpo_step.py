@@ -1,0 +1,171 @@
+"""One full GRPO step (rollout + reward + train) on a Qwen2.5-shaped random model, per base format.
+
+    PYTHONPATH=. python benchmarks/grpo_step.py --out $OUT/grpo_step.json          # GPU: 7B
+    PYTHONPATH=. python benchmarks/grpo_step.py --tiny --out /tmp/grpo_step.json   # CPU smoke test
+
+For each base (bf16 LoRA, NF4, NVFP4) a child process builds the random model on the device
+(benchmarks/random_model.py) and runs the training loop's own pieces: `rollout.generate`
+(group sampling from shared prefills, fixed-length responses), the reward pool
+(`rewards.RewardPool`; random models have no tokenizer, so each completion is scored as the
+text of its token ids against a numeric answer, which exercises the same extraction and
+math-verify path), group advantages and the jitted train step (LoRA, remat, micro-batches).
+Each phase is compiled by a warm-up call first (the rollout warm-up stops every row after one
+token, so it compiles the same programs), then timed once. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULT_PREFIX = "RESULT "
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
+    p.add_argument("--model", default="7B")
+    p.add_argument("--formats", default="bf16,nf4,nvfp4")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--logprob-chunk", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process")
+    p.add_argument("--out", default=None)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.model, args.prompts, args.group, args.prompt_len, args.new_tokens = "tiny", 2, 4, 16, 16
+        args.rank, args.micro_batch_size, args.logprob_chunk = 4, 4, 16
+    return args
+
+
+def backend_for(fmt: str) -> str:
+    import jax  # noqa: PLC0415
+
+    return "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
+
+
+def run_case(args, fmt: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, HERE)
+    import random_model  # noqa: PLC0415
+
+    from qerl_jax import lora, optim, rewards
+    from qerl_jax.rl import losses
+    from qerl_jax.rl.step import init_train_state, make_train_step
+    from qerl_jax.rollout.sampler import generate, to_train_batch
+    from qerl_jax.rollout.sampling import SamplingConfig
+
+    config = random_model.model_config(args.model)
+    backend = backend_for(fmt)
+    t0 = time.perf_counter()
+    frozen = random_model.random_params(config, quant=fmt, seed=0)
+    build_s = time.perf_counter() - t0
+    lcfg = lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
+    scale = lora.lora_scale(lcfg)
+    optimizer = optim.make_optimizer(1e-5, warmup_steps=0, total_steps=100)
+    state = init_train_state(lora.init_lora(jax.random.key(1), config, lcfg), optimizer)
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(0, config.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
+    prompt_mask = np.ones_like(prompt_ids)
+    policy = {**frozen, "lora": state.lora}
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    warm = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, eos_ids=tuple(range(config.vocab_size)))
+    row = {"format": fmt, "backend": backend, "model": args.model, "build_s": build_s,
+           "sequences": args.prompts * args.group, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(generate(config, policy, prompt_ids, prompt_mask, jax.random.key(2), warm,
+                                   group_size=args.group, lora_scale=scale, backend=backend).tokens)
+    row["rollout_compile_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batch = generate(config, policy, prompt_ids, prompt_mask, jax.random.key(3), sampling,
+                     group_size=args.group, lora_scale=scale, backend=backend)
+    jax.block_until_ready(batch.tokens)
+    row["rollout_s"] = time.perf_counter() - t0
+    row["rollout_tokens_per_s"] = args.prompts * args.group * args.new_tokens / row["rollout_s"]
+
+    tokens = np.asarray(batch.tokens)
+    answers = [str(int(r[0]) % 100) for r in tokens]
+    texts = [" ".join(map(str, r.tolist())) for r in tokens]
+    with rewards.RewardPool() as pool:
+        pool.score(texts[:2], answers[:2])  # workers up
+        t0 = time.perf_counter()
+        scores = pool.score(texts, answers)
+        row["reward_s"] = time.perf_counter() - t0
+    scores = scores + rng.uniform(0, 1, scores.shape).astype(np.float32)  # varied rewards: every group trains
+
+    train_batch = to_train_batch(batch)
+    train_batch["advantages"] = losses.group_advantages(jnp.asarray(scores), args.group)
+    step = make_train_step(config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=scale, backend=backend,
+                           remat=True, micro_batch_size=args.micro_batch_size, logprob_chunk=args.logprob_chunk)
+    t0 = time.perf_counter()
+    state, m = step(state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)
+    jax.block_until_ready(m)
+    row["train_compile_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state, m = step(state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)
+    jax.block_until_ready(m)
+    row["train_s"] = time.perf_counter() - t0
+    row["train_tokens_per_s"] = float(np.asarray(train_batch["attention_mask"]).sum()) / row["train_s"]
+    row["step_s"] = row["rollout_s"] + row["reward_s"] + row["train_s"]
+    row["loss_finite"] = bool(np.isfinite(float(m["loss"])))
+    stats = jax.devices()[0].memory_stats() or {}
+    row["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30 or None
+    row["weight_gib"] = random_model.tree_bytes(frozen) / 2**30
+    return row
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.case:
+        try:
+            row = run_case(args, args.case)
+        except Exception as e:  # reported, not fatal: the other formats still run
+            row = {"format": args.case, "error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
+        print(RESULT_PREFIX + json.dumps(row), flush=True)
+        return
+    rows = []
+    for fmt in args.formats.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", fmt, "--model", args.model, "--prompts", str(args.prompts),
+               "--group", str(args.group), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+               "--rank", str(args.rank), "--micro-batch-size", str(args.micro_batch_size),
+               "--logprob-chunk", str(args.logprob_chunk)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
+            lines = [l for l in out.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+            rows.append(json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else {"format": fmt, "error": out.stderr[-2000:]})
+        except subprocess.TimeoutExpired:
+            rows.append({"format": fmt, "error": f"timed out after {args.timeout} s"})
+    base = next((r for r in rows if r.get("format") == "bf16" and "step_s" in r), None)
+    print(f"\nGRPO step, {args.model}-shaped random model, {args.prompts} prompts x {args.group} = "
+          f"{args.prompts * args.group} sequences, {args.prompt_len} + {args.new_tokens} tokens")
+    print(f"{'base':8} {'backend':8} {'rollout s':>10} {'reward s':>9} {'train s':>8} {'step s':>8} {'vs bf16':>8} {'peak GiB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['format']:8} error: {r['error'][:200]}")
+            continue
+        speedup = base["step_s"] / r["step_s"] if base else float("nan")
+        print(f"{r['format']:8} {r['backend']:8} {r['rollout_s']:10.2f} {r['reward_s']:9.2f} {r['train_s']:8.2f} "
+              f"{r['step_s']:8.2f} {speedup:7.2f}x {r['peak_gib'] or float('nan'):9.1f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

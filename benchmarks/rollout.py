@@ -1,0 +1,515 @@
+"""Rollout throughput: our jitted KV-cache generation (bf16 / NF4 / MXFP4 / NVFP4) vs transformers.
+
+    PYTHONPATH=. python benchmarks/rollout.py --out $OUT/rollout.json          # GPU, Qwen2.5-7B shapes
+    PYTHONPATH=. python benchmarks/rollout.py --tiny --out /tmp/rollout.json   # CPU smoke test
+
+Model: Qwen2.5-7B shapes with random weights (no checkpoint): dense bf16 N(0, 0.02), or 4-bit
+packed weights with random codes and scales sized so the dequantized weights have a similar
+scale (built directly in packed form, so no bf16 copy inflates the memory peak). Prompts:
+256 random tokens, temperature-1 sampling with EOS ignored.
+
+Batches (prompts x group): 32 x 8 = 256 (GRPO-sized), 1 x 1 and 8 x 8 = 64 sequences, in that
+order. The cache is sized for 512 new tokens (S = 256 + 512) but only --steps (32) sampling
+steps are run and timed (a decode step costs the same at every position: static shapes read
+the whole cache), so end-to-end numbers for 512 tokens are extrapolated:
+e2e = B * 512 / (ttft + 511 * step).
+
+Columns: ttft (per-layer weight copies + prefill of the distinct prompts + first token),
+decode step time, decode tokens/s, e2e tokens/s, the physical limit of a decode step =
+max((weight bytes but the embedding + KV bytes read per step) / copy bandwidth, 2 * params * B /
+matmul peak), both measured on the device, and its fraction reached, weight bytes, peak GPU
+bytes. Each (format, backend) and the transformers peer (torch bf16, static cache, which
+transformers compiles with torch.compile on CUDA by itself) runs in its own subprocess; a JAX
+process peak (peak_bytes_in_use) is monotone, so only the first row of a process (B = 256)
+gets one; estimated_peak_bytes (weights + `estimate_rollout_bytes`) is in the JSON for every
+row. The bf16 B = 256 row also times the prefill without group sharing (B * G rows).
+
+Time: each (format, backend, batch) compiles a prefill and a decode program (~20 s for bf16,
+more with Pallas kernels). Workers run in priority order (bf16, nvfp4-pallas, transformers,
+nvfp4-xla, mxfp4/nf4-pallas, mxfp4/nf4-xla) and nothing new starts after --deadline seconds
+(default 290), so a 5-minute call may leave the last rows out (listed as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    max_position_embeddings=32768,
+)
+TINY = dict(QWEN25_7B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
+FULL_RUN = dict(prompt_len=256, new_tokens=512, batches=((1, 1), (8, 8), (32, 8)), steps=32)
+TINY_RUN = dict(prompt_len=16, new_tokens=32, batches=((1, 1), (2, 2), (4, 2)), steps=8)
+FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
+# One subprocess each, in order of importance: the last ones are the first cut by --deadline.
+WORKER_ORDER = ("bf16:xla", "nvfp4:pallas", "transformers", "nvfp4:xla", "mxfp4:pallas", "nf4:pallas",
+                "mxfp4:xla", "nf4:xla")
+PROJ_SHAPES = {  # (N, K) as functions of the config
+    "q_proj": lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
+    "k_proj": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+    "v_proj": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+    "o_proj": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
+    "gate_proj": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "up_proj": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "down_proj": lambda c: (c["hidden_size"], c["intermediate_size"]),
+}
+
+
+# ----------------------------------------------------------------------------- random model
+
+
+def build_random_params(config, fmt: str, key):
+    """Random Qwen2 params {"base", "norms"} with linears dense bf16 or packed `fmt`.
+
+    Packed weights get uniform random codes and per-block scales near the value that makes
+    |W| ~ 0.02 (the checkpoint initialiser's scale), so activations stay finite.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight
+
+    c = {f: getattr(config, f) for f in QWEN25_7B}
+    num_layers, d = config.num_hidden_layers, config.hidden_size
+
+    def normal(k, shape):
+        return jax.random.normal(k, shape, jnp.bfloat16) * 0.02
+
+    def packed_fn(k, n, kk):
+        k1, k2 = jax.random.split(k)
+        block = BLOCK_SIZES[fmt]
+        codes = jax.random.bits(k1, (num_layers, n, kk // 2), jnp.uint8)
+        jitter = jax.random.uniform(k2, (num_layers, n, kk // block), minval=0.75, maxval=1.25)
+        ones = jnp.ones((num_layers,), jnp.float32)
+        if fmt == "nvfp4":  # |e2m1| ~ 2.3 on average; scale / global ~ 0.01
+            return PackedWeight(codes, (270.0 * jitter).astype(jnp.float8_e4m3fn), 27000.0 * ones, fmt)
+        if fmt == "mxfp4":  # 2 ** (120 - 127) ~ 0.008
+            return PackedWeight(codes, jnp.full(jitter.shape, 120, jnp.uint8), ones, fmt)
+        return PackedWeight(codes, 0.03 * jitter, ones, fmt)  # nf4: |table| ~ 0.5 on average
+
+    packed = jax.jit(packed_fn, static_argnums=(1, 2))
+    keys = iter(jax.random.split(key, 16))
+    layers = {}
+    for proj, shape_fn in PROJ_SHAPES.items():
+        n, kk = shape_fn(c)
+        if fmt == "bf16":
+            w = jax.jit(normal, static_argnums=1)(next(keys), (num_layers, n, kk))
+        else:
+            w = packed(next(keys), n, kk)
+        layers[proj] = {"w": w}
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            layers[proj]["b"] = jnp.zeros((num_layers, n), jnp.bfloat16)
+    base = {
+        "embed": jax.jit(normal, static_argnums=1)(next(keys), (config.vocab_size, d)),
+        "lm_head": jax.jit(normal, static_argnums=1)(next(keys), (config.vocab_size, d)),
+        "layers": layers,
+    }
+    norms = {
+        "final_norm": jnp.ones((d,), jnp.bfloat16),
+        "layers": {n: jnp.ones((num_layers, d), jnp.bfloat16) for n in ("input_layernorm", "post_attention_layernorm")},
+    }
+    params = {"base": base, "norms": norms}
+    jax.block_until_ready(params)
+    return params
+
+
+def tree_bytes(tree) -> int:
+    import jax
+
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+# ----------------------------------------------------------------------------- device ceilings
+
+
+def measure_device(tiny: bool) -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    n = (1 << 20) if tiny else (1 << 30)  # 2 GiB of bf16
+    x = jnp.ones((n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    copy(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        copy(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    bw = 2 * x.nbytes / min(ts)
+    m = 512 if tiny else 8192
+    a = jnp.ones((m, m), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    mm(a).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        mm(a).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m**3 / min(ts), "device": str(jax.devices()[0])}
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def peak_bytes() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _save_partial(args, out: dict) -> None:
+    """Written after every row, so a worker killed at its time limit still reports its rows."""
+    with open(args.worker_out, "w") as f:
+        json.dump(out, f, default=str)
+
+
+def _batches_largest_first(run: dict) -> list[tuple[int, int]]:
+    # The GRPO-sized batch first: it matters most if the deadline cuts the rest, and a JAX
+    # process peak (monotone) is attributable only to its first row.
+    return sorted(run["batches"], key=lambda b: -b[0] * b[1])
+
+
+def jax_worker(args, fmt: str, backend: str) -> dict:
+    import jax
+    import numpy as np
+
+    import qerl_jax.rollout as rollout
+    from qerl_jax.models.qwen2 import ModelConfig
+
+    run = TINY_RUN if args.tiny else FULL_RUN
+    config = ModelConfig(**(TINY if args.tiny else QWEN25_7B))
+    out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
+    if backend == "pallas":
+        try:
+            import pallas_kernels
+
+            pallas_kernels.quant_matmul  # noqa: B018 (raises AttributeError when missing)
+        except (ImportError, AttributeError) as e:
+            out["errors"].append(f"pallas backend unavailable: {e}")
+            return out
+    if args.measure_device:
+        out["device_ceilings"] = measure_device(args.tiny)
+    t = time.perf_counter()
+    params = build_random_params(config, fmt, jax.random.key(0))
+    out["build_s"] = time.perf_counter() - t
+    out["weight_bytes"] = tree_bytes(params)
+    out["linear_weight_bytes"] = tree_bytes(params["base"]["layers"])
+    out["peak_after_build"] = peak_bytes()
+    rng = np.random.default_rng(0)
+    sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=run["steps"], ignore_eos=True)
+    for index, (prompts, group) in enumerate(_batches_largest_first(run)):
+        ids = rng.integers(0, config.vocab_size, (prompts, run["prompt_len"]), dtype=np.int32)
+        mask = np.ones_like(ids)
+        if time.time() > args.deadline_at:
+            out["errors"].append(f"deadline reached before {fmt}/{backend}/B={prompts * group}")
+            continue
+        row = {"format": fmt, "backend": backend, "prompts": prompts, "group": group, "batch": prompts * group}
+        try:
+            kw = dict(group_size=group, backend=backend, cache_new_tokens=run["new_tokens"])
+            t = time.perf_counter()
+            warm = {}
+            b = rollout.generate(config, params, ids, mask, jax.random.key(1), sampling, timings=warm, **kw)
+            jax.block_until_ready(b.tokens)
+            first_call = time.perf_counter() - t
+            reps = []
+            for r in range(args.reps):
+                tm = {}
+                b = rollout.generate(config, params, ids, mask, jax.random.key(2 + r), sampling, timings=tm, **kw)
+                reps.append(tm)
+            best = min(reps, key=lambda tm: tm["prefill_s"] + tm["decode_s"])
+            steps = best["steps"]
+            step_s = min(tm["decode_s"] for tm in reps) / max(steps - 1, 1)
+            # Time to first token: the per-layer weight copies + prefill + first sample.
+            ttft = min(tm["prefill_s"] + tm.get("unstack_s", 0.0) for tm in reps)
+            row.update(
+                ttft_s=ttft,
+                decode_step_s=step_s,
+                steps=steps,
+                unstack_s=min(tm.get("unstack_s", 0.0) for tm in reps),
+                compile_s=first_call - (best["prefill_s"] + best["decode_s"] + best.get("unstack_s", 0.0)),
+                decode_tokens_per_s=prompts * group / step_s,
+                e2e_tokens_per_s=prompts * group * run["new_tokens"] / (ttft + (run["new_tokens"] - 1) * step_s),
+                finite_logprobs=bool(np.isfinite(np.asarray(b.logprobs)).all()),
+                peak_bytes=peak_bytes() if index == 0 else None,
+                # What generate's memory check predicts, for comparison with the measured peak.
+                estimated_peak_bytes=out["weight_bytes"] + rollout.estimate_rollout_bytes(
+                    config, rollout.rows_bucket(prompts * group), rollout.prompt_bucket(run["prompt_len"]),
+                    run["new_tokens"], num_prompts=rollout.rows_bucket(prompts),
+                    layer_copy_bytes=tree_bytes([params["base"]["layers"], params["norms"]["layers"]]),
+                ),
+            )
+            if args.no_sharing_row and group > 1 and index == 0:
+                for _ in range(2):  # compile, then time
+                    tm = {}
+                    rollout.generate(config, params, ids, mask, jax.random.key(1), sampling, share_prefill=False,
+                                     timings=tm, **kw)
+                row["ttft_no_sharing_s"] = tm["prefill_s"] + tm.get("unstack_s", 0.0)
+        except Exception as e:  # noqa: BLE001 (report and go on with the next variant)
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["errors"].append(traceback.format_exc()[-3000:])
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+        _save_partial(args, out)
+    return out
+
+
+def torch_worker(args) -> dict:
+    """transformers' generate, torch bf16, static cache of the same size, sampling at T = 1.
+
+    On CUDA, transformers compiles the decode step with torch.compile by itself when a static
+    cache is used (its default "auto-compile"); the first call of each batch size pays that.
+    The batch of 256 runs first (the most relevant one, in case the deadline cuts the rest).
+    """
+    import torch
+    import transformers
+
+    run = TINY_RUN if args.tiny else FULL_RUN
+    cfg_dict = TINY if args.tiny else QWEN25_7B
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {"format": "transformers", "rows": [], "errors": [], "versions": {
+        "torch": torch.__version__, "transformers": transformers.__version__}}
+    hf_config = transformers.Qwen2Config(
+        **{k: v for k, v in cfg_dict.items() if k not in ("attention_bias",)}, use_cache=True
+    )
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(hf_config).eval()
+    torch.set_default_dtype(torch.float32)
+    out["build_s"] = time.perf_counter() - t
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def run_generate(ids, group, new_tokens):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=run["prompt_len"] + run["new_tokens"])
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                num_return_sequences=group, past_key_values=cache, pad_token_id=0,
+            )
+
+    def timed(fn):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, res
+
+    compiled = device == "cuda"
+    backend = "torch.compile-static-cache" if compiled else "torch-eager-static-cache"
+    for prompts, group in _batches_largest_first(run):
+        row = {"format": "transformers", "backend": backend, "prompts": prompts, "group": group,
+               "batch": prompts * group}
+        if time.time() > args.deadline_at:
+            out["errors"].append(f"deadline reached before transformers B={prompts * group}")
+            continue
+        try:
+            ids = torch.randint(0, hf_config.vocab_size, (prompts, run["prompt_len"]), generator=gen).to(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            row["first_call_s"], _ = timed(lambda: run_generate(ids, group, 3))  # warm-up (and compile)
+            ttft, _ = min((timed(lambda: run_generate(ids, group, 1)) for _ in range(args.reps)), key=lambda x: x[0])
+            full, res = min((timed(lambda: run_generate(ids, group, run["steps"])) for _ in range(args.reps)),
+                            key=lambda x: x[0])
+            assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
+            step_s = (full - ttft) / (run["steps"] - 1)
+            row.update(
+                ttft_s=ttft,
+                decode_step_s=step_s,
+                steps=run["steps"],
+                decode_tokens_per_s=prompts * group / step_s,
+                e2e_tokens_per_s=prompts * group * run["new_tokens"] / (ttft + (run["new_tokens"] - 1) * step_s),
+                peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
+            )
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["errors"].append(traceback.format_exc()[-3000:])
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+        _save_partial(args, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def physical_limit(cfg: dict, row: dict, weight_bytes: int, ceilings: dict, run: dict) -> dict:
+    """Lower bound of one decode step: stream the weights (all but the embedding table) and the
+    whole static KV cache once, or do the matmul FLOPs at the measured peak, whichever is slower."""
+    b = row["batch"]
+    slots = run["prompt_len"] + run["new_tokens"]
+    kv = 2 * cfg["num_hidden_layers"] * b * slots * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    embed = cfg["vocab_size"] * cfg["hidden_size"] * 2
+    read = weight_bytes - embed + kv
+    params = sum(n * k for n, k in (f(cfg) for f in PROJ_SHAPES.values())) * cfg["num_hidden_layers"]
+    params += cfg["vocab_size"] * cfg["hidden_size"]
+    mem_s = read / ceilings["copy_bytes_per_s"]
+    flop_s = 2 * params * b / ceilings["matmul_flops_per_s"]
+    step = max(mem_s, flop_s)
+    return {"kv_bytes": kv, "limit_step_s": step, "limit_tokens_per_s": b / step,
+            "bound": "memory" if mem_s >= flop_s else "compute"}
+
+
+def report(results: list[dict], args) -> dict:
+    run = TINY_RUN if args.tiny else FULL_RUN
+    cfg = TINY if args.tiny else QWEN25_7B
+    ceilings = next((r["device_ceilings"] for r in results if "device_ceilings" in r), None)
+    rows = []
+    weights = {r["format"]: r["weight_bytes"] for r in results if r.get("weight_bytes")}
+    lin = {r["format"]: r["linear_weight_bytes"] for r in results if r.get("linear_weight_bytes")}
+    for res in results:
+        for row in res.get("rows", []):
+            if ceilings and "decode_step_s" in row and res.get("weight_bytes"):
+                row.update(physical_limit(cfg, row, res["weight_bytes"], ceilings, run))
+                row["fraction_of_limit"] = row["limit_step_s"] / row["decode_step_s"]
+            row["weight_bytes"] = res.get("weight_bytes")
+            rows.append(row)
+
+    def find(fmt, backend_prefix, batch):
+        for r in rows:
+            same = (r["format"], r["batch"]) == (fmt, batch) and r["backend"].startswith(backend_prefix)
+            if same and "e2e_tokens_per_s" in r:
+                return r
+        return None
+
+    targets = {}
+    for _, group_rows in [(b, [r for r in rows if r["batch"] == b]) for b in sorted({r["batch"] for r in rows})]:
+        b = group_rows[0]["batch"]
+        nv = find("nvfp4", "pallas", b) or find("nvfp4", "xla", b)
+        bf = find("bf16", "xla", b)
+        hf = find("transformers", "torch", b)
+        if nv and bf:
+            targets[f"B={b} nvfp4/bf16 (e2e)"] = nv["e2e_tokens_per_s"] / bf["e2e_tokens_per_s"]
+            targets[f"B={b} nvfp4/bf16 (decode)"] = nv["decode_tokens_per_s"] / bf["decode_tokens_per_s"]
+        if nv and hf:
+            targets[f"B={b} nvfp4/transformers (e2e)"] = nv["e2e_tokens_per_s"] / hf["e2e_tokens_per_s"]
+        if bf and bf.get("ttft_no_sharing_s"):
+            targets[f"B={b} bf16 prefill speed-up from group sharing"] = bf["ttft_no_sharing_s"] / bf["ttft_s"]
+        if nv and nv.get("ttft_no_sharing_s"):
+            targets[f"B={b} nvfp4 prefill speed-up from group sharing"] = nv["ttft_no_sharing_s"] / nv["ttft_s"]
+    if weights.get("nvfp4") and weights.get("bf16"):
+        targets["nvfp4 weight bytes / bf16 (whole policy)"] = weights["nvfp4"] / weights["bf16"]
+        targets["nvfp4 weight bytes / bf16 (linears only)"] = lin["nvfp4"] / lin["bf16"]
+
+    order = {w: i for i, w in enumerate(WORKER_ORDER)}
+    rows.sort(key=lambda r: (r["batch"], order.get(f"{r['format']}:{r['backend']}", order["transformers"])))
+    header = f"{'format':<13}{'backend':<26}{'B':>5}{'ttft ms':>10}{'step ms':>9}{'dec tok/s':>11}{'e2e tok/s':>11}" \
+             f"{'limit tok/s':>12}{'of limit':>9}{'weights GB':>11}{'peak GB':>9}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['format']:<13}{r['backend']:<26}{r['batch']:>5}  ERROR {r['error'][:80]}")
+            continue
+        gb = lambda x: f"{x / 1e9:.2f}" if x else "-"  # noqa: E731
+        lines.append(
+            f"{r['format']:<13}{r['backend']:<26}{r['batch']:>5}"
+            f"{r['ttft_s'] * 1e3:>10.1f}{r['decode_step_s'] * 1e3:>9.2f}"
+            f"{r['decode_tokens_per_s']:>11.0f}{r['e2e_tokens_per_s']:>11.0f}"
+            f"{r.get('limit_tokens_per_s', float('nan')):>12.0f}{r.get('fraction_of_limit', float('nan')):>9.2f}"
+            f"{gb(r.get('weight_bytes')):>11}{gb(r.get('peak_bytes')):>9}"
+        )
+    table = "\n".join(lines)
+    print(table)
+    for k, v in targets.items():
+        print(f"  {k}: {v:.2f}")
+    return {"run": {**run, "tiny": args.tiny, "model": cfg}, "device_ceilings": ceilings, "rows": rows,
+            "ratios": targets, "table": table, "workers": results}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="rollout_bench.json")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and batches (CPU smoke test)")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--deadline", type=float, default=290.0, help="seconds; later variants are skipped")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-device", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-sharing-row", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        if args.worker == "transformers":
+            res = torch_worker(args)
+        else:
+            res = jax_worker(args, *args.worker.split(":"))
+        _save_partial(args, res)
+        return
+
+    deadline_at = time.time() + args.deadline
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        parser.error(f"--formats: unknown {unknown}; expected a subset of {FORMATS}")
+    workers = [w for w in WORKER_ORDER if w.split(":")[0] in formats or (w == "transformers" and not args.no_peer)]
+    results = []
+    for i, name in enumerate(workers):
+        if time.time() > deadline_at:
+            results.append({"format": name, "rows": [], "errors": [f"deadline reached before worker {name}"]})
+            print(f"[{name}] skipped: deadline reached", flush=True)
+            continue
+        worker_out = f"{args.out}.{name.replace(':', '-')}.part"
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--worker-out", worker_out,
+               "--reps", str(args.reps), "--deadline-at", str(deadline_at)]
+        if args.tiny:
+            cmd.append("--tiny")
+        if i == 0:
+            cmd.append("--measure-device")
+        if name == "bf16:xla":
+            cmd.append("--no-sharing-row")
+        env = dict(os.environ)
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                          env.get("PYTHONPATH")]))
+        t = time.time()
+        print(f"== {name}", flush=True)
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=max(30.0, deadline_at - time.time() + 90))
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "killed at its time limit"
+        try:
+            with open(worker_out) as f:
+                res = json.load(f)
+            os.remove(worker_out)
+        except (OSError, json.JSONDecodeError):
+            res = {"format": name, "rows": [], "errors": [f"worker exited ({code}) with no result"]}
+        res["wall_s"] = time.time() - t
+        results.append(res)
+        for e in res.get("errors", []):
+            print(f"[{name}] error: {e}", flush=True)
+    summary = report(results, args)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

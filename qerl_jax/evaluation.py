@@ -1,0 +1,172 @@
+"""Evaluation (the library behind `python -m qerl_jax.eval`).
+
+pass@1 (`pass_at_1`) with greedy decoding and, with eval.num_samples = k > 0, mean@k (`mean_at_k`)
+with sampling, on each
+dataset of eval.datasets, using the rollout engine. The policy is the config's base model in the
+config's quantization (`--config.model.quant=bf16|nf4|mxfp4|nvfp4`), plus the LoRA adapter of
+eval.checkpoint: a training run's directory (latest orbax checkpoint) or a PEFT adapter
+directory; "" evaluates the base model. Writes `<dataset>.jsonl` (prompt, completion, extracted
+answer, correct) and `summary.json` to eval.output_dir and logs to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from qerl_jax import lora, rewards
+from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.data import load_math_dataset, tokenize_prompts
+from qerl_jax.metrics import MetricWriter
+from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter
+from qerl_jax.policy import Policy, UserFacingError, load_policy, lora_config, optimizer_from_config
+from qerl_jax.rl.step import init_train_state
+from qerl_jax.rollout.sampler import generate
+from qerl_jax.rollout.sampling import SamplingConfig
+
+
+def load_adapter(cfg: ml_collections.ConfigDict, policy: Policy) -> tuple[dict[str, Any] | None, float]:
+    """(LoRA pytree or None, lora_scale) from eval.checkpoint (run dir, orbax dir or PEFT dir)."""
+    path = cfg.eval.checkpoint
+    if not path:
+        return None, 1.0
+    if not os.path.isdir(path):
+        raise UserFacingError(f"eval.checkpoint {path!r} does not exist (expected a run directory or a PEFT adapter)")
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+        adapter, adapter_cfg = load_peft_adapter(path, policy.config.num_hidden_layers)
+        rank, alpha = adapter_cfg["r"], adapter_cfg["lora_alpha"]
+        scale = alpha / (rank**0.5 if adapter_cfg.get("use_rslora") else rank)
+        return jax.device_put(adapter), float(scale)
+    ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    ckpt = Checkpointer(ckpt_dir)
+    if ckpt.latest_step() is None:
+        raise UserFacingError(f"eval.checkpoint {path!r} holds no orbax checkpoint and no {ADAPTER_CONFIG}")
+    lcfg = lora_config(cfg)
+    optimizer, _ = optimizer_from_config(cfg)
+    like = init_train_state(lora.init_lora(jax.random.key(0), policy.config, lcfg), optimizer)
+    state, meta = ckpt.restore(None, like=like)
+    ckpt.close()
+    logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
+    return state.lora, lora.lora_scale(lcfg)
+
+
+def evaluate_params(
+    cfg: ml_collections.ConfigDict,
+    policy: Policy,
+    params: dict[str, Any],
+    *,
+    lora_scale: float,
+    output_dir: str,
+    writer: MetricWriter | None = None,
+    step: int = 0,
+) -> dict[str, Any]:
+    """Scores `params` on every eval dataset; writes the per-example JSONL and summary JSON."""
+    os.makedirs(output_dir, exist_ok=True)
+    summary: dict[str, Any] = {"metrics": {}, "datasets": {}}
+    with rewards.RewardPool() as pool:
+        for path in cfg.eval.datasets:
+            name = os.path.splitext(os.path.basename(os.path.dirname(path) or path))[0] or "eval"
+            name = f"{name}_{os.path.splitext(os.path.basename(path))[0]}" if os.path.exists(path) else path.replace("/", "_")
+            result = _evaluate_dataset(cfg, policy, params, lora_scale, path, pool, os.path.join(output_dir, f"{name}.jsonl"))
+            summary["datasets"][name] = result
+            for k, v in result.items():
+                if isinstance(v, float):
+                    summary["metrics"][f"{name}/{k}"] = v
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if writer is not None:
+        writer.scalars(step, {f"eval/{k}": v for k, v in summary["metrics"].items()})
+    return summary
+
+
+def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str) -> dict[str, Any]:
+    dataset = load_math_dataset(path, max_bad_fraction=cfg.data.max_bad_fraction)
+    if cfg.eval.num_examples:
+        dataset = dataset.select(range(min(cfg.eval.num_examples, len(dataset))))
+    tok = tokenize_prompts(
+        policy.tokenizer, list(dataset["prompt"]), cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
+    )
+    if tok.num_dropped:
+        logging.warning("%s: %d prompts longer than data.max_prompt_len=%d are skipped", path, tok.num_dropped, cfg.data.max_prompt_len)
+    greedy = SamplingConfig(
+        temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens, eos_ids=policy.stop_ids, pad_id=policy.pad_id
+    )
+    runs = [("pass_at_1", greedy, 1)]
+    if cfg.eval.num_samples:
+        sampled = SamplingConfig(
+            temperature=cfg.eval.temperature,
+            top_p=cfg.eval.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            eos_ids=policy.stop_ids,
+            pad_id=policy.pad_id,
+        )
+        runs.append((f"mean_at_{cfg.eval.num_samples}", sampled, cfg.eval.num_samples))
+
+    result: dict[str, Any] = {"num_examples": int(len(tok.kept_indices)), "skipped_too_long": int(tok.num_dropped)}
+    records = []
+    for metric, sampling, k in runs:
+        t0 = time.perf_counter()
+        completions, lengths = [], []
+        for start in range(0, len(tok.kept_indices), cfg.eval.batch_size):
+            sl = slice(start, start + cfg.eval.batch_size)
+            batch = generate(
+                policy.config,
+                params,
+                tok.input_ids[sl],
+                tok.attention_mask[sl],
+                jax.random.fold_in(jax.random.key(cfg.seed), start),
+                sampling,
+                group_size=k,
+                lora_scale=lora_scale,
+                backend=policy.backend,
+                max_batch=cfg.rollout.max_batch,
+            )
+            tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
+            completions += policy.tokenizer.batch_decode([r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True)
+            lengths += lens.tolist()
+        rows = np.repeat(tok.kept_indices, k)
+        answers = [dataset[int(i)]["answer"] for i in rows]
+        correct = pool.score(completions, answers, "accuracy")
+        result[metric] = float(correct.mean()) if len(correct) else 0.0
+        result[f"{metric}_response_length"] = float(np.mean(lengths)) if lengths else 0.0
+        result[f"{metric}_seconds"] = time.perf_counter() - t0
+        for i, (row, completion) in enumerate(zip(rows, completions)):
+            records.append(
+                {
+                    "metric": metric,
+                    "source_id": dataset[int(row)]["source_id"],
+                    "prompt": dataset[int(row)]["prompt"],
+                    "completion": completion,
+                    "extracted_answer": rewards.extract_answer(completion, answers[i]),
+                    "answer": answers[i],
+                    "correct": bool(correct[i] >= 1.0),
+                }
+            )
+    with open(out_file, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return result
+
+
+def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The eval command: base model (+ adapter) in the config's quantization, on eval.datasets."""
+    policy = load_policy(cfg)
+    adapter, scale = load_adapter(cfg, policy)
+    params = {**policy.frozen, **({"lora": adapter} if adapter is not None else {})}
+    output_dir = cfg.eval.output_dir or os.path.join(cfg.workdir, "eval")
+    writer = MetricWriter(os.path.join(output_dir, "tensorboard"))
+    try:
+        summary = evaluate_params(cfg, policy, params, lora_scale=scale, output_dir=output_dir, writer=writer)
+    finally:
+        writer.close()
+    summary["model"] = {"path": policy.model_dir, "quant": policy.quant, "adapter": cfg.eval.checkpoint or None}
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary

@@ -1,0 +1,34 @@
+"""Train: `python -m qerl_jax.main --config=configs/gsm8k.py [--config.rl.group_size=16 ...]`."""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from qerl_jax import policy, train  # noqa: PLC0415 (after flag parsing: fast --help)
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+
+    try:
+        train.train(_CONFIG.value)
+    except policy.UserFacingError as e:
+        logging.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run() -> None:
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

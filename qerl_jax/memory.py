@@ -1,0 +1,521 @@
+"""Memory plan: the bytes a QeRL run needs on one device, and whether (and how) it fits.
+
+`plan_memory` adds up, in bytes, everything a GRPO step keeps on the device, from the shapes
+alone (no arrays are built). A step has two phases that never overlap in time, so
+
+  persistent   = frozen base (packed or bf16 linears, bf16 embeddings, biases, norms)
+                 + LoRA params + AdamW moments
+  rollout peak = persistent + KV cache + rollout activations (+ one dequantized layer)
+  train peak   = persistent + LoRA gradients + training activations (+ one dequantized layer)
+  total        = max(rollout peak, train peak)
+
+Every term is documented on the function that computes it. The weight, LoRA, optimizer and KV
+cache terms are exact array sizes; the activation terms are estimates of what XLA keeps live
+(checked against measured peaks by `benchmarks/scale.py`). `fit` chooses the training
+micro-batch and the rollout chunk for a device and, when nothing fits, names the config value
+to lower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.quant.packed import BLOCK_SIZES, FORMATS
+
+QUANT_CHOICES = ("bf16", *FORMATS)
+DENSE_BYTES = 2  # bf16 weights and activations
+LORA_BYTES = 4  # LoRA params, their gradients and AdamW moments are float32
+LOGIT_BYTES = 4  # logits are float32
+# Bytes of one block scale as `PackedWeight.scales` stores it: fp8 e4m3 / uint8 E8M0 / float32.
+SCALE_BYTES = {"nvfp4": 1, "mxfp4": 1, "nf4": 4}
+GLOBAL_SCALE_BYTES = 4  # float32 global_scale, one per matrix
+# Attention keeps float32 scores and bfloat16 probabilities per (head, query, key).
+ATTN_SCORE_BYTES = 4 + 2
+# The config fields `fit` names when something must be lowered.
+FIELD_MICRO_BATCH = "rl.micro_batch_size"
+FIELD_ROLLOUT_CHUNK = "rollout.max_batch"
+FIELD_NEW_TOKENS = "rollout.max_new_tokens"
+FIELD_QUANT = "model.quant"
+FIELD_LOGPROB_CHUNK = "rl.logprob_chunk"
+FIELD_LORA_RANK = "lora.rank"
+FIELD_REMAT = "rl.remat"
+GIB = 1024**3
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N = out features, K = in features) of each linear projection of one layer."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    return {
+        "q_proj": (q, d),
+        "k_proj": (kv, d),
+        "v_proj": (kv, d),
+        "o_proj": (d, q),
+        "gate_proj": (inter, d),
+        "up_proj": (inter, d),
+        "down_proj": (d, inter),
+    }
+
+
+def packed_matrix_bytes(n: int, k: int, fmt: str) -> int:
+    """Bytes of one W [N, K] stored as a `PackedWeight` of format `fmt`.
+
+    codes N * K/2 (uint8, two 4-bit codes per byte) + scales N * K/block * scale bytes
+    + one float32 global scale:
+      nvfp4: N*K/2 + N*K/16 (fp8)     = 4.5 bits/weight
+      mxfp4: N*K/2 + N*K/32 (uint8)   = 4.25 bits/weight
+      nf4:   N*K/2 + 4*N*K/64 (f32)   = 4.5 bits/weight
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"packed format {fmt!r} is not supported; expected one of {FORMATS}")
+    block = BLOCK_SIZES[fmt]
+    if k % block:
+        raise ValueError(f"{fmt} needs in-features K divisible by its block size {block}; got K={k}")
+    return n * (k // 2) + n * (k // block) * SCALE_BYTES[fmt] + GLOBAL_SCALE_BYTES
+
+
+def linear_weight_bytes(n: int, k: int, quant: str) -> int:
+    """Bytes of one W [N, K]: packed for a 4-bit format, N*K*2 for "bf16"."""
+    return n * k * DENSE_BYTES if quant == "bf16" else packed_matrix_bytes(n, k, quant)
+
+
+def layer_activation_elements(config: ModelConfig, num_lora_targets: int = 0, lora_rank: int = 0) -> int:
+    """Activation elements per token that one decoder layer's forward keeps for its backward.
+
+    x1 = rms_norm(h) (D) + q, k, v before and q, k after rotary (2*Hq + 3*Hkv) + attention output
+    (Hq) + residual after attention (D) + x2 = rms_norm (D) + gate, up, silu(gate)*up (3*I)
+    + layer output (D) + each LoRA intermediate x @ A.T (r per target)
+      = 4*D + 3*Hq + 3*Hkv + 3*I + targets*r,
+    with Hq = heads*head_dim, Hkv = kv_heads*head_dim. Attention scores are counted apart.
+    """
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    hq, hkv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return 4 * d + 3 * hq + 3 * hkv + 3 * inter + num_lora_targets * lora_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per term of a QeRL run on one device (see the module docstring for the phases)."""
+
+    config: ModelConfig
+    inputs: dict[str, Any]  # the keyword arguments of `plan_memory`, so `fit` can re-plan
+    base_linear: int
+    embeddings: int
+    biases_norms: int
+    lora_params: int
+    optimizer_state: int
+    lora_grads: int
+    kv_cache: int
+    rollout_activations: int
+    train_saved_activations: int
+    train_layer_activations: int
+    train_logits: int
+    dequant_workspace: int
+    device_bytes: int | None = None
+
+    @property
+    def persistent(self) -> int:
+        """Arrays alive for the whole run: frozen weights, LoRA params and AdamW moments."""
+        return self.base_linear + self.embeddings + self.biases_norms + self.lora_params + self.optimizer_state
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.persistent + self.kv_cache + self.rollout_activations + self.dequant_workspace
+
+    @property
+    def train_activations(self) -> int:
+        return self.train_saved_activations + self.train_layer_activations + self.train_logits
+
+    @property
+    def train_peak(self) -> int:
+        return self.persistent + self.lora_grads + self.train_activations + self.dequant_workspace
+
+    @property
+    def total(self) -> int:
+        """Peak bytes of a GRPO step: the larger of the two phases."""
+        return max(self.rollout_peak, self.train_peak)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether `total` is within `device_bytes` (None when the device size is unknown)."""
+        return None if self.device_bytes is None else self.total <= self.device_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: every term in bytes plus the inputs."""
+        terms = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "inputs")}
+        derived = ("persistent", "rollout_peak", "train_activations", "train_peak", "total", "fits")
+        return {
+            "inputs": {k: list(v) if isinstance(v, tuple) else v for k, v in self.inputs.items()},
+            **terms,
+            **{k: getattr(self, k) for k in derived},
+        }
+
+    def table(self) -> str:
+        """A human-readable table of the terms in GiB."""
+        i, c = self.inputs, self.config
+        rows = [
+            (f"base linear weights ({i['quant']})", self.base_linear),
+            ("embeddings + lm_head (bf16)" if not c.tie_word_embeddings else "embeddings (bf16, tied)", self.embeddings),
+            ("biases + norms (bf16)", self.biases_norms),
+            (f"LoRA params (f32, r={i['lora_rank']}, {len(i['lora_targets'])} targets)", self.lora_params),
+            ("AdamW moments (f32, 2x)", self.optimizer_state),
+            ("= persistent", self.persistent),
+            (f"KV cache ({i['rollout_chunk']} seqs x {i['prompt_len'] + i['max_new_tokens']} tokens)", self.kv_cache),
+            ("rollout activations", self.rollout_activations),
+            ("dequantized layer (xla backend)", self.dequant_workspace),
+            ("= rollout phase peak", self.rollout_peak),
+            ("LoRA gradients + accumulator (f32)", self.lora_grads),
+            (f"saved layer inputs (micro-batch {i['micro_batch_size']} x {i['train_seq_len']})", self.train_saved_activations),
+            ("one layer recomputed" if i["remat"] else "all layers' activations", self.train_layer_activations),
+            (f"log-prob chunk logits ({i['logprob_chunk']} tokens/seq)", self.train_logits),
+            ("= train phase peak", self.train_peak),
+            ("TOTAL (max of the phases)", self.total),
+        ]
+        if self.device_bytes is not None:
+            rows.append(("device limit", self.device_bytes))
+        title = (
+            f"memory plan: L={c.num_hidden_layers} D={c.hidden_size} I={c.intermediate_size} V={c.vocab_size} "
+            f"quant={i['quant']} rollout={i['rollout_batch']} seqs (chunk {i['rollout_chunk']}) "
+            f"micro-batch={i['micro_batch_size']}"
+        )
+        width = max(len(name) for name, _ in rows)
+        lines = [title, "-" * (width + 14)]
+        for name, nbytes in rows:
+            lines.append(f"{name:<{width}}  {nbytes / GIB:9.2f} GiB")
+        if self.device_bytes is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            lines.append(f"{'verdict':<{width}}  {verdict} ({self.total / self.device_bytes:.0%} of the device)")
+        return "\n".join(lines)
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+def plan_memory(
+    config: ModelConfig,
+    *,
+    quant: str = "nvfp4",
+    quant_skip: Sequence[str] = ("embed", "lm_head"),
+    lora_rank: int = 32,
+    lora_targets: Sequence[str] = PROJECTIONS,
+    rollout_batch: int = 64,
+    rollout_chunk: int | None = None,
+    group_size: int = 1,
+    kv_cache_copies: int = 3,
+    prompt_len: int = 512,
+    max_new_tokens: int = 1024,
+    micro_batch_size: int = 8,
+    train_seq_len: int | None = None,
+    remat: bool = True,
+    logprob_chunk: int | None = 256,
+    backend: str = "xla",
+    device_bytes: int | None = None,
+) -> MemoryPlan:
+    """The memory plan of a GRPO run; all sizes in bytes.
+
+    Args:
+      config: the model.
+      quant: "bf16" (dense base) or a packed 4-bit format ("nvfp4" | "mxfp4" | "nf4").
+      quant_skip: projection names kept bf16 when quantizing. "embed" and "lm_head" may be
+        listed but are bf16 either way (the model reads them as dense matrices).
+      lora_rank, lora_targets: LoRA rank r and the projections that carry an adapter (rank 0: none).
+      rollout_batch: sequences generated per step (prompts x group size) = the training batch.
+      rollout_chunk: sequences generated at once (None or more than the batch: the whole batch).
+      group_size: samples per prompt; the rollout prefills each prompt once for its group, so a
+        chunk of B sequences prefills ceil(B / group_size) prompts (1: every row is prefilled).
+      kv_cache_copies: full KV caches alive while decoding. 3 is what the current decoder
+        needs (measured on an H100: Qwen2.5-14B peaked at 2.4 caches beyond the weights, 32B at
+        64 sequences failed to allocate a third): the decode program does not return the cache,
+        so its donation cannot alias, and the donated input, the while loop's state and the
+        layer scan's new stack coexist. 1 for a decoder that updates the cache in place.
+      prompt_len, max_new_tokens: the KV cache holds S = prompt_len + max_new_tokens slots. The
+        rollout pads them to its shape buckets (prompts to a power of two, new tokens to a
+        multiple of 64): pass bucketed sizes for an exact cache term.
+      micro_batch_size: sequences per forward/backward of the training step.
+      train_seq_len: tokens per training sequence (None: prompt_len + max_new_tokens).
+      remat: per-layer gradient checkpointing in the training forward.
+      logprob_chunk: sequence positions whose logits are materialised at once (None: all).
+      backend: "xla" dequantizes one layer's packed weights to bf16 before its matmuls;
+        "pallas" dequantizes inside the kernel (no workspace).
+      device_bytes: the device's memory, only recorded for `fits` and the table.
+
+    Terms (bytes; L layers, D hidden, V vocab, KVH kv heads, hd head_dim, H heads):
+      base_linear: sum over the 7 projections of L * `linear_weight_bytes(N, K, quant)`
+        (a projection in `quant_skip` is bf16: N*K*2).
+      embeddings: V*D*2 for embed plus V*D*2 for an untied lm_head (always bf16).
+      biases_norms: L*(Hq + 2*Hkv)*2 q/k/v biases (attention_bias) + (2*L + 1)*D*2 RMSNorm scales.
+      lora_params: sum over targets of L * r * (N + K) * 4 (A [r, K] and B [N, r], float32).
+      optimizer_state: 2 * lora_params (AdamW first and second moments).
+      lora_grads: 2 * lora_params (the micro-batch gradient and the float32 accumulator).
+      kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = rollout_chunk,
+        S = prompt_len + max_new_tokens: one copy of the chunk's cache.
+      rollout_activations: max(prefill, decode step) for one rollout chunk of B sequences and
+        Bp = ceil(B / group_size) prefilled prompts:
+        prefill = 2*L*Bp*P*KVH*hd*2 (the prompt-sized cache, copied into the full one)
+                  + Bp*P*(E + 2*D)*2 (one layer's activations + the carried hidden states)
+                  + Bp*H*P*P*6 (scores) + Bp*V*4 (last-position logits);
+        decode  = (kv_cache_copies - 1) * kv_cache + B*H*S*6 (scores over the cache)
+                  + 5*B*V*4 (logits, log-softmax, filtered logits, sampling noise, probabilities),
+        with E = `layer_activation_elements` and P = prompt_len.
+      train_saved_activations: with remat, (L + 1) * M*T*D*2 (every layer's input hidden state
+        plus the final one; M = micro_batch_size, T = train_seq_len). Without remat: included
+        in the next term.
+      train_layer_activations: with remat, one layer recomputed in the backward,
+        M*T*E*2 + M*H*T*T*6 (its cotangents are made and consumed one op at a time and add
+        little: on an H100 the whole training term matched XLA's memory analysis of the
+        jitted train step within 5% for Qwen2.5-14B and 32B shapes, M=8, T=1536). Without
+        remat: L + 1 such layers (every layer's activations plus one layer's cotangents).
+      train_logits: M * C * V * 4 * 3, C = min(logprob_chunk, T): float32 logits of a chunk,
+        the log-softmax temporary and their cotangent.
+      dequant_workspace: with a 4-bit base and the "xla" backend, one layer's quantized
+        projections dequantized to bf16: sum of N*K*2.
+    """
+    if quant not in QUANT_CHOICES:
+        raise ValueError(f"{FIELD_QUANT} {quant!r} is not supported; expected one of {QUANT_CHOICES}")
+    if backend not in ("xla", "pallas"):
+        raise ValueError(f"backend {backend!r} is not supported; expected 'xla' or 'pallas'")
+    unknown = set(lora_targets) - set(PROJECTIONS)
+    if unknown:
+        raise ValueError(f"lora_targets {sorted(unknown)} are not projections; expected a subset of {PROJECTIONS}")
+    unknown = set(quant_skip) - set(PROJECTIONS) - {"embed", "lm_head"}
+    if unknown:
+        raise ValueError(f"quant_skip {sorted(unknown)} unknown; expected 'embed', 'lm_head' or projection names")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"{FIELD_LORA_RANK} must be an int >= 0; got {lora_rank!r}")
+    _positive("rollout_batch", rollout_batch)
+    _positive("group_size", group_size)
+    _positive("kv_cache_copies", kv_cache_copies)
+    rollout_chunk = rollout_batch if rollout_chunk is None else min(_positive(FIELD_ROLLOUT_CHUNK, rollout_chunk), rollout_batch)
+    _positive("prompt_len", prompt_len)
+    _positive(FIELD_NEW_TOKENS, max_new_tokens)
+    _positive(FIELD_MICRO_BATCH, micro_batch_size)
+    train_seq_len = prompt_len + max_new_tokens if train_seq_len is None else _positive("train_seq_len", train_seq_len)
+    logprob_chunk = train_seq_len if logprob_chunk is None else min(_positive(FIELD_LOGPROB_CHUNK, logprob_chunk), train_seq_len)
+    inputs = dict(
+        quant=quant,
+        quant_skip=tuple(quant_skip),
+        lora_rank=lora_rank,
+        lora_targets=tuple(lora_targets) if lora_rank else (),
+        rollout_batch=rollout_batch,
+        rollout_chunk=rollout_chunk,
+        group_size=group_size,
+        kv_cache_copies=kv_cache_copies,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        micro_batch_size=micro_batch_size,
+        train_seq_len=train_seq_len,
+        remat=remat,
+        logprob_chunk=logprob_chunk,
+        backend=backend,
+    )
+
+    c = config
+    n_layers, d, v, hd = c.num_hidden_layers, c.hidden_size, c.vocab_size, c.head_dim
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    shapes = projection_shapes(c)
+
+    def proj_quant(name: str) -> str:
+        return "bf16" if name in quant_skip else quant
+
+    base_linear = sum(n_layers * linear_weight_bytes(n, k, proj_quant(p)) for p, (n, k) in shapes.items())
+    embeddings = (1 if c.tie_word_embeddings else 2) * v * d * DENSE_BYTES
+    bias_elems = n_layers * (heads + 2 * kv_heads) * hd if c.attention_bias else 0
+    biases_norms = (bias_elems + (2 * n_layers + 1) * d) * DENSE_BYTES
+
+    targets = inputs["lora_targets"]
+    lora_params = sum(n_layers * lora_rank * (shapes[p][0] + shapes[p][1]) for p in targets) * LORA_BYTES
+    optimizer_state = 2 * lora_params
+    lora_grads = 2 * lora_params
+
+    s_total = prompt_len + max_new_tokens
+    b = rollout_chunk
+    kv_cache = 2 * n_layers * b * s_total * kv_heads * hd * DENSE_BYTES
+    e_layer = layer_activation_elements(c, len(targets), lora_rank)
+    bp = -(-b // group_size)
+    prefill = (
+        2 * n_layers * bp * prompt_len * kv_heads * hd * DENSE_BYTES
+        + bp * prompt_len * (e_layer + 2 * d) * DENSE_BYTES
+        + bp * heads * prompt_len * prompt_len * ATTN_SCORE_BYTES
+        + bp * v * LOGIT_BYTES
+    )
+    decode = (kv_cache_copies - 1) * kv_cache + b * heads * s_total * ATTN_SCORE_BYTES + 5 * b * v * LOGIT_BYTES
+    rollout_activations = max(prefill, decode)
+
+    m, t = micro_batch_size, train_seq_len
+    layer_fwd = m * t * e_layer * DENSE_BYTES + m * heads * t * t * ATTN_SCORE_BYTES
+    if remat:
+        train_saved = (n_layers + 1) * m * t * d * DENSE_BYTES
+        train_layer = layer_fwd
+    else:
+        train_saved = 0
+        train_layer = (n_layers + 1) * layer_fwd
+    train_logits = 3 * m * logprob_chunk * v * LOGIT_BYTES
+
+    quantized = [p for p in PROJECTIONS if proj_quant(p) != "bf16"]
+    dequant = sum(shapes[p][0] * shapes[p][1] for p in quantized) * DENSE_BYTES if backend == "xla" else 0
+
+    return MemoryPlan(
+        config=config,
+        inputs=inputs,
+        base_linear=base_linear,
+        embeddings=embeddings,
+        biases_norms=biases_norms,
+        lora_params=lora_params,
+        optimizer_state=optimizer_state,
+        lora_grads=lora_grads,
+        kv_cache=kv_cache,
+        rollout_activations=rollout_activations,
+        train_saved_activations=train_saved,
+        train_layer_activations=train_layer,
+        train_logits=train_logits,
+        dequant_workspace=dequant,
+        device_bytes=device_bytes,
+    )
+
+
+def device_memory_bytes(device=None) -> int | None:
+    """The allocator's limit of `device` (default: the first device), or None if not reported.
+
+    On GPU this is `memory_stats()["bytes_limit"]`, i.e. XLA_PYTHON_CLIENT_MEM_FRACTION of the
+    physical memory (75% by default); CPU devices report nothing.
+    """
+    import jax  # noqa: PLC0415 (the planning itself needs no jax)
+
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 (some backends raise instead of returning None)
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+class DoesNotFitError(ValueError):
+    """The run cannot fit on the device; the message names the config value to lower."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What `fit` settled on: the (possibly lowered) sizes and the plan built with them."""
+
+    micro_batch_size: int
+    rollout_chunk: int
+    plan: MemoryPlan
+    changed: tuple[str, ...]  # config fields that were lowered
+    message: str
+
+
+def _divisors_desc(n: int, at_most: int) -> list[int]:
+    return [k for k in range(min(n, at_most), 0, -1) if n % k == 0]
+
+
+def _gib(x: int) -> str:
+    return f"{x / GIB:.1f} GiB"
+
+
+def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = True, margin: float = 0.05) -> FitResult:
+    """Picks (adjust=True) or validates (adjust=False) the micro-batch and rollout chunk.
+
+    The budget is `device_bytes * (1 - margin)` (the margin covers XLA workspace and
+    fragmentation); `device_bytes` defaults to `plan.device_bytes`, then to the first JAX
+    device's `bytes_limit`. The two phases are independent: the rollout chunk is the largest
+    divisor of the rollout batch, at most the planned one, whose rollout phase fits; the
+    micro-batch likewise for the training phase.
+
+    Raises:
+      DoesNotFitError: nothing fits (or, with adjust=False, the planned sizes do not); the
+        message names the config value to lower and by how much memory is short.
+      ValueError: the device size is unknown.
+    """
+    if device_bytes is None:
+        device_bytes = plan.device_bytes if plan.device_bytes is not None else device_memory_bytes()
+    if device_bytes is None:
+        raise ValueError("the device memory size is unknown (no bytes_limit in memory_stats); pass device_bytes")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1); got {margin}")
+    budget = int(device_bytes * (1 - margin))
+    inputs = dict(plan.inputs)
+
+    def replan(mb: int, chunk: int) -> MemoryPlan:
+        return plan_memory(
+            plan.config, **{**inputs, "micro_batch_size": mb, "rollout_chunk": chunk, "device_bytes": device_bytes}
+        )
+
+    mb0, chunk0 = inputs["micro_batch_size"], inputs["rollout_chunk"]
+    where = f"{_gib(device_bytes)} device ({_gib(budget)} usable with a {margin:.0%} margin)"
+
+    if plan.persistent > budget:
+        frozen = plan.base_linear + plan.embeddings + plan.biases_norms
+        if inputs["quant"] == "bf16":
+            hint = f"set {FIELD_QUANT}='nvfp4' (now 'bf16'), or shard the model over more GPUs"
+        elif frozen > budget:
+            hint = f"shard the model over more GPUs (mesh.model): the {inputs['quant']} base alone needs {_gib(frozen)}"
+        else:
+            hint = f"lower {FIELD_LORA_RANK} (now {inputs['lora_rank']}) or fewer LoRA targets"
+        raise DoesNotFitError(
+            f"the frozen weights and LoRA state alone need {_gib(plan.persistent)} on a {where}: {hint}"
+        )
+
+    def first_fitting(candidates: list[int], peak) -> int | None:
+        return next((k for k in candidates if peak(k) <= budget), None)
+
+    def rollout_peak(k: int) -> int:
+        return replan(1, k).rollout_peak  # the rollout phase does not depend on the micro-batch
+
+    def train_peak(k: int) -> int:
+        return replan(k, chunk0).train_peak  # nor the training phase on the rollout chunk
+
+    batch = inputs["rollout_batch"]
+    chunk = first_fitting(_divisors_desc(batch, chunk0) if adjust else [chunk0], rollout_peak)
+    mb = first_fitting(_divisors_desc(batch, mb0) if adjust else [mb0], train_peak)
+    problems = []
+    if chunk is None:
+        best = None if adjust else first_fitting(_divisors_desc(batch, chunk0), rollout_peak)
+        if best is not None:
+            problems.append(
+                f"the rollout phase needs {_gib(rollout_peak(chunk0))}: lower {FIELD_ROLLOUT_CHUNK} from {chunk0} to {best}"
+            )
+        else:
+            one = replan(1, 1)
+            problems.append(
+                f"the rollout of even 1 sequence needs {_gib(one.rollout_peak)} (KV cache {_gib(one.kv_cache)}): "
+                f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}) or the prompt length"
+            )
+    if mb is None:
+        best = None if adjust else first_fitting(_divisors_desc(batch, mb0), train_peak)
+        if best is not None:
+            problems.append(
+                f"the training phase needs {_gib(train_peak(mb0))}: lower {FIELD_MICRO_BATCH} from {mb0} to {best}"
+            )
+        else:
+            one = replan(1, chunk0)
+            if one.train_logits >= one.train_activations / 2 and inputs["logprob_chunk"] > 1:
+                hint = f"lower {FIELD_LOGPROB_CHUNK} (now {inputs['logprob_chunk']})"
+            elif not inputs["remat"]:
+                hint = f"set {FIELD_REMAT}=True"
+            else:
+                hint = (
+                    f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}; training sequences are "
+                    f"{inputs['train_seq_len']} tokens)"
+                )
+            problems.append(f"training on even 1 sequence needs {_gib(one.train_peak)}: {hint}")
+    if problems:
+        raise DoesNotFitError(f"does not fit on a {where}: " + "; ".join(problems))
+
+    final = replan(mb, chunk)
+    changed = []
+    notes = []
+    if mb != mb0:
+        changed.append(FIELD_MICRO_BATCH)
+        notes.append(f"{FIELD_MICRO_BATCH} {mb0} -> {mb}")
+    if chunk != chunk0:
+        changed.append(FIELD_ROLLOUT_CHUNK)
+        notes.append(f"{FIELD_ROLLOUT_CHUNK} {chunk0} -> {chunk}")
+    message = f"fits: peak {_gib(final.total)} of {_gib(device_bytes)}"
+    if notes:
+        message += "; lowered " + ", ".join(notes)
+    return FitResult(micro_batch_size=mb, rollout_chunk=chunk, plan=final, changed=tuple(changed), message=message)

@@ -1,0 +1,145 @@
+"""The frozen policy a run samples from: checkpoint resolution, loading, stop ids, backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+import optax
+
+from qerl_jax import aqn, lora, optim, tiny
+from qerl_jax.loader import CheckpointError, load_model, load_tokenizer
+from qerl_jax.models.qwen2 import ModelConfig
+from qerl_jax.rollout.sampling import SamplingConfig
+
+
+class UserFacingError(RuntimeError):
+    """A problem the user can fix (bad path, out of memory, ...): printed without a traceback."""
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def resolve_backend(name: str) -> str:
+    """"auto" -> the Pallas kernels on GPU, XLA dequant+dot elsewhere."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if name not in ("pallas", "xla"):
+        raise UserFacingError(f"config.model.backend={name!r}; expected auto, pallas or xla")
+    return name
+
+
+def resolve_model_dir(cfg: ml_collections.ConfigDict) -> str:
+    """The local checkpoint directory; with model.tiny, a random tiny model built on first use."""
+    if cfg.model.tiny:
+        return tiny.build_tiny_checkpoint(os.path.join(cfg.workdir, "tiny_model"))
+    path = cfg.model.path
+    if not path or not os.path.isdir(path):
+        raise UserFacingError(
+            f"model path {path!r} does not exist, and qerl-jax never downloads from the Hugging Face hub at run "
+            "time. Download the checkpoint once (e.g. `huggingface-cli download Qwen/Qwen2.5-7B-Instruct "
+            "--local-dir models/Qwen2.5-7B-Instruct`) and pass --config.model.path=models/Qwen2.5-7B-Instruct, "
+            "or try --config=configs/tiny.py for the offline demo."
+        )
+    return path
+
+
+def stop_token_ids(model_dir: str, config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json, the tokenizer and ChatML's <|im_end|>."""
+    ids = set(config.eos_token_id)
+    gen_file = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_file):
+        eos = json.load(open(gen_file)).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return tuple(sorted(i for i in ids if i is not None and 0 <= i < config.vocab_size))
+
+
+@dataclasses.dataclass
+class Policy:
+    """The frozen model and how it runs."""
+
+    config: ModelConfig
+    frozen: dict[str, Any]  # {"base", "norms"}; never updated
+    tokenizer: Any
+    backend: str
+    quant: str
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    model_dir: str
+
+
+def load_policy(cfg: ml_collections.ConfigDict) -> Policy:
+    model_dir = resolve_model_dir(cfg)
+    quant = cfg.model.quant
+    try:
+        config, params = load_model(
+            model_dir, dtype=cfg.model.dtype, quant=None if quant == "bf16" else quant, quant_skip=tuple(cfg.model.quant_skip)
+        )
+        tokenizer = load_tokenizer(model_dir)
+    except CheckpointError as e:
+        raise UserFacingError(str(e)) from None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (config.pad_token_id or 0)
+    return Policy(
+        config=config,
+        frozen=params,
+        tokenizer=tokenizer,
+        backend=resolve_backend(cfg.model.backend),
+        quant=quant,
+        stop_ids=stop_token_ids(model_dir, config, tokenizer),
+        pad_id=int(pad_id),
+        model_dir=model_dir,
+    )
+
+
+def lora_config(cfg) -> lora.LoraConfig:
+    return lora.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets), rslora=cfg.lora.rslora)
+
+
+def aqn_config(cfg, quant: str) -> aqn.AQNConfig:
+    enabled = aqn.default_aqn_enabled(quant) if cfg.aqn.enabled is None else bool(cfg.aqn.enabled)
+    return aqn.AQNConfig(
+        enabled=enabled,
+        sigma_start=cfg.aqn.sigma_start,
+        sigma_end=cfg.aqn.sigma_end,
+        num_stages=cfg.aqn.num_stages,
+        decay=cfg.aqn.decay,
+        total_steps=cfg.train.total_steps,
+    )
+
+
+def sampling_config(cfg, policy: Policy) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        eos_ids=policy.stop_ids,
+        pad_id=policy.pad_id,
+    )
+
+
+def optimizer_from_config(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with warm-up + cosine/constant schedule and grad clipping; also the lr schedule."""
+    total = cfg.train.total_steps
+    warmup = int(round(cfg.optim.warmup_frac * total))
+    optimizer = optim.make_optimizer(
+        cfg.optim.lr,
+        warmup_steps=warmup,
+        total_steps=total,
+        schedule=cfg.optim.schedule,
+        b1=cfg.optim.b1,
+        b2=cfg.optim.b2,
+        weight_decay=cfg.optim.weight_decay,
+        clip_norm=cfg.optim.clip_norm,
+    )
+    return optimizer, optim.make_schedule(cfg.optim.lr, warmup_steps=warmup, total_steps=total, schedule=cfg.optim.schedule)

@@ -1,0 +1,375 @@
+"""The QeRL training loop, top to bottom.
+
+Each step: sample prompts -> rollouts of G completions per prompt on the quantized policy
+(LoRA applied, AQN noise in the norms) -> rewards -> group advantages (DAPO dynamic sampling
+refills groups whose rewards are all equal) -> train step(s) on the LoRA pytree -> metrics ->
+checkpoint / eval. Every random draw derives from (seed, step), so a killed-and-resumed run
+reproduces an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from tqdm.auto import tqdm
+
+from qerl_jax import aqn, lora, memory, rewards, sharding
+from qerl_jax import evaluation
+from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
+from qerl_jax.metrics import MetricWriter, device_memory_bytes
+from qerl_jax.peft_adapter import export_peft_adapter
+from qerl_jax.policy import Policy, UserFacingError, aqn_config, load_policy, lora_config, optimizer_from_config, sampling_config
+from qerl_jax.rl import losses, step as rl_step
+from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch
+
+
+# ----------------------------------------------------------------------------- one step's data
+
+
+@dataclasses.dataclass
+class Experience:
+    """Scored rollouts of the groups kept for training."""
+
+    rollout: RolloutBatch
+    answers: list[str]
+    completions: list[str]
+    prompts: list[str]
+    rewards: np.ndarray  # float32 [N], after shaping
+    accuracy: np.ndarray  # float32 [N], 1 where the answer was right
+    groups_sampled: int
+    groups_kept: int
+
+
+def collect_experience(cfg, policy: Policy, rollout_params, loader: PromptLoader, pool: rewards.RewardPool, key) -> tuple[Experience, dict[str, float]]:
+    """Rollouts + rewards for `prompts_per_step` groups (DAPO: only groups with varied rewards)."""
+    g = cfg.rollout.group_size
+    want = cfg.rollout.prompts_per_step
+    sampling = sampling_config(cfg, policy)
+    parts, timing = [], {"rollout": 0.0, "reward": 0.0}
+    sampled = kept_count = gen_tokens = 0
+    for round_ in range(1 + (cfg.rl.max_refill_rounds if cfg.rl.dynamic_sampling else 0)):
+        prompts = next(loader)
+        tok = tokenize_prompts(
+            policy.tokenizer, prompts["prompt"], cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
+        )
+        if len(tok.kept_indices) == 0:
+            continue
+        t0 = time.perf_counter()
+        batch = generate(
+            policy.config,
+            rollout_params,
+            tok.input_ids,
+            tok.attention_mask,
+            jax.random.fold_in(key, round_),
+            sampling,
+            group_size=g,
+            lora_scale=lora.lora_scale(lora_config(cfg)),
+            backend=policy.backend,
+            max_batch=cfg.rollout.max_batch,
+        )
+        jax.block_until_ready(batch.tokens)
+        timing["rollout"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lengths = np.asarray(batch.lengths)
+        gen_tokens += int(lengths.sum())
+        tokens = np.asarray(batch.tokens)
+        completions = policy.tokenizer.batch_decode(
+            [row[:n] for row, n in zip(tokens, lengths)], skip_special_tokens=True
+        )
+        answers = [prompts["answer"][i] for i in np.repeat(tok.kept_indices, g)]
+        raw = pool.score(completions, answers, cfg.rl.reward)
+        timing["reward"] += time.perf_counter() - t0
+        shaped = raw.copy()
+        if cfg.rl.overlong_cache:
+            shaped += np.asarray(
+                losses.overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.rl.overlong_cache, cfg.rl.overlong_penalty)
+            )
+        n_groups = len(tok.kept_indices)
+        sampled += n_groups
+        keep = np.ones(n_groups, bool)
+        if cfg.rl.dynamic_sampling:
+            keep = np.asarray(losses.dynamic_sampling_mask(shaped, g))
+        keep_groups = np.flatnonzero(keep)[: want - kept_count]
+        kept_count += len(keep_groups)
+        rows = (keep_groups[:, None] * g + np.arange(g)[None]).reshape(-1)
+        if len(rows):
+            prompt_texts = [prompts["prompt"][i] for i in np.repeat(tok.kept_indices, g)]
+            parts.append((batch, rows, shaped, raw, completions, answers, prompt_texts))
+        if kept_count >= want:
+            break
+    stats = {
+        "time/rollout_s": timing["rollout"],
+        "time/reward_s": timing["reward"],
+        "rollout/tokens_per_s": gen_tokens / max(timing["rollout"], 1e-9),
+        "rollout/groups_sampled": float(sampled),
+        "rollout/groups_kept": float(kept_count),
+    }
+    if not parts:
+        return None, stats
+    exp = Experience(
+        rollout=_concat_rollouts([_select(b, r) for b, r, *_ in parts]),
+        answers=[a for _, r, _, _, _, ans, _ in parts for a in np.asarray(ans)[r]],
+        completions=[c for _, r, _, _, comp, _, _ in parts for c in np.asarray(comp, dtype=object)[r]],
+        prompts=[p for _, r, *_, pt in parts for p in np.asarray(pt, dtype=object)[r]],
+        rewards=np.concatenate([s[r] for _, r, s, *_ in parts]).astype(np.float32),
+        accuracy=np.concatenate([(raw[r] >= 1.0) for _, r, _, raw, *_ in parts]).astype(np.float32),
+        groups_sampled=sampled,
+        groups_kept=kept_count,
+    )
+    return exp, stats
+
+
+def _select(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
+    """The given rows of a rollout (per-row fields only)."""
+    per_row = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
+    return batch.replace(**{f: getattr(batch, f)[rows] for f in per_row})
+
+
+def _concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.prompt_ids.shape[1] for b in batches)
+    pad = lambda x: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731 (prompts are left-padded)
+    per_row = ("tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
+    return batches[0].replace(
+        prompt_ids=jnp.concatenate([pad(b.prompt_ids) for b in batches]),
+        prompt_mask=jnp.concatenate([pad(b.prompt_mask) for b in batches]),
+        steps=jnp.concatenate([b.steps for b in batches]),
+        **{f: jnp.concatenate([getattr(b, f) for b in batches]) for f in per_row},
+    )
+
+
+def make_train_batch(cfg, exp: Experience) -> dict[str, jax.Array]:
+    """Advantages + the train step's padded batch (rows padded to a fixed count, masked out)."""
+    g = cfg.rollout.group_size
+    advantages = np.asarray(losses.group_advantages(exp.rewards, g))
+    batch = to_train_batch(exp.rollout, trim_to_multiple=max(64, cfg.rollout.max_new_tokens // 4))
+    if cfg.rl.mask_truncated:
+        batch["response_mask"] = batch["response_mask"] * (~exp.rollout.truncated)[:, None].astype(jnp.int32)
+    batch["advantages"] = jnp.asarray(advantages, jnp.float32)
+    rows = cfg.rollout.prompts_per_step * g
+    rows = -(-rows // cfg.rl.micro_batch_size) * cfg.rl.micro_batch_size
+    n = batch["input_ids"].shape[0]
+    if n < rows:  # inert filler rows (no response tokens) keep the step's shape fixed
+        fill = lambda x, v: jnp.concatenate([x, jnp.full((rows - n, *x.shape[1:]), v, x.dtype)])  # noqa: E731
+        batch = {
+            "input_ids": fill(batch["input_ids"], 0),
+            "attention_mask": jnp.concatenate([batch["attention_mask"], jnp.repeat(batch["attention_mask"][:1], rows - n, 0)]),
+            "response_mask": fill(batch["response_mask"], 0),
+            "old_logp": fill(batch["old_logp"], 0.0),
+            "advantages": fill(batch["advantages"], 0.0),
+        }
+    return batch
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _checkpoint_meta(cfg, step: int, loader: PromptLoader) -> dict[str, Any]:
+    return {"step": step, "loader": loader.state(), "config": json.loads(cfg.to_json())}
+
+
+def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Runs cfg.train.total_steps QeRL steps; returns the last step's metrics."""
+    os.makedirs(cfg.workdir, exist_ok=True)
+    sharding.maybe_initialize_distributed()
+    policy = load_policy(cfg)
+    lcfg = lora_config(cfg)
+    cfg = _check_memory(cfg, policy, lcfg)
+    mesh = None
+    if cfg.mesh.data * cfg.mesh.model != 1:
+        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
+        policy.frozen = sharding.shard_params(policy.frozen, mesh, "tp")
+        tqdm.write(f"mesh {dict(mesh.shape)}: base weights tensor-parallel over 'model'")
+    acfg = aqn_config(cfg, policy.quant)
+    total = cfg.train.total_steps
+    optimizer, lr_fn = optimizer_from_config(cfg)
+    root_key = jax.random.key(cfg.seed)
+    init_key, aqn_key, rollout_key = jax.random.split(root_key, 3)
+    init = lora.init_lora(init_key, policy.config, lcfg)
+    if mesh is not None:
+        init = sharding.shard_like_lora(init, mesh, "tp")
+    state = rl_step.init_train_state(init, optimizer)
+    loss_cfg = losses.LossConfig(kind=cfg.rl.loss, eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high, beta=cfg.rl.beta)
+    train_step = rl_step.make_train_step(
+        policy.config,
+        loss_cfg,
+        optimizer,
+        lora_scale=lora.lora_scale(lcfg),
+        backend=policy.backend,
+        remat=cfg.rl.remat,
+        micro_batch_size=cfg.rl.micro_batch_size,
+        logprob_chunk=cfg.rl.logprob_chunk or None,
+        temperature=cfg.rollout.temperature,
+        lr_schedule=lr_fn,
+    )
+    noisy_norms = jax.jit(lambda norms, step: aqn.apply_aqn(acfg, norms, aqn_key, step))
+
+    dataset = load_math_dataset(cfg.data.train, max_bad_fraction=cfg.data.max_bad_fraction)
+    dataset, dropped = filter_overlong(
+        dataset, policy.tokenizer, cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
+    )
+    tqdm.write(f"train prompts: {len(dataset)} kept, {dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped")
+    if len(dataset) < cfg.rollout.prompts_per_step:
+        raise UserFacingError(
+            f"only {len(dataset)} training prompts fit data.max_prompt_len={cfg.data.max_prompt_len}; "
+            f"need at least rollout.prompts_per_step={cfg.rollout.prompts_per_step}: raise data.max_prompt_len"
+        )
+    loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=cfg.seed)
+    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
+    start = 0
+    if cfg.resume and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(None, like=state)
+        loader.restore(meta["loader"])
+        start = int(meta["step"])
+        tqdm.write(f"resumed from step {start} in {ckpt.directory}")
+
+    writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"))
+    tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
+    metrics: dict[str, Any] = {}
+    with rewards.RewardPool() as pool:
+        end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
+        bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
+        for step in bar:
+            t_step = time.perf_counter()
+            sigma = float(aqn.aqn_sigma(acfg, step))
+            rollout_params = {
+                "base": policy.frozen["base"],
+                "norms": noisy_norms(policy.frozen["norms"], step),
+                "lora": state.lora,
+            }
+            try:
+                exp, metrics = collect_experience(cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step))
+            except MemoryError as e:
+                raise UserFacingError(f"out of device memory in the rollout: {e}") from None
+            metrics.update({"aqn/sigma": sigma, "optim/lr": float(lr_fn(int(state.step)))})
+            if exp is None:
+                logging.warning("step %d: no group with varied rewards after refills; no update", step)
+            else:
+                metrics.update(_rollout_metrics(exp))
+                t0 = time.perf_counter()
+                batch = make_train_batch(cfg, exp)
+                try:
+                    for _ in range(cfg.rl.ppo_epochs):
+                        state, train_metrics = train_step(state, policy.frozen, batch)
+                    train_metrics = jax.device_get(train_metrics)
+                except jax.errors.JaxRuntimeError as e:
+                    if "RESOURCE_EXHAUSTED" in str(e):
+                        raise UserFacingError(
+                            "out of device memory in the train step: lower --config.rl.micro_batch_size "
+                            f"(now {cfg.rl.micro_batch_size}) or --config.rollout.max_new_tokens, or keep "
+                            "--config.rl.remat=True"
+                        ) from None
+                    raise
+                dt = time.perf_counter() - t0
+                metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+                metrics["time/train_s"] = dt
+                metrics["train/tokens_per_s"] = float(np.asarray(batch["attention_mask"]).sum()) / max(dt, 1e-9)
+                if cfg.train.sample_every and step % cfg.train.sample_every == 0:
+                    writer.text(step, "samples", _samples_markdown(exp))
+            metrics["time/step_s"] = time.perf_counter() - t_step
+            metrics.update(device_memory_bytes())
+            if step % cfg.train.log_every == 0:
+                writer.scalars(step, metrics)
+            bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}", acc=f"{metrics.get('reward/accuracy', float('nan')):.3f}")
+
+            done = step + 1
+            try:
+                rl_step.check_nonfinite(state, cfg.train.max_nonfinite)
+            except rl_step.NonFiniteError as e:
+                ckpt.save(done, state, _checkpoint_meta(cfg, done, loader))
+                raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}.") from None
+            if done % cfg.train.checkpoint_every == 0 or done == end:
+                ckpt.save(done, state, _checkpoint_meta(cfg, done, loader))
+            if cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total:
+                _periodic_eval(cfg, policy, state, writer, done)
+    if end == total:
+        if cfg.eval.num_examples:
+            _periodic_eval(cfg, policy, state, writer, total)
+        export_peft_adapter(
+            jax.device_get(state.lora),
+            os.path.join(cfg.workdir, "adapter"),
+            rank=lcfg.rank,
+            alpha=lcfg.alpha,
+            rslora=lcfg.rslora,
+            base_model_name_or_path=os.path.abspath(policy.model_dir),
+        )
+    writer.close()
+    ckpt.close()
+    return metrics
+
+
+def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.LoraConfig) -> ml_collections.ConfigDict:
+    """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
+    rollout chunk to it (or stops with the config value to lower)."""
+    plan = memory.plan_memory(
+        policy.config,
+        quant=policy.quant,
+        lora_rank=lcfg.rank,
+        lora_targets=lcfg.targets,
+        rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        rollout_chunk=cfg.rollout.max_batch,
+        group_size=cfg.rollout.group_size,
+        prompt_len=cfg.data.max_prompt_len,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        micro_batch_size=cfg.rl.micro_batch_size,
+        remat=cfg.rl.remat,
+        logprob_chunk=cfg.rl.logprob_chunk or None,
+        quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
+        backend=policy.backend,
+    )
+    tqdm.write(plan.table())
+    device_bytes = memory.device_memory_bytes()
+    if device_bytes is None:
+        return cfg
+    try:
+        result = memory.fit(plan, device_bytes)
+    except memory.DoesNotFitError as e:
+        raise UserFacingError(str(e)) from None
+    if result.changed:
+        tqdm.write(result.message)
+        cfg = cfg.copy_and_resolve_references()
+        with cfg.unlocked():
+            cfg.rl.micro_batch_size = result.micro_batch_size
+            cfg.rollout.max_batch = result.rollout_chunk
+    return cfg
+
+
+def _rollout_metrics(exp: Experience) -> dict[str, float]:
+    lengths = np.asarray(exp.rollout.lengths, np.float32)
+    return {
+        "reward/mean": float(exp.rewards.mean()),
+        "reward/std": float(exp.rewards.std()),
+        "reward/accuracy": float(exp.accuracy.mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/truncated_frac": float(np.asarray(exp.rollout.truncated).mean()),
+    }
+
+
+def _samples_markdown(exp: Experience, n: int = 2) -> str:
+    out = []
+    for i in range(min(n, len(exp.completions))):
+        out.append(
+            f"**prompt:** {exp.prompts[i]}\n\n**completion:** {exp.completions[i]}\n\n"
+            f"**answer:** {exp.answers[i]} | **reward:** {exp.rewards[i]:.2f}"
+        )
+    return "\n\n---\n\n".join(out)
+
+
+def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) -> None:
+    params = {**policy.frozen, "lora": state.lora}
+    output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
+    evaluation.evaluate_params(
+        cfg, policy, params, lora_scale=lora.lora_scale(lora_config(cfg)), output_dir=output_dir, writer=writer, step=step
+    )

@@ -1,0 +1,304 @@
+"""The memory plan against hand computations, published parameter counts and real array sizes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from qerl_jax import memory
+from qerl_jax.lora import LoraConfig, init_lora
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.quant import quantize, quantize_params
+
+GIB = 1024**3
+
+
+def qwen(hidden, inter, layers, heads, kv, vocab=152064, tied=False, head_dim=128):
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        tie_word_embeddings=tied,
+        attention_bias=True,
+    )
+
+
+# From the public Qwen2.5 config.json files.
+QWEN_7B = qwen(3584, 18944, 28, 28, 4)
+QWEN_14B = qwen(5120, 13824, 48, 40, 8)
+QWEN_32B = qwen(5120, 27648, 64, 40, 8)
+QWEN_72B = qwen(8192, 29568, 80, 64, 8)
+QWEN_05B = qwen(896, 4864, 24, 14, 2, vocab=151936, tied=True, head_dim=64)
+
+# Per-layer projection shapes (N, K) written out by hand from the configs above:
+# q = heads*128, k = v = kv_heads*128 (64 for 0.5B), o = [D, heads*128], MLP [I, D] / [D, I].
+HAND_SHAPES = {
+    "7B": [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)],
+    "14B": [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (13824, 5120), (13824, 5120), (5120, 13824)],
+    "32B": [(5120, 5120), (1024, 5120), (1024, 5120), (5120, 5120), (27648, 5120), (27648, 5120), (5120, 27648)],
+    "72B": [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (29568, 8192), (29568, 8192), (8192, 29568)],
+    "0.5B": [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)],
+}
+CONFIGS = {"7B": QWEN_7B, "14B": QWEN_14B, "32B": QWEN_32B, "72B": QWEN_72B, "0.5B": QWEN_05B}
+# Parameter counts of the released checkpoints (safetensors total_size / 2 bytes).
+PUBLISHED_PARAMS = {
+    "7B": 7_615_616_512,
+    "14B": 14_770_033_664,
+    "32B": 32_763_876_352,
+    "72B": 72_706_203_648,
+    "0.5B": 494_032_768,
+}
+
+
+def hand_frozen_bytes(name: str, fmt: str) -> int:
+    """Frozen bytes with every linear in `fmt` (embeddings, biases, norms bf16), by hand."""
+    c = CONFIGS[name]
+    scale_bytes, block = {"nvfp4": (1, 16), "mxfp4": (1, 32), "nf4": (4, 64)}.get(fmt, (None, None))
+    per_layer = 0
+    for n, k in HAND_SHAPES[name]:
+        if fmt == "bf16":
+            per_layer += 2 * n * k
+        else:  # K/2 code bytes + K/block scales per row, one float32 global scale
+            per_layer += n * k // 2 + n * (k // block) * scale_bytes + 4
+    q, kv = HAND_SHAPES[name][0][0], HAND_SHAPES[name][1][0]
+    biases = c.num_hidden_layers * (q + 2 * kv) * 2
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * 2
+    embeds = (1 if c.tie_word_embeddings else 2) * c.vocab_size * c.hidden_size * 2
+    return c.num_hidden_layers * per_layer + biases + norms + embeds
+
+
+def frozen(plan):
+    return plan.base_linear + plan.embeddings + plan.biases_norms
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_bf16_plan_matches_published_parameter_counts(name):
+    plan = memory.plan_memory(CONFIGS[name], quant="bf16", lora_rank=0)
+    assert frozen(plan) == 2 * PUBLISHED_PARAMS[name]
+    assert frozen(plan) == hand_frozen_bytes(name, "bf16")
+
+
+@pytest.mark.parametrize("name", ["7B", "14B", "32B", "72B"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_packed_plan_matches_hand_computation(name, fmt):
+    plan = memory.plan_memory(CONFIGS[name], quant=fmt)
+    assert frozen(plan) == hand_frozen_bytes(name, fmt)
+
+
+def test_nvfp4_32b_numbers_written_out():
+    # 32B, per layer: 5120*12288 (q,k,v,o) + 3*5120*27648 (MLP) = 487,587,840 weights.
+    weights = 64 * (5120 * (5120 + 1024 + 1024 + 5120) + 3 * 5120 * 27648)
+    assert weights == 31_205_621_760
+    nvfp4_linear = weights * 9 // 16 + 64 * 7 * 4  # 4.5 bits per weight + 7 global scales per layer
+    plan = memory.plan_memory(QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024)
+    assert plan.base_linear == nvfp4_linear == 17_553_164_032
+    assert plan.embeddings == 2 * 152064 * 5120 * 2
+    # LoRA r=32 on all 7 projections: r * sum(N + K) per layer, float32.
+    lora = 64 * 32 * (10240 + 6144 + 6144 + 10240 + 32768 + 32768 + 32768) * 4
+    assert plan.lora_params == lora == 1_073_741_824
+    assert plan.optimizer_state == 2 * lora
+    # KV cache: 2 * L * B * S * KVH * head_dim * 2 bytes.
+    assert plan.kv_cache == 2 * 64 * 64 * 1536 * 8 * 128 * 2 == 24 * GIB
+
+
+def test_kv_cache_and_lora_for_7b_and_72b():
+    p7 = memory.plan_memory(QWEN_7B, rollout_batch=16, prompt_len=256, max_new_tokens=768, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    assert p7.kv_cache == 2 * 28 * 16 * 1024 * 4 * 128 * 2
+    assert p7.lora_params == 28 * 8 * ((3584 + 3584) + (512 + 3584)) * 4
+    p72 = memory.plan_memory(QWEN_72B, rollout_batch=64, rollout_chunk=32, prompt_len=512, max_new_tokens=1024)
+    assert p72.kv_cache == 2 * 80 * 32 * 1536 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_packed_weight_nbytes_equals_plan_formula(fmt, lead):
+    w = jax.random.normal(jax.random.key(0), (*lead, 48, 192), jnp.float32)
+    packed = quantize(w, fmt)
+    copies = int(np.prod(lead)) if lead else 1
+    assert packed.nbytes == copies * memory.packed_matrix_bytes(48, 192, fmt)
+    expected_bits = {"nvfp4": 4.5, "mxfp4": 4.25, "nf4": 4.5}[fmt]
+    assert (packed.nbytes - 4 * copies) * 8 == expected_bits * w.size
+
+
+def _tiny_dense_params(config: ModelConfig, key):
+    shapes = memory.projection_shapes(config)
+    keys = iter(jax.random.split(key, 32))
+    L = config.num_hidden_layers
+    layers = {}
+    for proj, (n, k) in shapes.items():
+        layers[proj] = {"w": 0.05 * jax.random.normal(next(keys), (L, n, k), jnp.bfloat16)}
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            layers[proj]["b"] = jnp.zeros((L, n), jnp.bfloat16)
+    base = {
+        "embed": jax.random.normal(next(keys), (config.vocab_size, config.hidden_size), jnp.bfloat16),
+        "lm_head": jax.random.normal(next(keys), (config.vocab_size, config.hidden_size), jnp.bfloat16),
+        "layers": layers,
+    }
+    d = config.hidden_size
+    norms = {
+        "final_norm": jnp.ones((d,), jnp.bfloat16),
+        "layers": {"input_layernorm": jnp.ones((L, d), jnp.bfloat16), "post_attention_layernorm": jnp.ones((L, d), jnp.bfloat16)},
+    }
+    return {"base": base, "norms": norms}
+
+
+def _tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "nf4"])
+def test_plan_equals_bytes_of_real_arrays(fmt):
+    config = qwen(128, 192, 3, 4, 2, vocab=200, head_dim=32)
+    params = _tiny_dense_params(config, jax.random.key(1))
+    skip = ("embed", "lm_head", "down_proj")
+    q = quantize_params(params, fmt, skip=skip)
+    plan = memory.plan_memory(config, quant=fmt, quant_skip=skip, lora_rank=4, lora_targets=("q_proj", "down_proj"))
+    biases = _tree_bytes({p: q["base"]["layers"][p]["b"] for p in ("q_proj", "k_proj", "v_proj")})
+    assert _tree_bytes(q["base"]["layers"]) - biases == plan.base_linear
+    assert biases + _tree_bytes(q["norms"]) == plan.biases_norms
+    assert _tree_bytes({"e": q["base"]["embed"], "h": q["base"]["lm_head"]}) == plan.embeddings
+
+    lora = init_lora(jax.random.key(2), config, LoraConfig(rank=4, targets=("q_proj", "down_proj")))
+    assert _tree_bytes(lora) == plan.lora_params
+    opt_state = optax.adamw(1e-3).init(lora)
+    moments = [s for s in jax.tree.leaves(opt_state) if s.ndim > 0]
+    assert sum(x.size * x.dtype.itemsize for x in moments) == plan.optimizer_state
+
+
+def test_kv_cache_matches_the_rollout_engine():
+    from qerl_jax.rollout import cache_bytes
+
+    for config in (QWEN_7B, QWEN_32B):
+        plan = memory.plan_memory(config, rollout_batch=32, rollout_chunk=16, prompt_len=512, max_new_tokens=1024)
+        assert plan.kv_cache == cache_bytes(config, 16, 1536)
+
+
+def test_phases_and_total():
+    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4)
+    assert plan.rollout_peak == plan.persistent + plan.kv_cache + plan.rollout_activations + plan.dequant_workspace
+    assert plan.train_peak == plan.persistent + plan.lora_grads + plan.train_activations + plan.dequant_workspace
+    assert plan.total == max(plan.rollout_peak, plan.train_peak)
+    # Activations grow with the micro-batch; the frozen part does not.
+    bigger = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=8)
+    assert bigger.train_activations > plan.train_activations and bigger.persistent == plan.persistent
+    # Per-layer checkpointing saves memory.
+    no_remat = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4, remat=False)
+    assert no_remat.train_activations > 3 * plan.train_activations
+    # The pallas backend needs no dequantized-layer workspace.
+    assert memory.plan_memory(QWEN_14B, backend="pallas").dequant_workspace == 0
+    assert memory.plan_memory(QWEN_14B, quant="bf16").dequant_workspace == 0
+
+
+def test_table_lists_terms_in_gib():
+    plan = memory.plan_memory(QWEN_32B, device_bytes=80 * GIB)
+    table = plan.table()
+    assert "base linear weights (nvfp4)" in table and "KV cache" in table and "TOTAL" in table
+    assert f"{plan.base_linear / GIB:9.2f} GiB" in table
+    assert ("fits" in table) == bool(plan.fits)
+    assert plan.as_dict()["total"] == plan.total
+
+
+def test_fit_keeps_sizes_that_fit():
+    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=2)
+    result = memory.fit(plan, 140 * GIB)
+    assert (result.micro_batch_size, result.rollout_chunk, result.changed) == (2, 64, ())
+    assert result.plan.total <= 0.95 * 140 * GIB
+
+
+def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
+    device = int(75 * GIB)
+    plan = memory.plan_memory(QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
+    result = memory.fit(plan, device)
+    budget = 0.95 * device
+    assert set(result.changed) == {"rl.micro_batch_size", "rollout.max_batch"}
+    assert "rl.micro_batch_size 16 -> " in result.message
+    assert result.plan.total <= budget
+    # Maximal: the next larger divisor of 64 does not fit its phase.
+    up_chunk = memory.plan_memory(QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, rollout_chunk=2 * result.rollout_chunk)
+    assert up_chunk.rollout_peak > budget
+    up_mb = memory.plan_memory(
+        QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=2 * result.micro_batch_size, rollout_chunk=result.rollout_chunk
+    )
+    assert up_mb.train_peak > budget
+
+
+def test_fit_validate_names_the_value_to_lower():
+    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=64)
+    with pytest.raises(memory.DoesNotFitError, match=r"lower rl\.micro_batch_size from 64 to \d+"):
+        memory.fit(plan, 40 * GIB, adjust=False)
+    plan = memory.plan_memory(QWEN_32B, rollout_batch=64, group_size=8, micro_batch_size=1)
+    with pytest.raises(memory.DoesNotFitError, match=r"lower rollout\.max_batch from 64 to \d+"):
+        memory.fit(plan, 40 * GIB, adjust=False)
+
+
+def test_fit_names_quant_when_bf16_weights_do_not_fit():
+    plan = memory.plan_memory(QWEN_32B, quant="bf16")
+    with pytest.raises(memory.DoesNotFitError, match=r"model\.quant='nvfp4'"):
+        memory.fit(plan, 60 * GIB)
+    # The same model in NVFP4 does fit the same device.
+    assert memory.fit(memory.plan_memory(QWEN_32B, quant="nvfp4", group_size=8), 60 * GIB).plan.total <= 0.95 * 60 * GIB
+
+
+def test_fit_names_max_new_tokens_when_one_sequence_does_not_fit():
+    plan = memory.plan_memory(QWEN_7B, prompt_len=512, max_new_tokens=400_000, rollout_batch=8)
+    with pytest.raises(memory.DoesNotFitError, match=r"rollout\.max_new_tokens \(now 400000\)"):
+        memory.fit(plan, 40 * GIB)
+
+
+def test_fit_names_multi_gpu_when_packed_72b_exceeds_the_device():
+    with pytest.raises(memory.DoesNotFitError, match="more GPUs"):
+        memory.fit(memory.plan_memory(QWEN_72B), 40 * GIB)
+
+
+def test_fit_needs_a_device_size(monkeypatch):
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: None)
+    with pytest.raises(ValueError, match="device memory size is unknown"):
+        memory.fit(memory.plan_memory(QWEN_7B))
+
+
+def test_device_memory_bytes_reads_bytes_limit():
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    assert memory.device_memory_bytes(Dev({"bytes_limit": 123, "bytes_in_use": 4})) == 123
+    assert memory.device_memory_bytes(Dev(None)) is None
+    assert memory.device_memory_bytes(Dev({})) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(quant="fp8"), "model.quant 'fp8'"),
+        (dict(lora_targets=("qkv",)), "lora_targets"),
+        (dict(quant_skip=("norm",)), "quant_skip"),
+        (dict(micro_batch_size=0), "rl.micro_batch_size"),
+        (dict(rollout_chunk=-1), "rollout.max_batch"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
+def test_bad_inputs_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match.replace(".", r"\.").replace("(", r"\(")):
+        memory.plan_memory(QWEN_7B, **kwargs)
+
+
+def test_embeddings_stay_bf16_whatever_quant_skip_says():
+    a = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=())
+    b = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=("embed", "lm_head"))
+    assert a.embeddings == b.embeddings == 2 * 152064 * 3584 * 2
+    c = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=("down_proj",))
+    assert c.base_linear - a.base_linear == 28 * (3584 * 18944 * 2 - memory.packed_matrix_bytes(3584, 18944, "nvfp4"))
+
+
+def test_block_divisibility_is_checked():
+    with pytest.raises(ValueError, match="K=40"):
+        memory.packed_matrix_bytes(8, 40, "nvfp4")
+    assert set(PROJECTIONS) == set(memory.projection_shapes(QWEN_7B))

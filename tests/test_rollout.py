@@ -1,0 +1,358 @@
+"""The rollout engine vs transformers' generate, a naive forward loop and a full-forward recompute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import qerl_jax
+from qerl_jax.models.qwen2 import PROJECTIONS
+from qerl_jax.rollout import (
+    SamplingConfig,
+    cache_bytes,
+    estimate_rollout_bytes,
+    generate,
+    prompt_bucket,
+    rows_bucket,
+    to_train_batch,
+)
+from qerl_jax.rollout import sampler as sampler_module
+
+
+@pytest.fixture(scope="module")
+def f32_model(tiny_qwen2_dir):
+    path, hf_model = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32")
+    return config, params, hf_model
+
+
+# One sampling setup shared by most tests (max_new_tokens, stop and pad ids are runtime
+# arguments of the compiled programs, so they share compilations too).
+STOPS = tuple(range(10, 40))  # ~23% of the vocabulary: sampled rows stop within a few dozen tokens
+
+
+def _sampling(**kw):
+    return SamplingConfig(**{**dict(temperature=0.8, top_p=0.95, top_k=40, max_new_tokens=16, eos_ids=()), **kw})
+
+
+def _prompts(vocab, pads=(0, 3, 5), width=9, seed=0):
+    """Left-padded random prompts; row i has pads[i] padding columns."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, size=(len(pads), width)).astype(np.int32)
+    mask = np.ones_like(ids)
+    for row, pad in enumerate(pads):
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def _hf_generate(model, ids, mask, max_new, eos=None):
+    kwargs = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    kwargs.update(eos_token_id=eos) if eos is not None else kwargs.update(min_new_tokens=max_new)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long), **kwargs
+        )
+    return out.numpy()[:, ids.shape[1] :]
+
+
+def _random_lora(config, rank=4, seed=1, scale=0.3):
+    rng = np.random.default_rng(seed)
+    d, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
+    dims = {
+        "q_proj": (config.num_attention_heads * hd, d),
+        "k_proj": (config.num_key_value_heads * hd, d),
+        "v_proj": (config.num_key_value_heads * hd, d),
+        "o_proj": (d, config.num_attention_heads * hd),
+        "gate_proj": (ffn, d),
+        "up_proj": (ffn, d),
+        "down_proj": (d, ffn),
+    }
+    layers = {}
+    for proj in PROJECTIONS:
+        n, k = dims[proj]
+        layers[proj] = {
+            "a": jnp.asarray(rng.standard_normal((config.num_hidden_layers, rank, k)) * scale, jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((config.num_hidden_layers, n, rank)) * scale, jnp.float32),
+        }
+    return {"layers": layers}
+
+
+def _recomputed_logp(config, params, batch, temperature, lora_scale=1.0):
+    """log_softmax(logits / T) of every token of the train batch under one full forward."""
+    train = to_train_batch(batch)
+    forward = jax.jit(qerl_jax.forward, static_argnums=0, static_argnames="lora_scale")
+    logits = forward(config, params, train["input_ids"], train["attention_mask"], lora_scale=lora_scale)
+    logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
+    gathered = jnp.take_along_axis(logp, train["input_ids"][:, 1:, None], axis=-1)[..., 0]
+    return np.asarray(gathered), np.asarray(train["old_logp"][:, 1:]), np.asarray(train["response_mask"][:, 1:])
+
+
+# ----------------------------------------------------------------------------- greedy parity
+
+
+@pytest.mark.parametrize("pads", [(0, 0, 0), (0, 3, 5)], ids=["no_padding", "left_padding"])
+def test_greedy_matches_transformers_generate(f32_model, pads):
+    config, params, hf_model = f32_model
+    ids, mask = _prompts(config.vocab_size, pads)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=12, eos_ids=())
+    batch = generate(config, params, ids, mask, jax.random.key(0), sampling, cache_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(batch.tokens), _hf_generate(hf_model, ids, mask, 12))
+    assert np.asarray(batch.lengths).tolist() == [12] * len(pads)
+    assert np.asarray(batch.truncated).all()
+
+
+def test_greedy_stops_at_eos_like_transformers(f32_model):
+    config, params, hf_model = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    free = _hf_generate(hf_model, ids, mask, 12)
+    eos = int(free[1, 4])  # row 1 stops at step 4 (or earlier if the token came before)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=12, eos_ids=(eos,), pad_id=0)
+    batch = generate(config, params, ids, mask, jax.random.key(0), sampling, cache_dtype=jnp.float32)
+    ref = _hf_generate(hf_model, ids, mask, 12, eos=eos)  # pads after EOS, ends when all rows stopped
+    tokens = np.asarray(batch.tokens)
+    np.testing.assert_array_equal(tokens[:, : ref.shape[1]], ref)
+    assert (tokens[:, ref.shape[1] :] == 0).all()
+    assert int(batch.steps[0]) == ref.shape[1]
+    expected_len = [list(row).index(eos) + 1 if eos in row else 12 for row in free]
+    assert np.asarray(batch.lengths).tolist() == expected_len
+    assert np.asarray(batch.truncated).tolist() == [eos not in row for row in free]
+
+
+def _naive_greedy(config, params, ids, mask, steps):
+    """Reference: a full forward over the whole sequence per new token, argmax, no cache.
+
+    The sequence buffer is right-padded to its final width, so one program serves every step
+    (causal attention: later columns do not change the logits at column t).
+    """
+    fwd = jax.jit(lambda i, m: qerl_jax.forward(config, params, i, m))
+    p = ids.shape[1]
+    ids = np.concatenate([ids, np.zeros((ids.shape[0], steps), np.int32)], axis=1)
+    mask = np.concatenate([mask, np.ones((mask.shape[0], steps), np.int32)], axis=1)
+    for t in range(steps):
+        ids[:, p + t] = np.argmax(np.asarray(fwd(ids, mask))[:, p + t - 1], axis=-1)
+    return ids[:, p:]
+
+
+def test_nvfp4_greedy_matches_naive_forward_loop(tiny_qwen2_dir, f32_model):
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32", quant="nvfp4")
+    assert params["base"]["layers"]["q_proj"]["w"].fmt == "nvfp4"
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=10, eos_ids=())
+    batch = generate(config, params, ids, mask, jax.random.key(0), sampling, cache_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(batch.tokens), _naive_greedy(config, params, ids, mask, 10))
+    dense = generate(*f32_model[:2], ids, mask, jax.random.key(0), sampling, cache_dtype=jnp.float32)
+    assert not np.array_equal(np.asarray(dense.tokens), np.asarray(batch.tokens))  # the 4-bit weights are used
+
+
+# ----------------------------------------------------------------------------- log-prob invariant
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+def test_sampled_logprobs_equal_full_forward_recompute(f32_model, with_lora):
+    config, params, _ = f32_model
+    lora_scale = 0.5
+    if with_lora:
+        params = {**params, "lora": _random_lora(config)}
+    ids, mask = _prompts(config.vocab_size)
+    sampling = _sampling(eos_ids=STOPS[:10])
+    batch = generate(
+        config, params, ids, mask, jax.random.key(1), sampling,
+        group_size=2, lora_scale=lora_scale, cache_dtype=jnp.float32,
+    )
+    recomputed, old, resp = _recomputed_logp(config, params, batch, 0.8, lora_scale)
+    assert resp.sum() == int(np.asarray(batch.lengths).sum())
+    np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=2e-4)
+    if with_lora:  # the adapters must change the policy, or this case tests nothing new
+        plain = generate(
+            config, {k: v for k, v in params.items() if k != "lora"}, ids, mask, jax.random.key(1), sampling,
+            group_size=2, cache_dtype=jnp.float32,
+        )
+        assert not np.array_equal(np.asarray(plain.tokens), np.asarray(batch.tokens))
+
+
+def test_bf16_nvfp4_logprobs_close_to_full_forward(tiny_qwen2_dir):
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    params = {**params, "lora": jax.tree.map(lambda x: x.astype(jnp.bfloat16), _random_lora(config))}
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, eos_ids=())
+    batch = generate(config, params, ids, mask, jax.random.key(2), sampling, lora_scale=0.5)
+    recomputed, old, resp = _recomputed_logp(config, params, batch, 1.0, 0.5)
+    err = np.abs(old - recomputed)[resp == 1]
+    assert err.mean() < 0.02 and err.max() < 0.15, (err.mean(), err.max())
+
+
+# ----------------------------------------------------------------------------- stopping, groups
+
+
+def test_eos_stopping_masks_and_early_exit(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    stop = STOPS
+    sampling = _sampling(max_new_tokens=48, eos_ids=stop, pad_id=0)
+    batch = generate(config, params, ids, mask, jax.random.key(4), sampling, group_size=2, cache_dtype=jnp.float32)
+    tokens, logp = np.asarray(batch.tokens), np.asarray(batch.logprobs)
+    lengths, resp = np.asarray(batch.lengths), np.asarray(batch.response_mask)
+    assert tokens.shape == (6, 48) and np.asarray(batch.prompt_index).tolist() == [0, 0, 1, 1, 2, 2]
+    for row in range(6):
+        hits = np.flatnonzero(np.isin(tokens[row], stop))
+        assert hits.size and lengths[row] == hits[0] + 1
+        assert (tokens[row, lengths[row] :] == 0).all() and (logp[row, lengths[row] :] == 0).all()
+        assert (logp[row, : lengths[row]] < 0).all()
+        assert resp[row].tolist() == [1] * lengths[row] + [0] * (48 - lengths[row])
+    assert not np.asarray(batch.truncated).any()
+    assert len(set(lengths.tolist())) > 1  # rows stopped at different steps
+    assert int(batch.steps[0]) == lengths.max() < 48  # the loop ended when the last row stopped
+
+
+def test_ignore_eos_runs_to_max_new_tokens(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    sampling = _sampling(max_new_tokens=20, eos_ids=STOPS, ignore_eos=True)
+    batch = generate(config, params, ids, mask, jax.random.key(4), sampling, group_size=2, cache_dtype=jnp.float32)
+    assert np.asarray(batch.lengths).tolist() == [20] * 6 and int(batch.steps[0]) == 20
+    assert np.isin(np.asarray(batch.tokens), range(10, 40)).any()  # stop ids were sampled, not obeyed
+    assert np.asarray(batch.truncated).all()
+
+
+def test_group_sharing_chunking_and_repeats_give_identical_samples(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10])
+    kw = dict(cache_dtype=jnp.float32)
+    key = jax.random.key(5)
+    shared = generate(config, params, ids, mask, key, sampling, group_size=2, **kw)
+    variants = {
+        "repeated_prompts": generate(config, params, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), key, sampling, **kw),
+        "no_sharing": generate(config, params, ids, mask, key, sampling, group_size=2, share_prefill=False, **kw),
+        "split_groups": generate(config, params, ids, mask, key, sampling, group_size=2, max_batch=1, **kw),
+        "chunks_of_4": generate(config, params, ids, mask, key, sampling, group_size=2, max_batch=5, **kw),
+        "layer_scan": generate(config, params, ids, mask, key, sampling, group_size=2, unroll_layers=False, **kw),
+    }
+    samples = np.asarray(shared.tokens).reshape(3, 2, -1)
+    assert not (samples[:, :1] == samples).all()  # the G samples of a prompt differ
+    for name, other in variants.items():
+        np.testing.assert_array_equal(np.asarray(other.tokens), np.asarray(shared.tokens), err_msg=name)
+        np.testing.assert_allclose(np.asarray(other.logprobs), np.asarray(shared.logprobs), atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(other.lengths), np.asarray(shared.lengths), err_msg=name)
+    assert variants["split_groups"].steps.shape == (6,) and variants["chunks_of_4"].steps.shape == (2,)
+
+
+def test_same_key_same_samples_different_key_different_samples(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10])
+    a = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, cache_dtype=jnp.float32)
+    b = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, cache_dtype=jnp.float32)
+    c = generate(config, params, ids, mask, jax.random.key(6), sampling, group_size=2, cache_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+
+# ----------------------------------------------------------------------------- layout, buckets
+
+
+def test_train_batch_layout(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10], pad_id=0)
+    batch = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, cache_dtype=jnp.float32)
+    p = prompt_bucket(9)
+    assert batch.prompt_ids.shape == (6, p)
+    train = to_train_batch(batch)
+    assert {k: v.shape for k, v in train.items()} == {k: (6, p + 10) for k in train}
+    np.testing.assert_array_equal(np.asarray(train["input_ids"][:, :p]), np.asarray(batch.prompt_ids))
+    np.testing.assert_array_equal(np.asarray(train["input_ids"][:, p:]), np.asarray(batch.tokens))
+    np.testing.assert_array_equal(np.asarray(train["input_ids"][::2, p - 9 : p]), ids)  # left-padded prompt
+    np.testing.assert_array_equal(np.asarray(train["attention_mask"][::2, p - 9 : p]), mask)
+    np.testing.assert_array_equal(np.asarray(train["response_mask"][:, p:]), np.asarray(batch.response_mask))
+    assert int(train["response_mask"][:, :p].sum()) == 0
+    np.testing.assert_array_equal(np.asarray(train["old_logp"][:, p:]), np.asarray(batch.logprobs))
+    np.testing.assert_array_equal(np.asarray(train["attention_mask"][:, p:]), np.asarray(batch.response_mask))
+    trimmed = to_train_batch(batch, trim_to_multiple=4)
+    longest = int(np.asarray(batch.lengths).max())
+    assert trimmed["input_ids"].shape[1] == p + min(10, -(-longest // 4) * 4)
+    assert int(trimmed["response_mask"].sum()) == int(train["response_mask"].sum())
+
+
+def test_buckets_reuse_compiled_programs(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size, pads=(0, 2, 4), width=11)
+    kw = dict(group_size=2, cache_dtype=jnp.float32)
+    generate(config, params, ids, mask, jax.random.key(0), _sampling(max_new_tokens=7), **kw)
+    before = dict(sampler_module.TRACE_COUNTS)
+    # Other prompt lengths in the same bucket (16), other widths, other max_new_tokens in the
+    # same 64 bucket, other stop/pad ids, another batch size in the same row bucket: no new program.
+    ids2, mask2 = _prompts(config.vocab_size, pads=(3, 1, 0), width=14, seed=1)
+    generate(config, params, ids2, mask2, jax.random.key(1), _sampling(max_new_tokens=30, eos_ids=(5,)), **kw)
+    generate(config, params, ids2[:, 4:], mask2[:, 4:], jax.random.key(1), _sampling(pad_id=3), **kw)
+    generate(config, params, ids2[:2], mask2[:2], jax.random.key(1), _sampling(ignore_eos=True), **kw)
+    assert sampler_module.TRACE_COUNTS == before
+    assert sampler_module.TRACE_COUNTS["prefill"] > 0  # the counter counts at all
+    assert [prompt_bucket(n) for n in (1, 16, 17, 300, 2048, 2049)] == [16, 16, 32, 512, 2048, 3072]
+    assert [rows_bucket(n) for n in (1, 3, 8, 9, 256)] == [1, 4, 8, 16, 256]
+
+
+def test_memory_estimate_counts_the_cache(f32_model):
+    config, params, _ = f32_model
+    shape = (config.num_hidden_layers, 8, 16 + 64, config.num_key_value_heads, config.head_dim)
+    assert cache_bytes(config, 8, 80, jnp.float32) == 2 * np.prod(shape) * 4
+    small = estimate_rollout_bytes(config, 6, 16, 64, jnp.bfloat16)
+    assert small > 2 * cache_bytes(config, 6, 80, jnp.bfloat16)
+    assert estimate_rollout_bytes(config, 12, 16, 64) > small
+    assert estimate_rollout_bytes(config, 6, 16, 128) > small
+    # The real prefill allocates exactly the estimated cache.
+    sampling = _sampling()
+    static = sampler_module._Static(
+        config,
+        SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k),
+        sampler_module.ForwardOptions(),
+        64,
+        "float32",
+    )
+    ids, mask = _prompts(config.vocab_size, pads=(0, 0, 0, 0), width=16)
+    rows = jnp.array([0, 0, 1, 1, 2, 2, 3, 3])
+    split = sampler_module._split_layers(params)
+    cache, _, _ = sampler_module._prefill_jit(static, split, ids, mask, rows, jax.random.key(0), jnp.arange(8))
+    assert sum(c.nbytes for c in jax.tree.leaves(cache)) == cache_bytes(config, 8, 80, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_rejects_bad_prompts(f32_model):
+    config, params, _ = f32_model
+    key = jax.random.key(0)
+    sampling = SamplingConfig(max_new_tokens=8)
+    ids, mask = _prompts(config.vocab_size)
+    empty = mask.copy()
+    empty[1] = 0
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\] have no real token"):
+        generate(config, params, ids, empty, key, sampling)
+    right = mask[:, ::-1].copy()
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(config, params, ids, right, key, sampling)
+    with pytest.raises(ValueError, match="prompt_mask shape"):
+        generate(config, params, ids, mask[:, 1:], key, sampling)
+    with pytest.raises(ValueError, match=r"\[batch, prompt_len\]"):
+        generate(config, params, ids[0], mask[0], key, sampling)
+    with pytest.raises(ValueError, match="vocab_size"):
+        generate(config, params, ids + config.vocab_size, mask, key, sampling)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        long_ids = np.ones((1, 250), np.int32)
+        generate(config, params, long_ids, np.ones_like(long_ids), key, SamplingConfig(max_new_tokens=7))
+    with pytest.raises(ValueError, match="group_size"):
+        generate(config, params, ids, mask, key, sampling, group_size=0)
+    with pytest.raises(ValueError, match="empty"):
+        generate(config, params, ids[:0], mask[:0], key, sampling)
+
+
+def test_over_memory_budget_says_what_to_lower(f32_model):
+    config, params, _ = f32_model
+    ids, mask = _prompts(config.vocab_size)
+    with pytest.raises(MemoryError, match="lower max_batch.*group size.*max_new_tokens"):
+        generate(config, params, ids, mask, jax.random.key(0), SamplingConfig(max_new_tokens=8), group_size=4,
+                 memory_budget_bytes=10_000)

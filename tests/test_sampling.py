@@ -1,0 +1,137 @@
+"""Logit processors and token sampling vs transformers' warpers and numpy references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from qerl_jax.rollout import SamplingConfig, processed_logits, sample, top_k_filter, top_p_filter
+
+
+def _hf_process(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    x = torch.tensor(logits)
+    ids = torch.zeros((x.shape[0], 1), dtype=torch.long)
+    x = TemperatureLogitsWarper(temperature)(ids, x)
+    if top_k:
+        x = TopKLogitsWarper(top_k)(ids, x)
+    if top_p < 1.0:
+        x = TopPLogitsWarper(top_p)(ids, x)
+    return x.numpy()
+
+
+def _numpy_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The sampling distribution of one row, written independently (sorting by index)."""
+    x = logits.astype(np.float64) / temperature
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros(x.shape, bool)
+    candidates = order[:top_k] if top_k else order
+    p = np.exp(x[candidates] - x[candidates].max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    keep[candidates[before < top_p]] = True
+    keep[order[0]] = True
+    probs = np.where(keep, np.exp(x - x.max()), 0.0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (7, 1.0), (7, 0.8), (0, 0.3), (40, 0.95)])
+def test_processed_logits_match_transformers_warpers(top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 50)) * 2).astype(np.float32)
+    sampling = SamplingConfig(temperature=0.7, top_k=top_k, top_p=top_p)
+    ours = np.asarray(processed_logits(jnp.asarray(logits), sampling))
+    ref = _hf_process(logits, 0.7, top_k, top_p)
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(ref))
+    kept = ~np.isinf(ref)
+    np.testing.assert_allclose(ours[kept], ref[kept], rtol=1e-6)
+    assert kept.sum(axis=1).min() >= 1 and (~kept).any()
+
+
+def test_filters_separately_match_transformers():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 30)).astype(np.float32)
+    ours_k = np.asarray(top_k_filter(jnp.asarray(logits), 5))
+    assert np.array_equal(np.isinf(ours_k), np.isinf(_hf_process(logits, 1.0, 5, 1.0)))
+    assert (~np.isinf(ours_k)).sum(axis=1).tolist() == [5] * 4
+    ours_p = np.asarray(top_p_filter(jnp.asarray(logits), 0.5))
+    assert np.array_equal(np.isinf(ours_p), np.isinf(_hf_process(logits, 1.0, 0, 0.5)))
+    # A vocabulary-sized k and p = 1 leave the logits untouched.
+    np.testing.assert_array_equal(np.asarray(top_k_filter(jnp.asarray(logits), 30)), logits)
+    np.testing.assert_array_equal(np.asarray(top_p_filter(jnp.asarray(logits), 1.0)), logits)
+
+
+def _draw(logits_row: np.ndarray, sampling: SamplingConfig, n: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), n)
+    logits = jnp.broadcast_to(jnp.asarray(logits_row), (n, logits_row.size))
+    tokens, logp = jax.jit(sample, static_argnums=2)(keys, logits, sampling)
+    return np.asarray(tokens), np.asarray(logp)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 0, 0.7), (1.0, 4, 1.0), (0.8, 5, 0.75)],
+)
+def test_empirical_distribution_matches_chi_square(temperature, top_k, top_p):
+    logits = np.array([1.5, 0.2, -0.3, 2.0, 0.9, -1.0, 0.0, 1.1], np.float32)
+    expected = _numpy_distribution(logits, temperature, top_k, top_p)
+    n = 40_000
+    tokens, logp = _draw(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), n)
+    counts = np.bincount(tokens, minlength=logits.size)
+    assert counts[expected == 0].sum() == 0  # truncated tokens are never drawn
+    support = expected > 0
+    stat, pvalue = scipy.stats.chisquare(counts[support], n * expected[support])
+    assert pvalue > 1e-3, (counts, n * expected, stat)
+    # Log-probs are those of the untruncated tempered distribution.
+    full = logits / temperature - np.log(np.sum(np.exp(logits / temperature)))
+    np.testing.assert_allclose(logp, full[tokens], rtol=1e-5, atol=1e-6)
+
+
+def test_sampler_is_not_uniform_when_it_should_not_be():
+    # Guard against a chi-square test that would pass anything: a wrong temperature is rejected.
+    logits = np.array([1.5, 0.2, -0.3, 2.0, 0.9, -1.0, 0.0, 1.1], np.float32)
+    tokens, _ = _draw(logits, SamplingConfig(temperature=1.0), 40_000)
+    wrong = _numpy_distribution(logits, 0.8, 0, 1.0)
+    counts = np.bincount(tokens, minlength=logits.size)
+    assert scipy.stats.chisquare(counts, 40_000 * wrong).pvalue < 1e-6
+
+
+def test_greedy_takes_argmax_and_reports_untempered_logp():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((5, 20)).astype(np.float32)
+    keys = jax.random.split(jax.random.key(0), 5)
+    for sampling in (SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, greedy=True)):
+        tokens, logp = sample(keys, jnp.asarray(logits), sampling)
+        np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(axis=1))
+        full = logits - np.log(np.sum(np.exp(logits), axis=1, keepdims=True))
+        np.testing.assert_allclose(np.asarray(logp), full.max(axis=1), rtol=1e-5)
+    tokens, logp = sample(keys, jnp.asarray(logits), SamplingConfig(temperature=0.5, greedy=True))
+    tempered = logits / 0.5 - np.log(np.sum(np.exp(logits / 0.5), axis=1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logp), tempered.max(axis=1), rtol=1e-5)
+
+
+def test_rows_use_their_own_keys():
+    logits = jnp.zeros((2, 1000))
+    key = jax.random.key(3)
+    same, _ = sample(jnp.stack([key, key]), logits, SamplingConfig())
+    different, _ = sample(jax.random.split(key, 2), logits, SamplingConfig())
+    assert same[0] == same[1]
+    assert different[0] != different[1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(eos_ids=(-1,)), "eos_ids"),
+    ],
+)
+def test_sampling_config_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingConfig(**kwargs)

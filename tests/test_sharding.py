@@ -1,0 +1,414 @@
+"""Sharding rules, mesh construction, multi-process start-up, and 4-device parity.
+
+The parity test runs this file as a script in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 (the flag must be set before jax is
+imported), so the rest of the suite keeps one CPU device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+if __name__ != "__main__":  # the 4-device worker must set XLA_FLAGS before jax is imported
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from qerl_jax import sharding
+    from qerl_jax.quant import quantize
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _spec_params(n_layers=2, d=64, q=64, kv=32, inter=128, vocab=128, packed_fmt=None, rank=4):
+    """Abstract params (ShapeDtypeStructs) of a small model, optionally with packed linears."""
+    sds = jax.ShapeDtypeStruct
+    shapes = {
+        "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+        "gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter),
+    }
+    layers, lora = {}, {}
+    for proj, (n, k) in shapes.items():
+        if packed_fmt:
+            w = jax.eval_shape(lambda: quantize(jnp.zeros((n_layers, n, k), jnp.float32), packed_fmt))
+        else:
+            w = sds((n_layers, n, k), jnp.bfloat16)
+        layers[proj] = {"w": w}
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            layers[proj]["b"] = sds((n_layers, n), jnp.bfloat16)
+        lora[proj] = {"a": sds((n_layers, rank, k), jnp.float32), "b": sds((n_layers, n, rank), jnp.float32)}
+    return {
+        "base": {"embed": sds((vocab, d), jnp.bfloat16), "lm_head": sds((vocab, d), jnp.bfloat16), "layers": layers},
+        "norms": {"final_norm": sds((d,), jnp.bfloat16), "layers": {"input_layernorm": sds((n_layers, d), jnp.bfloat16)}},
+        "lora": {"layers": lora},
+    }
+
+
+def test_tp_rules_dense():
+    specs = sharding.param_specs(_spec_params(), AbstractMesh((2, 2), ("data", "model")), "tp")
+    layers = specs["base"]["layers"]
+    for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert layers[proj]["w"] == P(None, "model", None), proj  # column-parallel: N
+    for proj in ("o_proj", "down_proj"):
+        assert layers[proj]["w"] == P(None, None, "model"), proj  # row-parallel: K
+    assert layers["q_proj"]["b"] == P(None, "model")
+    assert specs["base"]["embed"] == P("model", None) and specs["base"]["lm_head"] == P("model", None)
+    assert specs["norms"]["final_norm"] == P(None)
+    lora = specs["lora"]["layers"]
+    assert lora["q_proj"]["b"] == P(None, "model", None) and lora["q_proj"]["a"] == P(None, None, None)
+    assert lora["down_proj"]["a"] == P(None, None, "model") and lora["down_proj"]["b"] == P(None, None, None)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_tp_rules_packed_shard_codes_and_scales_together(fmt):
+    specs = sharding.param_specs(_spec_params(packed_fmt=fmt, d=128, q=128), AbstractMesh((1, 2), ("data", "model")), "tp")
+    q, o = specs["base"]["layers"]["q_proj"]["w"], specs["base"]["layers"]["o_proj"]["w"]
+    assert q.fmt == fmt and q.codes == q.scales == P(None, "model", None) and q.global_scale == P(None)
+    assert o.codes == o.scales == P(None, None, "model") and o.global_scale == P(None)
+
+
+def test_packed_k_sharding_needs_whole_blocks(caplog):
+    # o_proj K = 64 -> 4 nvfp4 blocks (divisible by 4), down_proj K = 96 -> 6 blocks (not by 4).
+    params = _spec_params(packed_fmt="nvfp4", inter=96)
+    with caplog.at_level(logging.INFO, logger="qerl_jax.sharding"):
+        specs = sharding.param_specs(params, AbstractMesh((1, 4), ("data", "model")), "tp")
+    layers = specs["base"]["layers"]
+    assert layers["o_proj"]["w"].codes == P(None, None, "model")
+    assert layers["down_proj"]["w"].codes == layers["down_proj"]["w"].scales == P(None, None, None)
+    assert any("down_proj" in r.getMessage() and "6 blocks" in r.getMessage() for r in caplog.records)
+    # A dense K = 96 splits fine into 4 x 24.
+    dense = sharding.param_specs(_spec_params(inter=96), AbstractMesh((1, 4), ("data", "model")), "tp")
+    assert dense["base"]["layers"]["down_proj"]["w"] == P(None, None, "model")
+
+
+def test_indivisible_dims_fall_back_to_replication(caplog):
+    params = _spec_params(vocab=131, kv=18)
+    with caplog.at_level(logging.INFO, logger="qerl_jax.sharding"):
+        specs = sharding.param_specs(params, AbstractMesh((1, 4), ("data", "model")), "tp")
+    assert specs["base"]["embed"] == P(None, None)
+    assert specs["base"]["layers"]["k_proj"]["w"] == P(None, None, None)
+    assert specs["base"]["layers"]["q_proj"]["w"] == P(None, "model", None)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "base/embed" in messages and "131" in messages and "k_proj" in messages
+
+
+def test_fsdp_rules():
+    specs = sharding.param_specs(_spec_params(packed_fmt="nvfp4"), AbstractMesh((4, 1), ("data", "model")), "fsdp")
+    for proj, leaves in specs["base"]["layers"].items():
+        assert leaves["w"].codes == leaves["w"].scales == P(None, "data", None), proj
+    assert specs["base"]["embed"] == P("data", None)
+    assert all(s == P(None, None, None) for s in jax.tree.leaves(specs["lora"], is_leaf=lambda x: isinstance(x, P)))
+
+
+def test_lora_specs_apply_to_optimizer_state():
+    import optax
+
+    lora = {"layers": {"o_proj": {"a": jnp.zeros((2, 4, 64)), "b": jnp.zeros((2, 64, 4))}}}
+    state = jax.eval_shape(optax.adamw(1e-3).init, lora)
+    specs = sharding.lora_specs(state, AbstractMesh((1, 2), ("data", "model")), "tp")
+    mu = specs[0].mu["layers"]["o_proj"]
+    assert mu["a"] == P(None, None, "model") and mu["b"] == P(None, None, None)
+    assert specs[0].count == P()
+
+
+def test_bad_strategy_and_mesh():
+    with pytest.raises(ValueError, match="strategy 'zero'"):
+        sharding.param_specs(_spec_params(), AbstractMesh((1, 1), ("data", "model")), "zero")
+    with pytest.raises(ValueError, match="lack"):
+        sharding.param_specs(_spec_params(), AbstractMesh((1,), ("batch",)), "tp")
+    with pytest.raises(ValueError, match="unexpected top-level"):
+        sharding.param_specs({"weights": {}}, AbstractMesh((1, 1), ("data", "model")), "tp")
+
+
+def test_make_mesh_sizes():
+    mesh = sharding.make_mesh(-1, 1)
+    assert mesh.axis_names == ("data", "model") and dict(mesh.shape) == {"data": 1, "model": 1}
+    assert dict(sharding.make_mesh(1, -1).shape) == {"data": 1, "model": 1}
+    with pytest.raises(ValueError, match="mesh.data=2 x mesh.model=2 = 4 devices, but 1"):
+        sharding.make_mesh(2, 2)
+    with pytest.raises(ValueError, match="only one of"):
+        sharding.make_mesh(-1, -1)
+    with pytest.raises(ValueError, match="mesh.model must be"):
+        sharding.make_mesh(1, 0)
+
+
+def test_shard_batch_checks_divisibility():
+    mesh = sharding.make_mesh(1, 1)
+    placed = sharding.shard_batch({"ids": np.zeros((3, 5), np.int32), "t": np.float32(2.0)}, mesh)
+    assert placed["ids"].sharding.spec == P("data", None) and placed["t"].sharding.spec == P()
+    fake = type("M", (), {"shape": {"data": 2, "model": 1}})()
+    with pytest.raises(ValueError, match="batch size 3 does not divide"):
+        sharding.shard_batch({"ids": np.zeros((3, 5))}, fake)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("QERL_NUM_PROCESSES", "QERL_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                 "JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    return monkeypatch, calls
+
+
+def test_distributed_init_only_when_the_environment_says_so(clean_env):
+    env, calls = clean_env
+    assert sharding.maybe_initialize_distributed() is False and calls == []
+    env.setenv("SLURM_NTASKS", "1")
+    env.setenv("SLURM_JOB_ID", "7")
+    assert sharding.maybe_initialize_distributed() is False and calls == []
+    env.setenv("SLURM_NTASKS", "4")
+    assert sharding.maybe_initialize_distributed() is True and calls == [{}]
+    env.delenv("SLURM_NTASKS")
+    env.setenv("QERL_NUM_PROCESSES", "2")
+    env.setenv("QERL_PROCESS_ID", "1")
+    env.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    assert sharding.maybe_initialize_distributed() is True
+    assert calls[-1] == {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
+    env.setenv("QERL_NUM_PROCESSES", "1")
+    n = len(calls)
+    assert sharding.maybe_initialize_distributed() is False and len(calls) == n
+
+
+def test_distributed_init_rejects_incomplete_environment(clean_env):
+    env, calls = clean_env
+    env.setenv("QERL_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="QERL_PROCESS_ID"):
+        sharding.maybe_initialize_distributed()
+    env.setenv("QERL_PROCESS_ID", "2")
+    env.setenv("JAX_COORDINATOR_ADDRESS", "h:1")
+    with pytest.raises(ValueError, match=r"QERL_PROCESS_ID=2 must be in \[0, 2\)"):
+        sharding.maybe_initialize_distributed()
+    env.setenv("QERL_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match="QERL_NUM_PROCESSES='two'"):
+        sharding.maybe_initialize_distributed()
+    assert calls == []
+
+
+@pytest.fixture(scope="module")
+def four_device_results():
+    # Low XLA CPU optimisation: the worker compiles ~20 small programs; their speed does not matter.
+    flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "test_sharding.py")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"4-device worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_worker_saw_four_devices(four_device_results):
+    assert four_device_results["devices"] == 4
+    assert four_device_results["mesh"] == {"data": 2, "model": 2}
+
+
+@pytest.mark.parametrize("case", ["tp_f32", "tp_nvfp4"])
+def test_sharded_logits_equal_one_device(four_device_results, case):
+    r = four_device_results["logits"][case]
+    assert r["actually_sharded"], r
+    assert r["max_abs_diff"] <= 1e-5 * r["scale"], r
+
+
+@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+def test_sharded_grpo_loss_and_lora_grads_equal_one_device(four_device_results, strategy):
+    r = four_device_results["train_step"][strategy]
+    assert r["kl_ref"] > 0, r  # the GRPO loss includes a live KL term (B != 0)
+    assert abs(r["loss"] - r["loss_ref"]) <= 1e-5 * max(1.0, abs(r["loss_ref"])), r
+    assert abs(r["grad_norm"] - r["grad_norm_ref"]) <= 1e-5 * r["grad_norm_ref"] and r["grad_norm_ref"] > 0, r
+    assert r["grad_rel_err"] <= 1e-4, r
+    if strategy == "tp":  # the adapter stays sharded like its row-parallel base weight
+        assert r["lora_a_spec"] == str(P(None, None, "model")), r
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_sharded_rollout_tokens_equal_one_device(four_device_results, mode):
+    r = four_device_results["rollout"][mode]
+    assert r["tokens_equal"], r
+    assert r["logp_max_abs_diff"] <= 1e-4, r
+    assert r["distinct_tokens"] > 3, r  # the comparison is not between constant outputs
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_data_parallel_rollout_tokens_equal_one_device(four_device_results, mode):
+    r = four_device_results["rollout"][mode]
+    if "dp_tokens_equal" not in r:
+        pytest.skip("qerl_jax.rollout.generate takes no batch_sharding argument yet")
+    assert r["dp_tokens_equal"], r
+
+
+def test_data_parallel_rollout_passes_the_batch_sharding():
+    mesh = sharding.make_mesh(1, 1)
+    seen = {}
+
+    def generate(config, params, ids, mask, key, sampling, *, group_size=1, batch_sharding=None):
+        seen.update(sharding=batch_sharding, group_size=group_size)
+        return "ok"
+
+    assert sharding.data_parallel_rollout(generate, mesh)(1, 2, 3, 4, 5, 6, group_size=8) == "ok"
+    assert seen["sharding"].spec == P("data") and seen["group_size"] == 8
+
+    def no_hook(config, params, ids, mask, key, sampling):
+        return None
+
+    with pytest.raises(NotImplementedError, match="batch_sharding"):
+        sharding.data_parallel_rollout(no_hook, mesh)
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _worker() -> dict:
+    """Runs in a fresh process with 4 CPU devices; returns the comparisons as a dict."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from qerl_jax import sharding
+    from qerl_jax.lora import LoraConfig, init_lora, with_lora
+    from qerl_jax.models.qwen2 import ModelConfig, forward
+    import optax
+    from qerl_jax.quant import quantize_params
+    from qerl_jax.rl.losses import LossConfig
+    from qerl_jax.rl.step import init_train_state, make_train_step
+    from qerl_jax.rollout import SamplingConfig, generate
+
+    import inspect
+    import time
+
+    start = [time.perf_counter()]
+
+    def _tick(what):
+        now = time.perf_counter()
+        print(f"{what}: {now - start[0]:.1f}s", file=sys.stderr)
+        start[0] = now
+    out: dict = {"devices": len(jax.devices())}
+    config = ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256, attention_bias=True,
+    )
+    L, d = config.num_hidden_layers, config.hidden_size
+    shapes = {
+        "q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+        "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128),
+    }
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    normal = lambda shape, s: s * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+    layers = {}
+    for proj, (n, k) in shapes.items():
+        layers[proj] = {"w": normal((L, n, k), k**-0.5)}
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            layers[proj]["b"] = normal((L, n), 0.1)
+    params = {
+        "base": {"embed": normal((128, d), 1.0), "lm_head": normal((128, d), d**-0.5), "layers": layers},
+        "norms": {
+            "final_norm": 1.0 + normal((d,), 0.1),
+            "layers": {"input_layernorm": 1.0 + normal((L, d), 0.1), "post_attention_layernorm": 1.0 + normal((L, d), 0.1)},
+        },
+    }
+    lora_cfg = LoraConfig(rank=4, alpha=8.0)
+    lora = init_lora(next(keys), config, lora_cfg)
+    lora = jax.tree.map(lambda x: x if x.any() else normal(x.shape, 0.05), lora)  # B != 0: the adapter matters
+    lora_scale = 2.0
+
+    rng = np.random.default_rng(0)
+    b, t = 4, 12
+    ids = rng.integers(0, 128, (b, t)).astype(np.int32)
+    mask = np.ones((b, t), np.int32)
+    for row, pad in enumerate([0, 2, 5, 1]):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+
+    mesh = sharding.make_mesh(2, 2)
+    out["mesh"] = dict(mesh.shape)
+    fwd = jax.jit(lambda p, i, m: forward(config, p, i, m, lora_scale=lora_scale))
+
+    def logits_case(name, base_params, strategy, probe):
+        full = with_lora(base_params, lora)
+        ref = np.asarray(fwd(full, ids, mask))
+        sp = sharding.shard_params(full, mesh, strategy)
+        batch = sharding.shard_batch({"ids": ids, "mask": mask}, mesh)
+        got = np.asarray(fwd(sp, batch["ids"], batch["mask"]))
+        leaf = probe(sp)
+        real = mask.astype(bool)
+        out.setdefault("logits", {})[name] = {
+            "max_abs_diff": float(np.abs(got[real] - ref[real]).max()),
+            "scale": float(np.abs(ref[real]).max()),
+            "actually_sharded": not leaf.sharding.is_fully_replicated and batch["ids"].sharding.spec == P("data", None),
+        }
+
+    packed = quantize_params(params, "nvfp4")
+    logits_case("tp_f32", params, "tp", lambda sp: sp["base"]["layers"]["down_proj"]["w"])
+    logits_case("tp_nvfp4", packed, "tp", lambda sp: sp["base"]["layers"]["o_proj"]["w"].codes)
+    _tick("logits")
+    tp_codes = sharding.shard_params(packed, mesh, "tp")["base"]["layers"]["o_proj"]["w"].codes
+    assert tp_codes.sharding.spec == P(None, None, "model"), tp_codes.sharding
+
+    # A GRPO batch: prompt (left-padded) then response tokens.
+    response = np.zeros((b, t), np.float32)
+    response[:, 7:] = 1.0
+    train_batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "response_mask": response,
+        "old_logp": np.where(response > 0, -4.0 + 0.1 * rng.standard_normal((b, t)), 0.0).astype(np.float32),
+        "advantages": np.array([1.0, -0.5, 0.25, -0.75], np.float32),
+    }
+    loss_cfg = LossConfig(kind="grpo", beta=0.04, eps_low=0.2, eps_high=0.28)
+    # Plain SGD: the LoRA update is -lr * gradient, so the new adapter compares the gradients.
+    lr = 0.5
+    step = make_train_step(config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4)
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])  # noqa: E731
+    lora_before = flat(lora)
+    ref_state, ref_metrics = step(init_train_state(jax.tree.map(jnp.copy, lora), optax.sgd(lr)), packed, train_batch)
+    g_ref = (lora_before - flat(ref_state.lora)) / lr
+    for strategy in ("tp", "fsdp"):
+        frozen = sharding.shard_params(packed, mesh, strategy)
+        lora_s = sharding.shard_like_lora(lora, mesh, strategy)
+        state, metrics = step(init_train_state(lora_s, optax.sgd(lr)), frozen, sharding.shard_batch(train_batch, mesh))
+        g = (lora_before - flat(state.lora)) / lr
+        out.setdefault("train_step", {})[strategy] = {
+            "loss": float(metrics["loss"]),
+            "loss_ref": float(ref_metrics["loss"]),
+            "kl_ref": float(metrics["kl_ref"]),
+            "grad_norm": float(metrics["grad_norm"]),
+            "grad_norm_ref": float(ref_metrics["grad_norm"]),
+            "grad_rel_err": float(np.abs(g - g_ref).max() / np.abs(g_ref).max()),
+            "lora_a_spec": str(state.lora["layers"]["down_proj"]["a"].sharding.spec),
+        }
+    _tick("train step")
+
+    # Rollouts: tensor-parallel weights (the rollout engine builds its batches on the host).
+    prompt_ids, prompt_mask = ids[:2, :6], mask[:2, :6]
+    full = with_lora(packed, lora)
+    sharded_full = sharding.shard_params(full, mesh, "tp")
+    for mode, sampling in (
+        ("greedy", SamplingConfig(greedy=True, max_new_tokens=10, eos_ids=())),
+        ("sampled", SamplingConfig(temperature=1.0, max_new_tokens=10, eos_ids=())),
+    ):
+        kw = dict(group_size=2, lora_scale=lora_scale, cache_dtype=jnp.float32)
+        ref = generate(config, full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw)
+        got = generate(config, sharded_full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw)
+        out.setdefault("rollout", {})[mode] = {
+            "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens), np.asarray(got.tokens))),
+            "logp_max_abs_diff": float(np.abs(np.asarray(ref.logprobs) - np.asarray(got.logprobs)).max()),
+            "distinct_tokens": int(len(np.unique(np.asarray(ref.tokens)))),
+        }
+        if "batch_sharding" in inspect.signature(generate).parameters:  # data-parallel rollout
+            dp = sharding.data_parallel_rollout(generate, mesh)(
+                config, sharded_full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw
+            )
+            out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
+        _tick(f"rollout {mode}")
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker()))
