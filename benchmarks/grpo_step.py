@@ -84,16 +84,43 @@ def run_case(args, fmt: str) -> dict:
     policy = {**frozen, "lora": state.lora}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     warm = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, eos_ids=tuple(range(config.vocab_size)))
-    row = {"format": fmt, "backend": backend, "model": args.model, "build_s": build_s,
-           "sequences": args.prompts * args.group, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    row = {
+        "format": fmt,
+        "backend": backend,
+        "model": args.model,
+        "build_s": build_s,
+        "sequences": args.prompts * args.group,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+    }
 
     t0 = time.perf_counter()
-    jax.block_until_ready(generate(config, policy, prompt_ids, prompt_mask, jax.random.key(2), warm,
-                                   group_size=args.group, lora_scale=scale, backend=backend).tokens)
+    jax.block_until_ready(
+        generate(
+            config,
+            policy,
+            prompt_ids,
+            prompt_mask,
+            jax.random.key(2),
+            warm,
+            group_size=args.group,
+            lora_scale=scale,
+            backend=backend,
+        ).tokens
+    )
     row["rollout_compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    batch = generate(config, policy, prompt_ids, prompt_mask, jax.random.key(3), sampling,
-                     group_size=args.group, lora_scale=scale, backend=backend)
+    batch = generate(
+        config,
+        policy,
+        prompt_ids,
+        prompt_mask,
+        jax.random.key(3),
+        sampling,
+        group_size=args.group,
+        lora_scale=scale,
+        backend=backend,
+    )
     jax.block_until_ready(batch.tokens)
     row["rollout_s"] = time.perf_counter() - t0
     row["rollout_tokens_per_s"] = args.prompts * args.group * args.new_tokens / row["rollout_s"]
@@ -110,8 +137,16 @@ def run_case(args, fmt: str) -> dict:
 
     train_batch = to_train_batch(batch)
     train_batch["advantages"] = losses.group_advantages(jnp.asarray(scores), args.group)
-    step = make_train_step(config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=scale, backend=backend,
-                           remat=True, micro_batch_size=args.micro_batch_size, logprob_chunk=args.logprob_chunk)
+    step = make_train_step(
+        config,
+        losses.LossConfig(kind="dapo"),
+        optimizer,
+        lora_scale=scale,
+        backend=backend,
+        remat=True,
+        micro_batch_size=args.micro_batch_size,
+        logprob_chunk=args.logprob_chunk,
+    )
     t0 = time.perf_counter()
     state, m = step(state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)
     jax.block_until_ready(m)
@@ -135,32 +170,62 @@ def main(argv=None) -> None:
         try:
             row = run_case(args, args.case)
         except Exception as e:  # reported, not fatal: the other formats still run
-            row = {"format": args.case, "error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
+            row = {
+                "format": args.case,
+                "error": f"{type(e).__name__}: {e}"[:2000],
+                "trace": traceback.format_exc()[-3000:],
+            }
         print(RESULT_PREFIX + json.dumps(row), flush=True)
         return
     rows = []
     for fmt in args.formats.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", fmt, "--model", args.model, "--prompts", str(args.prompts),
-               "--group", str(args.group), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-               "--rank", str(args.rank), "--micro-batch-size", str(args.micro_batch_size),
-               "--logprob-chunk", str(args.logprob_chunk)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--case",
+            fmt,
+            "--model",
+            args.model,
+            "--prompts",
+            str(args.prompts),
+            "--group",
+            str(args.group),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--rank",
+            str(args.rank),
+            "--micro-batch-size",
+            str(args.micro_batch_size),
+            "--logprob-chunk",
+            str(args.logprob_chunk),
+        ]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
             lines = [l for l in out.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-            rows.append(json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else {"format": fmt, "error": out.stderr[-2000:]})
+            rows.append(
+                json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else {"format": fmt, "error": out.stderr[-2000:]}
+            )
         except subprocess.TimeoutExpired:
             rows.append({"format": fmt, "error": f"timed out after {args.timeout} s"})
     base = next((r for r in rows if r.get("format") == "bf16" and "step_s" in r), None)
-    print(f"\nGRPO step, {args.model}-shaped random model, {args.prompts} prompts x {args.group} = "
-          f"{args.prompts * args.group} sequences, {args.prompt_len} + {args.new_tokens} tokens")
-    print(f"{'base':8} {'backend':8} {'rollout s':>10} {'reward s':>9} {'train s':>8} {'step s':>8} {'vs bf16':>8} {'peak GiB':>9}")
+    print(
+        f"\nGRPO step, {args.model}-shaped random model, {args.prompts} prompts x {args.group} = "
+        f"{args.prompts * args.group} sequences, {args.prompt_len} + {args.new_tokens} tokens"
+    )
+    print(
+        f"{'base':8} {'backend':8} {'rollout s':>10} {'reward s':>9} {'train s':>8} {'step s':>8} {'vs bf16':>8} {'peak GiB':>9}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['format']:8} error: {r['error'][:200]}")
             continue
         speedup = base["step_s"] / r["step_s"] if base else float("nan")
-        print(f"{r['format']:8} {r['backend']:8} {r['rollout_s']:10.2f} {r['reward_s']:9.2f} {r['train_s']:8.2f} "
-              f"{r['step_s']:8.2f} {speedup:7.2f}x {r['peak_gib'] or float('nan'):9.1f}")
+        print(
+            f"{r['format']:8} {r['backend']:8} {r['rollout_s']:10.2f} {r['reward_s']:9.2f} {r['train_s']:8.2f} "
+            f"{r['step_s']:8.2f} {speedup:7.2f}x {r['peak_gib'] or float('nan'):9.1f}"
+        )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

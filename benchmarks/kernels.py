@@ -72,8 +72,15 @@ T_START = time.time()
 def model_linears(name: str) -> list[tuple[str, int, int]]:
     c = MODELS[name]
     q, kv = c["heads"] * c["hd"], c["kv"] * c["hd"]
-    return [("q", q, c["hidden"]), ("k", kv, c["hidden"]), ("v", kv, c["hidden"]), ("o", c["hidden"], q),
-            ("gate", c["inter"], c["hidden"]), ("up", c["inter"], c["hidden"]), ("down", c["hidden"], c["inter"])]
+    return [
+        ("q", q, c["hidden"]),
+        ("k", kv, c["hidden"]),
+        ("v", kv, c["hidden"]),
+        ("o", c["hidden"], q),
+        ("gate", c["inter"], c["hidden"]),
+        ("up", c["inter"], c["hidden"]),
+        ("down", c["hidden"], c["inter"]),
+    ]
 
 
 def unique_shapes(name: str) -> list[tuple[int, int]]:
@@ -206,8 +213,10 @@ def section_env(args):
         src = torch.randint(0, 2**30, (2**28,), dtype=torch.int32, device="cuda")
         dst = torch.empty_like(src)
         srcf = src.float()
-        for name, fn, nbytes in (("torch_copy_rw", lambda: dst.copy_(src), 8 * 2**28),
-                                 ("torch_read", lambda: srcf.sum(), 4 * 2**28)):
+        for name, fn, nbytes in (
+            ("torch_copy_rw", lambda: dst.copy_(src), 8 * 2**28),
+            ("torch_read", lambda: srcf.sum(), 4 * 2**28),
+        ):
             fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ts = []
@@ -242,14 +251,36 @@ def section_check(args, decode: str) -> bool:
     """Correctness on the GPU. Returns False if the PTX decode path is broken."""
     ok = True
     key = jax.random.PRNGKey(int(time.time()) % 100000)
-    cases = [("nvfp4", 1, 3584, 3584), ("nvfp4", 16, 512, 3584), ("nvfp4", 3, 200, 256), ("nvfp4", 64, 1024, 5120),
-             ("nvfp4", 256, 3584, 3584), ("nvfp4", 1024, 512, 3584), ("nvfp4", 130, 200, 256),
-             ("mxfp4", 1, 3584, 3584), ("mxfp4", 64, 200, 256), ("mxfp4", 1024, 1024, 5120),
-             ("nf4", 16, 3584, 3584), ("nf4", 130, 200, 256), ("nf4", 1024, 512, 3584)]
-    bwd_cases = [("nvfp4", 130, 200, 256), ("nvfp4", 16, 3584, 3584), ("nf4", 1024, 512, 3584), ("mxfp4", 4096, 1024, 5120)]
+    cases = [
+        ("nvfp4", 1, 3584, 3584),
+        ("nvfp4", 16, 512, 3584),
+        ("nvfp4", 3, 200, 256),
+        ("nvfp4", 64, 1024, 5120),
+        ("nvfp4", 256, 3584, 3584),
+        ("nvfp4", 1024, 512, 3584),
+        ("nvfp4", 130, 200, 256),
+        ("mxfp4", 1, 3584, 3584),
+        ("mxfp4", 64, 200, 256),
+        ("mxfp4", 1024, 1024, 5120),
+        ("nf4", 16, 3584, 3584),
+        ("nf4", 130, 200, 256),
+        ("nf4", 1024, 512, 3584),
+    ]
+    bwd_cases = [
+        ("nvfp4", 130, 200, 256),
+        ("nvfp4", 16, 3584, 3584),
+        ("nf4", 1024, 512, 3584),
+        ("mxfp4", 4096, 1024, 5120),
+    ]
     if args.check_quick:
-        cases = [("nvfp4", 1, 3584, 3584), ("nvfp4", 3, 200, 256), ("mxfp4", 64, 1024, 5120), ("nf4", 16, 512, 3584),
-                 ("nvfp4", 256, 3584, 3584), ("nf4", 130, 200, 256)]
+        cases = [
+            ("nvfp4", 1, 3584, 3584),
+            ("nvfp4", 3, 200, 256),
+            ("mxfp4", 64, 1024, 5120),
+            ("nf4", 16, 512, 3584),
+            ("nvfp4", 256, 3584, 3584),
+            ("nf4", 130, 200, 256),
+        ]
         bwd_cases = [("nvfp4", 130, 200, 256), ("mxfp4", 16, 3584, 3584)]
     if INTERPRET:  # CPU smoke test: tiny shapes only
         cases = [("nvfp4", 3, 200, 256), ("mxfp4", 64, 96, 128), ("nf4", 130, 48, 128)]
@@ -260,8 +291,9 @@ def section_check(args, decode: str) -> bool:
         x = rand_x(k2, m, k)
         row = dict(kind="fwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
-            out = jax.jit(lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True))(
-                x, p.codes, p.scales, p.global_scale)
+            out = jax.jit(
+                lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)
+            )(x, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_fwd(x, p))
             row["cfg"] = autotune.get_config("fwd", m, n, k).to_dict()
         except Exception as e:  # noqa: BLE001
@@ -277,8 +309,9 @@ def section_check(args, decode: str) -> bool:
         dy = rand_x(k2, m, n)
         row = dict(kind="bwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
-            out = jax.jit(lambda d, c, s, g: _backward(d, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True))(
-                dy, p.codes, p.scales, p.global_scale)
+            out = jax.jit(
+                lambda d, c, s, g: _backward(d, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)
+            )(dy, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_bwd(dy, p))
         except Exception as e:  # noqa: BLE001
             log_error(f"check bwd {fmt} {m}x{n}x{k}", e)
@@ -365,10 +398,19 @@ def section_sweep(args, decode: str):
             plan.append(("fwd", m, n, k, cands))
     if args.sweep_size == "full":
         for model, (n, k) in shapes[:4]:
-            plan.append(("bwd", 4096, n, k, [
-                dict(bm=128, bn=0, bk=128, bc=64, num_warps=8, num_stages=3),
-                dict(bm=128, bn=0, bk=64, bc=64, num_warps=4, num_stages=4),
-                dict(bm=128, bn=0, bk=128, bc=64, mode="dequant")]))
+            plan.append(
+                (
+                    "bwd",
+                    4096,
+                    n,
+                    k,
+                    [
+                        dict(bm=128, bn=0, bk=128, bc=64, num_warps=8, num_stages=3),
+                        dict(bm=128, bn=0, bk=64, bc=64, num_warps=4, num_stages=4),
+                        dict(bm=128, bn=0, bk=128, bc=64, mode="dequant"),
+                    ],
+                )
+            )
     for kind, m, n, k, cands in plan:
         if deadline_passed(args):
             print("SWEEP deadline reached", flush=True)
@@ -388,8 +430,15 @@ def section_sweep(args, decode: str):
             cfg = dataclasses.replace(base, **{"mode": "fused", **c})
             if kind == "fwd" and m <= autotune.DECODE_MAX_M and "split_k" not in c:
                 cfg = dataclasses.replace(cfg, split_k=autotune.split_rule(n, k, cfg.bn, cfg.bk))
-            op = (fwd_op("nvfp4", cfg, decode) if kind == "fwd" else
-                  (lambda d, cc, s, g, cfg=cfg: _backward(d, cc, s, g, fmt="nvfp4", interpret=INTERPRET, decode=decode, cfg=cfg)))
+            op = (
+                fwd_op("nvfp4", cfg, decode)
+                if kind == "fwd"
+                else (
+                    lambda d, cc, s, g, cfg=cfg: _backward(
+                        d, cc, s, g, fmt="nvfp4", interpret=INTERPRET, decode=decode, cfg=cfg
+                    )
+                )
+            )
             row = dict(kind=kind, m=m, n=n, k=k, cfg=cfg.to_dict())
             try:
                 t = time_ops(op, groups)
@@ -464,6 +513,8 @@ def bench_fwd(args, decode: str, ms: list[int]):
                 RESULTS["bench"].append(row)
                 print("BENCH", json.dumps(row), flush=True)
                 save(args)
+
+
 def bench_bwd(args, decode: str, ms: list[int]):
     """Backward dx = dy @ W."""
     for m in ms:
@@ -477,12 +528,18 @@ def bench_bwd(args, decode: str, ms: list[int]):
                 try:
                     row["cfg"] = autotune.get_config("bwd", m, n, k).to_dict()
                     groups, items = packed_groups(key, m, n, k, "nvfp4", u_cap=8)
-                    groups = [[(rand_x(jax.random.fold_in(key, 5 + j), m, n),) + a[1:] for j, a in enumerate(g)] for g in groups]
+                    groups = [
+                        [(rand_x(jax.random.fold_in(key, 5 + j), m, n),) + a[1:] for j, a in enumerate(g)]
+                        for g in groups
+                    ]
                     ours = lambda d, c, s, g: _backward(d, c, s, g, fmt="nvfp4", interpret=INTERPRET, decode=decode)
                     row["ours_us"] = time_ops(ours, groups)["s"] * 1e6
                     deq = lambda d, c, s, g: jax.lax.dot_general(
-                        d, P.dequantize(P.PackedWeight(c, s, g, "nvfp4"), jnp.bfloat16), (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+                        d,
+                        P.dequantize(P.PackedWeight(c, s, g, "nvfp4"), jnp.bfloat16),
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ).astype(jnp.bfloat16)
                     row["xla_dequant_us"] = time_ops(deq, groups)["s"] * 1e6
                     w0 = P.dequantize(items[0], jnp.bfloat16)
                     r = n_copies(w0.size * 2)
@@ -490,8 +547,9 @@ def bench_bwd(args, decode: str, ms: list[int]):
                     dys = [a[0] for a in groups[0]]
                     bgroups = make_groups([(dys[i % len(dys)], w) for i, w in enumerate(ws)], min(4, r))
                     del items, groups
-                    bf = lambda d, w: jax.lax.dot_general(d, w, (((1,), (0,)), ((), ())),
-                                                          preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+                    bf = lambda d, w: jax.lax.dot_general(
+                        d, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                    ).astype(jnp.bfloat16)
                     row["bf16_us"] = time_ops(bf, bgroups)["s"] * 1e6
                     row["speedup_vs_bf16"] = row["bf16_us"] / row["ours_us"]
                     del ws, bgroups
@@ -513,20 +571,26 @@ def section_bench(args, decode: str):
 
 def print_tables():
     print("\n=== forward (nvfp4), us; speedup = bf16 / ours ===")
-    print(f"{'model':5} {'M':>5} {'N':>6} {'K':>6} {'ours':>9} {'bf16':>9} {'xla_deq':>9} {'x_bf16':>6} {'x_deq':>6} {'GB/s':>6} {'%copy':>5}")
+    print(
+        f"{'model':5} {'M':>5} {'N':>6} {'K':>6} {'ours':>9} {'bf16':>9} {'xla_deq':>9} {'x_bf16':>6} {'x_deq':>6} {'GB/s':>6} {'%copy':>5}"
+    )
     for r in sorted(RESULTS["bench"], key=lambda r: (r["model"], r["m"], r["n"], r["k"])):
         if "ours_us" not in r or "bf16_us" not in r:
             print(f"{r['model']:5} {r['m']:>5} {r['n']:>6} {r['k']:>6}  failed")
             continue
-        print(f"{r['model']:5} {r['m']:>5} {r['n']:>6} {r['k']:>6} {r['ours_us']:9.1f} {r['bf16_us']:9.1f} "
-              f"{r['xla_dequant_us']:9.1f} {r['speedup_vs_bf16']:6.2f} {r['speedup_vs_xla_dequant']:6.2f} "
-              f"{r['ours_GBps']:6.0f} {r.get('pct_copy_bw', 0):5.0f}")
+        print(
+            f"{r['model']:5} {r['m']:>5} {r['n']:>6} {r['k']:>6} {r['ours_us']:9.1f} {r['bf16_us']:9.1f} "
+            f"{r['xla_dequant_us']:9.1f} {r['speedup_vs_bf16']:6.2f} {r['speedup_vs_xla_dequant']:6.2f} "
+            f"{r['ours_GBps']:6.0f} {r.get('pct_copy_bw', 0):5.0f}"
+        )
     if RESULTS["bwd"]:
         print("\n=== backward dx = dy @ W (nvfp4), us ===")
         for r in RESULTS["bwd"]:
             if "bf16_us" in r:
-                print(f"{r['model']:5} {r['m']:>5} {r['n']:>6} {r['k']:>6} ours {r['ours_us']:9.1f} "
-                      f"bf16 {r['bf16_us']:9.1f} xla_deq {r['xla_dequant_us']:9.1f} x_bf16 {r['speedup_vs_bf16']:5.2f} {r['cfg'].get('mode')}")
+                print(
+                    f"{r['model']:5} {r['m']:>5} {r['n']:>6} {r['k']:>6} ours {r['ours_us']:9.1f} "
+                    f"bf16 {r['bf16_us']:9.1f} xla_deq {r['xla_dequant_us']:9.1f} x_bf16 {r['speedup_vs_bf16']:5.2f} {r['cfg'].get('mode')}"
+                )
     print("\nenv:", json.dumps(RESULTS["env"]))
     print("errors:", len(RESULTS["errors"]))
 

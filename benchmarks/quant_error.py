@@ -68,16 +68,27 @@ def model_kl(seed: int) -> dict | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(
-            os.path.join(tmp, "tiny"), hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            intermediate_size=256, seed=seed, random_norms=True,
+            os.path.join(tmp, "tiny"),
+            hidden_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=256,
+            seed=seed,
+            random_norms=True,
         )
         config, params = load_model(path, dtype="bfloat16")
     ids = jax.random.randint(jax.random.PRNGKey(seed), (4, 32), 0, config.vocab_size, jnp.int32)
     ref = forward(config, params, ids)
-    result = {"model": {"hidden": 128, "layers": 2, "intermediate": 256, "vocab": config.vocab_size, "tokens": int(ids.size)}}
+    result = {
+        "model": {"hidden": 128, "layers": 2, "intermediate": 256, "vocab": config.vocab_size, "tokens": int(ids.size)}
+    }
     for fmt in quant.FORMATS:
         logits = forward(config, quant.quantize_params(params, fmt), ids)
-        result[fmt] = {"kl_to_bf16": _kl(ref, logits), "top1_agreement": float(jnp.mean(jnp.argmax(ref, -1) == jnp.argmax(logits, -1)))}
+        result[fmt] = {
+            "kl_to_bf16": _kl(ref, logits),
+            "top1_agreement": float(jnp.mean(jnp.argmax(ref, -1) == jnp.argmax(logits, -1))),
+        }
     return result
 
 
@@ -102,8 +113,14 @@ def main() -> None:
         print(f"\ntiny random Qwen2 ({kl['model']}): KL(bf16 || quantized) per token, top-1 agreement")
         for fmt in quant.FORMATS:
             print(f"{fmt:<12}{kl[fmt]['kl_to_bf16']:>12.3e}{kl[fmt]['top1_agreement']:>8.3f}")
-    result = {"device": jax.devices()[0].platform, "rows": args.rows, "cols": args.cols, "seed": args.seed,
-              "weight_error": weights, "model_kl": kl}
+    result = {
+        "device": jax.devices()[0].platform,
+        "rows": args.rows,
+        "cols": args.cols,
+        "seed": args.seed,
+        "weight_error": weights,
+        "model_kl": kl,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

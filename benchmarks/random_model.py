@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax.lora import projection_shapes
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 
 # (vocab, hidden, intermediate, layers, heads, kv_heads, tied) from the public Qwen2.5 config.json files.
 QWEN25_SHAPES = {
@@ -80,7 +79,9 @@ def _random_dense(key: jax.Array, *, shape: tuple[int, ...], std: float):
     return jax.random.normal(key, shape, jnp.bfloat16) * jnp.bfloat16(std)
 
 
-def random_params(config: ModelConfig, *, quant: str | None = "bf16", seed: int = 0, std: float = 0.02) -> dict[str, Any]:
+def random_params(
+    config: ModelConfig, *, quant: str | None = "bf16", seed: int = 0, std: float = 0.02
+) -> dict[str, Any]:
     """{"base", "norms"} of random weights on the default device (bf16 dense or `quant` 4-bit linears)."""
     fmt = None if quant in DENSE else quant
     key = jax.random.key(seed)
@@ -91,8 +92,13 @@ def random_params(config: ModelConfig, *, quant: str | None = "bf16", seed: int 
         w = _random_stack(jax.random.fold_in(key, i), shape=shapes[proj], num_layers=n_layers, fmt=fmt, std=std)
         layers[proj] = {"w": jax.block_until_ready(w)}  # one projection's temporaries at a time
         if config.attention_bias and proj in ("q_proj", "k_proj", "v_proj"):
-            layers[proj]["b"] = _random_dense(jax.random.fold_in(key, 100 + i), shape=(n_layers, shapes[proj][0]), std=std)
-    base = {"embed": _random_dense(jax.random.fold_in(key, 200), shape=(config.vocab_size, d), std=std), "layers": layers}
+            layers[proj]["b"] = _random_dense(
+                jax.random.fold_in(key, 100 + i), shape=(n_layers, shapes[proj][0]), std=std
+            )
+    base = {
+        "embed": _random_dense(jax.random.fold_in(key, 200), shape=(config.vocab_size, d), std=std),
+        "layers": layers,
+    }
     if not config.tie_word_embeddings:
         base["lm_head"] = _random_dense(jax.random.fold_in(key, 201), shape=(config.vocab_size, d), std=std)
     norms = {

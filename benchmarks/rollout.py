@@ -54,14 +54,31 @@ QWEN25_7B = dict(
     attention_bias=True,
     max_position_embeddings=32768,
 )
-TINY = dict(QWEN25_7B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
+TINY = dict(
+    QWEN25_7B,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
 FULL_RUN = dict(prompt_len=256, new_tokens=512, batches=((1, 1), (8, 8), (32, 8)), steps=32)
 TINY_RUN = dict(prompt_len=16, new_tokens=32, batches=((1, 1), (2, 2), (4, 2)), steps=8)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
 # One subprocess each, in order of importance: the last ones are the first cut by --deadline.
-WORKER_ORDER = ("bf16:xla", "nvfp4:pallas", "transformers", "nvfp4:xla", "mxfp4:pallas", "nf4:pallas",
-                "mxfp4:xla", "nf4:xla")
+WORKER_ORDER = (
+    "bf16:xla",
+    "nvfp4:pallas",
+    "transformers",
+    "nvfp4:xla",
+    "mxfp4:pallas",
+    "nf4:pallas",
+    "mxfp4:xla",
+    "nf4:xla",
+)
 PROJ_SHAPES = {  # (N, K) as functions of the config
     "q_proj": lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
     "k_proj": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
@@ -77,64 +94,22 @@ PROJ_SHAPES = {  # (N, K) as functions of the config
 
 
 def build_random_params(config, fmt: str, key):
-    """Random Qwen2 params {"base", "norms"} with linears dense bf16 or packed `fmt`.
-
-    Packed weights get uniform random codes and per-block scales near the value that makes
-    |W| ~ 0.02 (the checkpoint initialiser's scale), so activations stay finite.
-    """
+    """Random Qwen2 params {"base", "norms"}: bf16 or `fmt`-quantized linears, built layer by
+    layer on the device by benchmarks/random_model.py (the seed comes from `key`)."""
     import jax
-    import jax.numpy as jnp
 
-    from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import random_model  # noqa: PLC0415
 
-    c = {f: getattr(config, f) for f in QWEN25_7B}
-    num_layers, d = config.num_hidden_layers, config.hidden_size
-
-    def normal(k, shape):
-        return jax.random.normal(k, shape, jnp.bfloat16) * 0.02
-
-    def packed_fn(k, n, kk):
-        k1, k2 = jax.random.split(k)
-        block = BLOCK_SIZES[fmt]
-        codes = jax.random.bits(k1, (num_layers, n, kk // 2), jnp.uint8)
-        jitter = jax.random.uniform(k2, (num_layers, n, kk // block), minval=0.75, maxval=1.25)
-        ones = jnp.ones((num_layers,), jnp.float32)
-        if fmt == "nvfp4":  # |e2m1| ~ 2.3 on average; scale / global ~ 0.01
-            return PackedWeight(codes, (270.0 * jitter).astype(jnp.float8_e4m3fn), 27000.0 * ones, fmt)
-        if fmt == "mxfp4":  # 2 ** (120 - 127) ~ 0.008
-            return PackedWeight(codes, jnp.full(jitter.shape, 120, jnp.uint8), ones, fmt)
-        return PackedWeight(codes, 0.03 * jitter, ones, fmt)  # nf4: |table| ~ 0.5 on average
-
-    packed = jax.jit(packed_fn, static_argnums=(1, 2))
-    keys = iter(jax.random.split(key, 16))
-    layers = {}
-    for proj, shape_fn in PROJ_SHAPES.items():
-        n, kk = shape_fn(c)
-        if fmt == "bf16":
-            w = jax.jit(normal, static_argnums=1)(next(keys), (num_layers, n, kk))
-        else:
-            w = packed(next(keys), n, kk)
-        layers[proj] = {"w": w}
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            layers[proj]["b"] = jnp.zeros((num_layers, n), jnp.bfloat16)
-    base = {
-        "embed": jax.jit(normal, static_argnums=1)(next(keys), (config.vocab_size, d)),
-        "lm_head": jax.jit(normal, static_argnums=1)(next(keys), (config.vocab_size, d)),
-        "layers": layers,
-    }
-    norms = {
-        "final_norm": jnp.ones((d,), jnp.bfloat16),
-        "layers": {n: jnp.ones((num_layers, d), jnp.bfloat16) for n in ("input_layernorm", "post_attention_layernorm")},
-    }
-    params = {"base": base, "norms": norms}
-    jax.block_until_ready(params)
-    return params
+    seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+    return random_model.random_params(config, quant=fmt, seed=seed)
 
 
 def tree_bytes(tree) -> int:
-    import jax
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import random_model  # noqa: PLC0415
 
-    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+    return random_model.tree_bytes(tree)
 
 
 # ----------------------------------------------------------------------------- device ceilings
@@ -252,17 +227,22 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 finite_logprobs=bool(np.isfinite(np.asarray(b.logprobs)).all()),
                 peak_bytes=peak_bytes() if index == 0 else None,
                 # What generate's memory check predicts, for comparison with the measured peak.
-                estimated_peak_bytes=out["weight_bytes"] + rollout.estimate_rollout_bytes(
-                    config, rollout.rows_bucket(prompts * group), rollout.prompt_bucket(run["prompt_len"]),
-                    run["new_tokens"], num_prompts=rollout.rows_bucket(prompts),
+                estimated_peak_bytes=out["weight_bytes"]
+                + rollout.estimate_rollout_bytes(
+                    config,
+                    rollout.rows_bucket(prompts * group),
+                    rollout.prompt_bucket(run["prompt_len"]),
+                    run["new_tokens"],
+                    num_prompts=rollout.rows_bucket(prompts),
                     layer_copy_bytes=tree_bytes([params["base"]["layers"], params["norms"]["layers"]]),
                 ),
             )
             if args.no_sharing_row and group > 1 and index == 0:
                 for _ in range(2):  # compile, then time
                     tm = {}
-                    rollout.generate(config, params, ids, mask, jax.random.key(1), sampling, share_prefill=False,
-                                     timings=tm, **kw)
+                    rollout.generate(
+                        config, params, ids, mask, jax.random.key(1), sampling, share_prefill=False, timings=tm, **kw
+                    )
                 row["ttft_no_sharing_s"] = tm["prefill_s"] + tm.get("unstack_s", 0.0)
         except Exception as e:  # noqa: BLE001 (report and go on with the next variant)
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -286,8 +266,12 @@ def torch_worker(args) -> dict:
     run = TINY_RUN if args.tiny else FULL_RUN
     cfg_dict = TINY if args.tiny else QWEN25_7B
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"format": "transformers", "rows": [], "errors": [], "versions": {
-        "torch": torch.__version__, "transformers": transformers.__version__}}
+    out = {
+        "format": "transformers",
+        "rows": [],
+        "errors": [],
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
     hf_config = transformers.Qwen2Config(
         **{k: v for k, v in cfg_dict.items() if k not in ("attention_bias",)}, use_cache=True
     )
@@ -305,9 +289,17 @@ def torch_worker(args) -> dict:
         cache = transformers.StaticCache(config=model.config, max_cache_len=run["prompt_len"] + run["new_tokens"])
         with torch.no_grad():
             return model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                num_return_sequences=group, past_key_values=cache, pad_token_id=0,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=group,
+                past_key_values=cache,
+                pad_token_id=0,
             )
 
     def timed(fn):
@@ -322,8 +314,13 @@ def torch_worker(args) -> dict:
     compiled = device == "cuda"
     backend = "torch.compile-static-cache" if compiled else "torch-eager-static-cache"
     for prompts, group in _batches_largest_first(run):
-        row = {"format": "transformers", "backend": backend, "prompts": prompts, "group": group,
-               "batch": prompts * group}
+        row = {
+            "format": "transformers",
+            "backend": backend,
+            "prompts": prompts,
+            "group": group,
+            "batch": prompts * group,
+        }
         if time.time() > args.deadline_at:
             out["errors"].append(f"deadline reached before transformers B={prompts * group}")
             continue
@@ -333,8 +330,9 @@ def torch_worker(args) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             row["first_call_s"], _ = timed(lambda: run_generate(ids, group, 3))  # warm-up (and compile)
             ttft, _ = min((timed(lambda: run_generate(ids, group, 1)) for _ in range(args.reps)), key=lambda x: x[0])
-            full, res = min((timed(lambda: run_generate(ids, group, run["steps"])) for _ in range(args.reps)),
-                            key=lambda x: x[0])
+            full, res = min(
+                (timed(lambda: run_generate(ids, group, run["steps"])) for _ in range(args.reps)), key=lambda x: x[0]
+            )
             assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
             step_s = (full - ttft) / (run["steps"] - 1)
             row.update(
@@ -370,8 +368,12 @@ def physical_limit(cfg: dict, row: dict, weight_bytes: int, ceilings: dict, run:
     mem_s = read / ceilings["copy_bytes_per_s"]
     flop_s = 2 * params * b / ceilings["matmul_flops_per_s"]
     step = max(mem_s, flop_s)
-    return {"kv_bytes": kv, "limit_step_s": step, "limit_tokens_per_s": b / step,
-            "bound": "memory" if mem_s >= flop_s else "compute"}
+    return {
+        "kv_bytes": kv,
+        "limit_step_s": step,
+        "limit_tokens_per_s": b / step,
+        "bound": "memory" if mem_s >= flop_s else "compute",
+    }
 
 
 def report(results: list[dict], args) -> dict:
@@ -417,8 +419,10 @@ def report(results: list[dict], args) -> dict:
 
     order = {w: i for i, w in enumerate(WORKER_ORDER)}
     rows.sort(key=lambda r: (r["batch"], order.get(f"{r['format']}:{r['backend']}", order["transformers"])))
-    header = f"{'format':<13}{'backend':<26}{'B':>5}{'ttft ms':>10}{'step ms':>9}{'dec tok/s':>11}{'e2e tok/s':>11}" \
-             f"{'limit tok/s':>12}{'of limit':>9}{'weights GB':>11}{'peak GB':>9}"
+    header = (
+        f"{'format':<13}{'backend':<26}{'B':>5}{'ttft ms':>10}{'step ms':>9}{'dec tok/s':>11}{'e2e tok/s':>11}"
+        f"{'limit tok/s':>12}{'of limit':>9}{'weights GB':>11}{'peak GB':>9}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         if "error" in r:
@@ -436,8 +440,14 @@ def report(results: list[dict], args) -> dict:
     print(table)
     for k, v in targets.items():
         print(f"  {k}: {v:.2f}")
-    return {"run": {**run, "tiny": args.tiny, "model": cfg}, "device_ceilings": ceilings, "rows": rows,
-            "ratios": targets, "table": table, "workers": results}
+    return {
+        "run": {**run, "tiny": args.tiny, "model": cfg},
+        "device_ceilings": ceilings,
+        "rows": rows,
+        "ratios": targets,
+        "table": table,
+        "workers": results,
+    }
 
 
 def main(argv=None) -> None:
@@ -476,8 +486,18 @@ def main(argv=None) -> None:
             print(f"[{name}] skipped: deadline reached", flush=True)
             continue
         worker_out = f"{args.out}.{name.replace(':', '-')}.part"
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--worker-out", worker_out,
-               "--reps", str(args.reps), "--deadline-at", str(deadline_at)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            name,
+            "--worker-out",
+            worker_out,
+            "--reps",
+            str(args.reps),
+            "--deadline-at",
+            str(deadline_at),
+        ]
         if args.tiny:
             cmd.append("--tiny")
         if i == 0:
@@ -486,8 +506,9 @@ def main(argv=None) -> None:
             cmd.append("--no-sharing-row")
         env = dict(os.environ)
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                          env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")])
+        )
         t = time.time()
         print(f"== {name}", flush=True)
         try:

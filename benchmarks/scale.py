@@ -191,7 +191,11 @@ class Phase:
             self.out["error"] = f"{exc_type.__name__}: {exc}"
             self.out["traceback"] = traceback.format_exc()[-4000:]
         self.record["phases"][self.name] = self.out
-        print(f"[{self.record['model']}] {self.name}: " + json.dumps({k: v for k, v in self.out.items() if k != "traceback"}), flush=True)
+        print(
+            f"[{self.record['model']}] {self.name}: "
+            + json.dumps({k: v for k, v in self.out.items() if k != "traceback"}),
+            flush=True,
+        )
         return exc is not None and not isinstance(exc, KeyboardInterrupt)  # record the error, go on
 
 
@@ -245,7 +249,10 @@ def run_model(args, name: str) -> dict[str, Any]:
         except memory.DoesNotFitError as e:
             record["fit"] = f"DOES NOT FIT (running anyway): {e}"
     print(plan.table(), flush=True)
-    print(f"[{name}] fit: {record.get('fit', 'device size unknown')}; micro_batch_size={mb}, rollout chunk={chunk}", flush=True)
+    print(
+        f"[{name}] fit: {record.get('fit', 'device size unknown')}; micro_batch_size={mb}, rollout chunk={chunk}",
+        flush=True,
+    )
     record.update(plan=plan.as_dict(), micro_batch_size=mb, rollout_chunk=chunk)
 
     params = None
@@ -300,9 +307,18 @@ def run_model(args, name: str) -> dict[str, Any]:
         while True:
             try:
                 out_ = generate(
-                    config, policy, prompt_ids, prompt_mask, jax.random.key(args.seed + 2), sampling,
-                    group_size=args.group_size, lora_scale=scale, backend=backend, max_batch=max_batch,
-                    cache_new_tokens=args.max_new_tokens, timings=timings,
+                    config,
+                    policy,
+                    prompt_ids,
+                    prompt_mask,
+                    jax.random.key(args.seed + 2),
+                    sampling,
+                    group_size=args.group_size,
+                    lora_scale=scale,
+                    backend=backend,
+                    max_batch=max_batch,
+                    cache_new_tokens=args.max_new_tokens,
+                    timings=timings,
                 )
                 return jax.block_until_ready(out_), max_batch
             except MemoryError as e:  # the rollout engine's own estimate refused the chunk
@@ -401,12 +417,19 @@ def run_model(args, name: str) -> dict[str, Any]:
             if analysis is not None:
                 out["xla_memory"] = {
                     k: int(getattr(analysis, k))
-                    for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+                    for k in (
+                        "temp_size_in_bytes",
+                        "argument_size_in_bytes",
+                        "output_size_in_bytes",
+                        "alias_size_in_bytes",
+                    )
                     if hasattr(analysis, k)
                 }
                 xm = out["xla_memory"]
-                out["xla_peak_estimate"] = xm.get("temp_size_in_bytes", 0) + xm.get("argument_size_in_bytes", 0) + (
-                    xm.get("output_size_in_bytes", 0) - xm.get("alias_size_in_bytes", 0)
+                out["xla_peak_estimate"] = (
+                    xm.get("temp_size_in_bytes", 0)
+                    + xm.get("argument_size_in_bytes", 0)
+                    + (xm.get("output_size_in_bytes", 0) - xm.get("alias_size_in_bytes", 0))
                 )
             t1 = time.perf_counter()
             state, metrics = compiled(state, frozen, clean, None)
@@ -514,13 +537,17 @@ def _row(model, phase, p, plan_key=None) -> str:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"\n{'model':<12} {'phase':<22} {'wall_s':>8} {'compile_s':>8} {'run_s':>8} {'tokens/s':>10} {'peakGiB':>7} {'planGiB':>7}")
+    print(
+        f"\n{'model':<12} {'phase':<22} {'wall_s':>8} {'compile_s':>8} {'run_s':>8} {'tokens/s':>10} {'peakGiB':>7} {'planGiB':>7}"
+    )
     for r in results:
         for phase, p in r.get("phases", {}).items():
             plan_key = {"rollout": "plan_rollout_peak", "train": "plan_train_peak"}.get(phase)
             print(_row(r["model"], phase, p, plan_key))
         if "peak_gib" in r:
-            print(f"{r['model']:<12} {'peak of the process':<22} {r['peak_gib']:.2f} GiB (limit {r.get('bytes_limit', 0) / GIB:.2f} GiB); completed={r.get('completed')}")
+            print(
+                f"{r['model']:<12} {'peak of the process':<22} {r['peak_gib']:.2f} GiB (limit {r.get('bytes_limit', 0) / GIB:.2f} GiB); completed={r.get('completed')}"
+            )
         if "worker_error" in r:
             print(f"{r['model']:<12} worker failed: {r['worker_error'][:200]}")
 
@@ -566,7 +593,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=1024)
     p.add_argument(
-        "--decode-steps", type=int, default=128,
+        "--decode-steps",
+        type=int,
+        default=128,
         help="sampling steps run (KV cache still sized for max-new-tokens; 0: all); the full rollout time is extrapolated",
     )
     p.add_argument("--lora-rank", type=int, default=32)

@@ -145,11 +145,23 @@ def run_case(args, fmt: str, remats: list[bool]) -> list[dict[str, Any]]:
             out["compile_s"] = round(time.perf_counter() - t0, 2)
             analysis = compiled.memory_analysis()
             if analysis is not None:
-                xm = {k: int(getattr(analysis, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
-                      "output_size_in_bytes", "alias_size_in_bytes") if hasattr(analysis, k)}
+                xm = {
+                    k: int(getattr(analysis, k))
+                    for k in (
+                        "temp_size_in_bytes",
+                        "argument_size_in_bytes",
+                        "output_size_in_bytes",
+                        "alias_size_in_bytes",
+                    )
+                    if hasattr(analysis, k)
+                }
                 out["xla_memory"] = xm
-                out["xla_peak_estimate_bytes"] = (xm.get("temp_size_in_bytes", 0) + xm.get("argument_size_in_bytes", 0)
-                                                  + xm.get("output_size_in_bytes", 0) - xm.get("alias_size_in_bytes", 0))
+                out["xla_peak_estimate_bytes"] = (
+                    xm.get("temp_size_in_bytes", 0)
+                    + xm.get("argument_size_in_bytes", 0)
+                    + xm.get("output_size_in_bytes", 0)
+                    - xm.get("alias_size_in_bytes", 0)
+                )
             times = []
             for i in range(args.steps + 1):  # the first step is a warm-up
                 t0 = time.perf_counter()
@@ -168,7 +180,9 @@ def run_case(args, fmt: str, remats: list[bool]) -> list[dict[str, Any]]:
             )
         except Exception as e:  # noqa: BLE001 (an OOM case is a result, not a crash)
             msg = f"{type(e).__name__}: {e}"
-            out["error"] = "OOM: " + msg[:500] if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() else msg[:2000]
+            out["error"] = (
+                "OOM: " + msg[:500] if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() else msg[:2000]
+            )
             out["traceback"] = traceback.format_exc()[-3000:]
         stats = _mem_stats()
         if stats:
@@ -214,8 +228,8 @@ def run_children(args) -> list[dict[str, Any]]:
         except subprocess.TimeoutExpired as e:
             stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             stderr, rc = f"timed out after {args.timeout} s", None
-        got = [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-        for r in rs[len(got):]:  # cases the child never reported (crash or timeout)
+        got = [json.loads(line[len(RESULT_PREFIX) :]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+        for r in rs[len(got) :]:  # cases the child never reported (crash or timeout)
             got.append({"format": fmt, "remat": r == "on", "error": f"child exited with {rc}: {stderr[-1500:]}"})
         for g in got:
             g["process_s"] = round(time.perf_counter() - t0, 1)
@@ -251,8 +265,11 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     results = run_children(args)
     print(table(results))
-    summary = {"args": {k: v for k, v in vars(args).items() if k not in ("case", "argv")}, "wall_s": round(time.perf_counter() - t0, 1),
-               "results": results}
+    summary = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("case", "argv")},
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "results": results,
+    }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

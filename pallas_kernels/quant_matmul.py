@@ -50,7 +50,9 @@ def _validate(x: Any, packed: Any, fmts: tuple[str, ...] = FORMATS) -> tuple[str
     """Checks x and packed before anything is traced into a kernel; returns (fmt, M, N, K)."""
     for field in ("codes", "scales", "global_scale", "fmt"):
         if not hasattr(packed, field):
-            raise TypeError(f"packed must be a PackedWeight (codes, scales, global_scale, fmt); got {type(packed).__name__}")
+            raise TypeError(
+                f"packed must be a PackedWeight (codes, scales, global_scale, fmt); got {type(packed).__name__}"
+            )
     fmt = packed.fmt
     if fmt not in fmts:
         raise ValueError(f"packed.fmt must be one of {fmts}, got {fmt!r}")
@@ -161,7 +163,7 @@ def _as_words(scales: jax.Array) -> jax.Array:
 def _unpack_words(w: jax.Array) -> jax.Array:
     """int32 [R, W] -> uint8 [R, 4 W], the inverse of `_as_words` on a tile."""
     r, nw = w.shape
-    shifts = (8 * jax.lax.broadcasted_iota(jnp.int32, (r, nw, 4), 2))
+    shifts = 8 * jax.lax.broadcasted_iota(jnp.int32, (r, nw, 4), 2)
     b = jax.lax.shift_right_logical(jnp.broadcast_to(w[:, :, None], (r, nw, 4)), shifts) & 0xFF
     return b.reshape(r, 4 * nw).astype(jnp.uint8)
 
@@ -268,13 +270,24 @@ def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -
     bk = _pow2_divisor(k_chunk, cfg.bk)
     if bk < min_bk:  # only when K is not a multiple of 16 * 2**i: fall back to one block
         bk = min_bk
-    cfg = dataclasses.replace(cfg, bk=bk, split_k=split_k,
-                              scale_words=cfg.scale_words and _scale_words_ok(fmt, k_chunk, bk))
+    cfg = dataclasses.replace(
+        cfg, bk=bk, split_k=split_k, scale_words=cfg.scale_words and _scale_words_ok(fmt, k_chunk, bk)
+    )
     return cfg, k_chunk
 
 
-def _forward(x, codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None,
-             cfg: autotune.Config | None = None, poison: bool = False) -> jax.Array:
+def _forward(
+    x,
+    codes,
+    scales,
+    gs,
+    *,
+    fmt: str,
+    interpret: bool,
+    decode: str | None = None,
+    cfg: autotune.Config | None = None,
+    poison: bool = False,
+) -> jax.Array:
     """The forward launch (no custom_vjp); `poison` NaN-fills the kernel's output first."""
     m, k = x.shape
     n = codes.shape[0]
@@ -358,8 +371,18 @@ def _bwd_kernel(dy_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, de
         o_ref[idx] = out
 
 
-def _backward(dy, codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None,
-              cfg: autotune.Config | None = None, poison: bool = False) -> jax.Array:
+def _backward(
+    dy,
+    codes,
+    scales,
+    gs,
+    *,
+    fmt: str,
+    interpret: bool,
+    decode: str | None = None,
+    cfg: autotune.Config | None = None,
+    poison: bool = False,
+) -> jax.Array:
     """dx [M, K] bf16 = dy [M, N] @ dequantize(W) [N, K], fp32 accumulation."""
     m, n = dy.shape
     k = 2 * codes.shape[1]
@@ -369,7 +392,9 @@ def _backward(dy, codes, scales, gs, *, fmt: str, interpret: bool, decode: str |
     cfg = cfg or autotune.get_config("bwd", m, n, k)
     if cfg.mode == "dequant":
         w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode)
-        dx = jax.lax.dot_general(dy.astype(jnp.bfloat16), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dx = jax.lax.dot_general(
+            dy.astype(jnp.bfloat16), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return dx.astype(jnp.bfloat16)
     block = BLOCK_SIZES[fmt]
     bm = max(16, 1 << (m - 1).bit_length()) if m <= autotune.DECODE_MAX_M else cfg.bm
@@ -378,8 +403,13 @@ def _backward(dy, codes, scales, gs, *, fmt: str, interpret: bool, decode: str |
     cfg = dataclasses.replace(cfg, bm=bm, bk=bk, bc=bc)
     out_shape = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     kernel = functools.partial(_bwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, decode=decode)
-    args = [dy.astype(jnp.bfloat16), codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)),
-            _table_input(fmt)]
+    args = [
+        dy.astype(jnp.bfloat16),
+        codes,
+        _kernel_scales(scales),
+        jnp.reshape(gs.astype(jnp.float32), (1,)),
+        _table_input(fmt),
+    ]
     aliases = {}
     if poison:
         args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
@@ -418,8 +448,9 @@ def _dequant_kernel(c_ref, s_ref, g_ref, t_ref, o_ref, *, fmt, n, k, bn, bk, dec
         o_ref[idx] = w
 
 
-def _dequantize(codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None,
-                bn: int = 64, bk: int = 256) -> jax.Array:
+def _dequantize(
+    codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None, bn: int = 64, bk: int = 256
+) -> jax.Array:
     """W bf16 [N, K] from the packed arrays (the 'dequant' path: then an XLA dot)."""
     n, k = codes.shape[0], 2 * codes.shape[1]
     decode = decode or ("jnp" if interpret else "asm")
@@ -491,5 +522,6 @@ def quant_matmul_dx(dy: jax.Array, packed: Any, *, interpret: bool | None = None
         raise ValueError(f"N mismatch: dy has N={dy.shape[1]} but packed has N={n}")
     fake_x = jax.ShapeDtypeStruct((dy.shape[0], 2 * packed.codes.shape[1]), dy.dtype)
     fmt, _, _, _ = _validate(fake_x, packed)
-    return _backward(dy, packed.codes, packed.scales, packed.global_scale, fmt=fmt,
-                     interpret=_resolve_interpret(interpret))
+    return _backward(
+        dy, packed.codes, packed.scales, packed.global_scale, fmt=fmt, interpret=_resolve_interpret(interpret)
+    )

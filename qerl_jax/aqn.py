@@ -59,11 +59,17 @@ class AQNConfig:
         if not self.enabled:
             return
         if not isinstance(self.total_steps, int) or self.total_steps < 1:
-            raise ValueError(f"AQNConfig.total_steps must be a positive int when AQN is enabled; got {self.total_steps!r}")
+            raise ValueError(
+                f"AQNConfig.total_steps must be a positive int when AQN is enabled; got {self.total_steps!r}"
+            )
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
-            raise ValueError(f"AQNConfig.num_stages must be an int >= 2 (stage 0 is noise-free); got {self.num_stages!r}")
+            raise ValueError(
+                f"AQNConfig.num_stages must be an int >= 2 (stage 0 is noise-free); got {self.num_stages!r}"
+            )
         if not (self.sigma_start > 0 and self.sigma_end >= 0):
-            raise ValueError(f"AQNConfig needs sigma_start > 0 and sigma_end >= 0; got {self.sigma_start}, {self.sigma_end}")
+            raise ValueError(
+                f"AQNConfig needs sigma_start > 0 and sigma_end >= 0; got {self.sigma_start}, {self.sigma_end}"
+            )
         if self.decay == "exponential" and self.sigma_end <= 0:
             raise ValueError("AQNConfig.decay='exponential' needs sigma_end > 0")
 

@@ -73,8 +73,14 @@ def evaluate_params(
     with rewards.RewardPool() as pool:
         for path in cfg.eval.datasets:
             name = os.path.splitext(os.path.basename(os.path.dirname(path) or path))[0] or "eval"
-            name = f"{name}_{os.path.splitext(os.path.basename(path))[0]}" if os.path.exists(path) else path.replace("/", "_")
-            result = _evaluate_dataset(cfg, policy, params, lora_scale, path, pool, os.path.join(output_dir, f"{name}.jsonl"))
+            name = (
+                f"{name}_{os.path.splitext(os.path.basename(path))[0]}"
+                if os.path.exists(path)
+                else path.replace("/", "_")
+            )
+            result = _evaluate_dataset(
+                cfg, policy, params, lora_scale, path, pool, os.path.join(output_dir, f"{name}.jsonl")
+            )
             summary["datasets"][name] = result
             for k, v in result.items():
                 if isinstance(v, float):
@@ -91,10 +97,19 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
     if cfg.eval.num_examples:
         dataset = dataset.select(range(min(cfg.eval.num_examples, len(dataset))))
     tok = tokenize_prompts(
-        policy.tokenizer, list(dataset["prompt"]), cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
+        policy.tokenizer,
+        list(dataset["prompt"]),
+        cfg.data.max_prompt_len,
+        cfg.data.template,
+        system_prompt=cfg.data.system_prompt,
     )
     if tok.num_dropped:
-        logging.warning("%s: %d prompts longer than data.max_prompt_len=%d are skipped", path, tok.num_dropped, cfg.data.max_prompt_len)
+        logging.warning(
+            "%s: %d prompts longer than data.max_prompt_len=%d are skipped",
+            path,
+            tok.num_dropped,
+            cfg.data.max_prompt_len,
+        )
     greedy = SamplingConfig(
         temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens, eos_ids=policy.stop_ids, pad_id=policy.pad_id
     )
@@ -129,7 +144,9 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
                 max_batch=cfg.rollout.max_batch,
             )
             tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
-            completions += policy.tokenizer.batch_decode([r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True)
+            completions += policy.tokenizer.batch_decode(
+                [r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True
+            )
             lengths += lens.tolist()
         rows = np.repeat(tok.kept_indices, k)
         answers = [dataset[int(i)]["answer"] for i in rows]

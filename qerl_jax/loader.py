@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 
 SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 SAFETENSORS_FILE = "model.safetensors"
@@ -142,17 +142,8 @@ def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a dense checkpoint of this config."""
-    d, hd = config.hidden_size, config.head_dim
-    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    proj_shapes = {
-        "q_proj": (q_out, d),
-        "k_proj": (kv_out, d),
-        "v_proj": (kv_out, d),
-        "o_proj": (d, q_out),
-        "gate_proj": (config.intermediate_size, d),
-        "up_proj": (config.intermediate_size, d),
-        "down_proj": (d, config.intermediate_size),
-    }
+    d = config.hidden_size
+    proj_shapes = projection_shapes(config)
     shapes = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)
@@ -298,7 +289,10 @@ def load_model(
         top[name] = array.astype(np.float32 if name == "model.norm.weight" else np_dtype)
 
     if pending or packed_parts:
-        incomplete = sorted({hf_linear_name(layer, p) for (layer, g) in pending for p in g} | {hf_linear_name(l, p) for l, p in packed_parts})
+        incomplete = sorted(
+            {hf_linear_name(layer, p) for (layer, g) in pending for p in g}
+            | {hf_linear_name(l, p) for l, p in packed_parts}
+        )
         raise CheckpointError(f"{path}: incomplete quantized projection(s): {incomplete[:5]}")
     missing = sorted(set(expected) - seen)
     if missing:
@@ -325,7 +319,9 @@ def load_tokenizer(path: str):
 
     if not os.path.isdir(path):
         raise CheckpointError(f"tokenizer directory {path!r} does not exist")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    if not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    ):
         raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

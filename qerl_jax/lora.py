@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,9 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.targets is empty; expected a non-empty subset of {PROJECTIONS}")
         unknown = [t for t in self.targets if t not in PROJECTIONS]
         if unknown:
-            raise ValueError(f"LoraConfig.targets has unknown projection name(s) {unknown}; expected names from {PROJECTIONS}")
+            raise ValueError(
+                f"LoraConfig.targets has unknown projection name(s) {unknown}; expected names from {PROJECTIONS}"
+            )
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"LoraConfig.targets has duplicates: {self.targets}")
         if self.dropout != 0.0:
@@ -57,22 +59,6 @@ class LoraConfig:
 def lora_scale(cfg: LoraConfig) -> float:
     """The LoRA output multiplier: alpha / r, or alpha / sqrt(r) with rsLoRA (as PEFT)."""
     return float(cfg.alpha / (math.sqrt(cfg.rank) if cfg.rslora else cfg.rank))
-
-
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(N = out features, K = in features) of each projection's weight W [N, K]."""
-    d, hd = config.hidden_size, config.head_dim
-    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    inter = config.intermediate_size
-    return {
-        "q_proj": (q_out, d),
-        "k_proj": (kv_out, d),
-        "v_proj": (kv_out, d),
-        "o_proj": (d, q_out),
-        "gate_proj": (inter, d),
-        "up_proj": (inter, d),
-        "down_proj": (d, inter),
-    }
 
 
 def init_lora(key: jax.Array, config: ModelConfig, cfg: LoraConfig, dtype=jnp.float32) -> dict[str, Any]:
@@ -98,7 +84,9 @@ def init_lora(key: jax.Array, config: ModelConfig, cfg: LoraConfig, dtype=jnp.fl
 def check_lora(lora: dict[str, Any], config: ModelConfig) -> int:
     """Validates a LoRA pytree's structure and shapes against the model; returns its rank."""
     if not isinstance(lora, dict) or not isinstance(lora.get("layers"), dict) or not lora["layers"]:
-        raise ValueError("LoRA pytree must be {'layers': {proj: {'a': [L, r, K], 'b': [L, N, r]}}} with >= 1 projection")
+        raise ValueError(
+            "LoRA pytree must be {'layers': {proj: {'a': [L, r, K], 'b': [L, N, r]}}} with >= 1 projection"
+        )
     shapes = projection_shapes(config)
     ranks = set()
     for proj, ab in lora["layers"].items():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 from qerl_jax.quant.packed import BLOCK_SIZES, FORMATS
 
 QUANT_CHOICES = ("bf16", *FORMATS)
@@ -42,21 +42,6 @@ FIELD_LOGPROB_CHUNK = "rl.logprob_chunk"
 FIELD_LORA_RANK = "lora.rank"
 FIELD_REMAT = "rl.remat"
 GIB = 1024**3
-
-
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(N = out features, K = in features) of each linear projection of one layer."""
-    d, hd = config.hidden_size, config.head_dim
-    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
-    return {
-        "q_proj": (q, d),
-        "k_proj": (kv, d),
-        "v_proj": (kv, d),
-        "o_proj": (d, q),
-        "gate_proj": (inter, d),
-        "up_proj": (inter, d),
-        "down_proj": (d, inter),
-    }
 
 
 def packed_matrix_bytes(n: int, k: int, fmt: str) -> int:
@@ -157,7 +142,10 @@ class MemoryPlan:
         i, c = self.inputs, self.config
         rows = [
             (f"base linear weights ({i['quant']})", self.base_linear),
-            ("embeddings + lm_head (bf16)" if not c.tie_word_embeddings else "embeddings (bf16, tied)", self.embeddings),
+            (
+                "embeddings + lm_head (bf16)" if not c.tie_word_embeddings else "embeddings (bf16, tied)",
+                self.embeddings,
+            ),
             ("biases + norms (bf16)", self.biases_norms),
             (f"LoRA params (f32, r={i['lora_rank']}, {len(i['lora_targets'])} targets)", self.lora_params),
             ("AdamW moments (f32, 2x)", self.optimizer_state),
@@ -167,7 +155,10 @@ class MemoryPlan:
             ("dequantized layer (xla backend)", self.dequant_workspace),
             ("= rollout phase peak", self.rollout_peak),
             ("LoRA gradients + accumulator (f32)", self.lora_grads),
-            (f"saved layer inputs (micro-batch {i['micro_batch_size']} x {i['train_seq_len']})", self.train_saved_activations),
+            (
+                f"saved layer inputs (micro-batch {i['micro_batch_size']} x {i['train_seq_len']})",
+                self.train_saved_activations,
+            ),
             ("one layer recomputed" if i["remat"] else "all layers' activations", self.train_layer_activations),
             (f"log-prob chunk logits ({i['logprob_chunk']} tokens/seq)", self.train_logits),
             ("= train phase peak", self.train_peak),
@@ -290,12 +281,16 @@ def plan_memory(
     _positive("rollout_batch", rollout_batch)
     _positive("group_size", group_size)
     _positive("kv_cache_copies", kv_cache_copies)
-    rollout_chunk = rollout_batch if rollout_chunk is None else min(_positive(FIELD_ROLLOUT_CHUNK, rollout_chunk), rollout_batch)
+    rollout_chunk = (
+        rollout_batch if rollout_chunk is None else min(_positive(FIELD_ROLLOUT_CHUNK, rollout_chunk), rollout_batch)
+    )
     _positive("prompt_len", prompt_len)
     _positive(FIELD_NEW_TOKENS, max_new_tokens)
     _positive(FIELD_MICRO_BATCH, micro_batch_size)
     train_seq_len = prompt_len + max_new_tokens if train_seq_len is None else _positive("train_seq_len", train_seq_len)
-    logprob_chunk = train_seq_len if logprob_chunk is None else min(_positive(FIELD_LOGPROB_CHUNK, logprob_chunk), train_seq_len)
+    logprob_chunk = (
+        train_seq_len if logprob_chunk is None else min(_positive(FIELD_LOGPROB_CHUNK, logprob_chunk), train_seq_len)
+    )
     inputs = dict(
         quant=quant,
         quant_skip=tuple(quant_skip),

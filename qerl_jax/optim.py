@@ -24,7 +24,9 @@ def make_schedule(lr: float, *, warmup_steps: int, total_steps: int, schedule: s
     if not lr > 0:
         raise ValueError(f"learning rate must be > 0; got {lr!r}")
     if warmup_steps < 0 or total_steps < 1:
-        raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1; got warmup_steps={warmup_steps}, total_steps={total_steps}")
+        raise ValueError(
+            f"need warmup_steps >= 0 and total_steps >= 1; got warmup_steps={warmup_steps}, total_steps={total_steps}"
+        )
     if warmup_steps > total_steps:
         raise ValueError(f"warmup_steps={warmup_steps} exceeds total_steps={total_steps}")
 

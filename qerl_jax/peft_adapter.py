@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
-import re
-
 from safetensors.numpy import load_file, save_file
 
 from qerl_jax.loader import CheckpointError, hf_linear_name
@@ -76,7 +75,9 @@ def load_peft_adapter(adapter_dir: str, num_layers: int) -> tuple[dict[str, Any]
     weights_file = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     for f in (cfg_file, weights_file):
         if not os.path.isfile(f):
-            raise CheckpointError(f"{f} is missing: a PEFT adapter directory needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+            raise CheckpointError(
+                f"{f} is missing: a PEFT adapter directory needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
+            )
     with open(cfg_file) as f:
         config = json.load(f)
     if config.get("peft_type") != "LORA":
@@ -92,6 +93,8 @@ def load_peft_adapter(adapter_dir: str, num_layers: int) -> tuple[dict[str, Any]
     for proj, ab in per_layer.items():
         for part in ("a", "b"):
             if sorted(ab[part]) != list(range(num_layers)):
-                raise CheckpointError(f"{weights_file}: {proj} lora_{part.upper()} covers layers {sorted(ab[part])}, expected 0..{num_layers - 1}")
+                raise CheckpointError(
+                    f"{weights_file}: {proj} lora_{part.upper()} covers layers {sorted(ab[part])}, expected 0..{num_layers - 1}"
+                )
         layers[proj] = {part: np.stack([ab[part][i] for i in range(num_layers)]) for part in ("a", "b")}
     return {"layers": layers}, config

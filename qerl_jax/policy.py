@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import ml_collections
-
 import optax
 
 from qerl_jax import aqn, lora, optim, tiny
@@ -26,7 +25,7 @@ class UserFacingError(RuntimeError):
 
 
 def resolve_backend(name: str) -> str:
-    """"auto" -> the Pallas kernels on GPU, XLA dequant+dot elsewhere."""
+    """ "auto" -> the Pallas kernels on GPU, XLA dequant+dot elsewhere."""
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     if name not in ("pallas", "xla"):
@@ -83,7 +82,10 @@ def load_policy(cfg: ml_collections.ConfigDict) -> Policy:
     quant = cfg.model.quant
     try:
         config, params = load_model(
-            model_dir, dtype=cfg.model.dtype, quant=None if quant == "bf16" else quant, quant_skip=tuple(cfg.model.quant_skip)
+            model_dir,
+            dtype=cfg.model.dtype,
+            quant=None if quant == "bf16" else quant,
+            quant_skip=tuple(cfg.model.quant_skip),
         )
         tokenizer = load_tokenizer(model_dir)
     except CheckpointError as e:
@@ -102,7 +104,9 @@ def load_policy(cfg: ml_collections.ConfigDict) -> Policy:
 
 
 def lora_config(cfg) -> lora.LoraConfig:
-    return lora.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets), rslora=cfg.lora.rslora)
+    return lora.LoraConfig(
+        rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets), rslora=cfg.lora.rslora
+    )
 
 
 def aqn_config(cfg, quant: str) -> aqn.AQNConfig:
@@ -142,4 +146,6 @@ def optimizer_from_config(cfg) -> tuple[optax.GradientTransformation, optax.Sche
         weight_decay=cfg.optim.weight_decay,
         clip_norm=cfg.optim.clip_norm,
     )
-    return optimizer, optim.make_schedule(cfg.optim.lr, warmup_steps=warmup, total_steps=total, schedule=cfg.optim.schedule)
+    return optimizer, optim.make_schedule(
+        cfg.optim.lr, warmup_steps=warmup, total_steps=total, schedule=cfg.optim.schedule
+    )

@@ -133,7 +133,9 @@ def quantize_checkpoint(
         config = json.load(f)
     if "quantization_config" in config:
         method = config["quantization_config"].get("quant_method")
-        raise QuantizeError(f"{config_path} already has a quantization_config (quant_method={method!r}); expected a dense checkpoint")
+        raise QuantizeError(
+            f"{config_path} already has a quantization_config (quant_method={method!r}); expected a dense checkpoint"
+        )
     shards, index = _shards(model_dir)
     if os.path.abspath(out_dir) == os.path.abspath(model_dir):
         raise QuantizeError("--out must differ from --model")
@@ -206,7 +208,10 @@ def quantize_checkpoint(
     flush(current)
 
     if index is not None:
-        new_index = {"metadata": {**index.get("metadata", {}), "total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        new_index = {
+            "metadata": {**index.get("metadata", {}), "total_size": total_size},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
             json.dump(new_index, f, indent=2)
     config["quantization_config"] = ct.quantization_config(fmt, ignore=sorted(ignore))

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qerl_jax.models.qwen2 import PROJECTIONS
 from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight
@@ -81,7 +82,13 @@ def _maybe(spec: tuple, shape: tuple[int, ...], axis_sizes: dict[str, int], what
     out = []
     for dim, axis in zip(shape, spec):
         if axis is not None and dim % axis_sizes[axis]:
-            log.info("replicating %s: dimension %d does not divide by mesh axis %r of size %d", what, dim, axis, axis_sizes[axis])
+            log.info(
+                "replicating %s: dimension %d does not divide by mesh axis %r of size %d",
+                what,
+                dim,
+                axis,
+                axis_sizes[axis],
+            )
             axis = None
         out.append(axis)
     return P(*out)
@@ -105,7 +112,12 @@ def _packed_specs(w: PackedWeight, dim: int, axis: str, axis_sizes: dict[str, in
         k = 2 * w.codes.shape[-1]
         log.info(
             "replicating %s: K=%d has %d blocks of %d, not divisible by mesh axis %r of size %d",
-            what, k, blocks, BLOCK_SIZES[w.fmt], axis, size,
+            what,
+            k,
+            blocks,
+            BLOCK_SIZES[w.fmt],
+            axis,
+            size,
         )
         spec = lead + (None, None)
     return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=gs, fmt=w.fmt)

@@ -65,35 +65,35 @@ Its average speed is 120 / 2 = 60 miles per hour. John has 3 apples and buys 4 m
 
 
 def default_data_dir() -> pathlib.Path | None:
-  """The shared math data folder, if one can be found (env QERL_DATA_DIR first)."""
-  candidates = []
-  if os.environ.get("QERL_DATA_DIR"):
-    candidates.append(pathlib.Path(os.environ["QERL_DATA_DIR"]))
-  repo_root = pathlib.Path(__file__).resolve().parent.parent
-  candidates += [
-      repo_root.parent / "shared" / "data",
-      repo_root / "shared" / "data",
-      pathlib.Path("/work/shared/data"),
-  ]
-  for c in candidates:
-    if c.is_dir():
-      return c
-  return None
+    """The shared math data folder, if one can be found (env QERL_DATA_DIR first)."""
+    candidates = []
+    if os.environ.get("QERL_DATA_DIR"):
+        candidates.append(pathlib.Path(os.environ["QERL_DATA_DIR"]))
+    repo_root = pathlib.Path(__file__).resolve().parent.parent
+    candidates += [
+        repo_root.parent / "shared" / "data",
+        repo_root / "shared" / "data",
+        pathlib.Path("/work/shared/data"),
+    ]
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return None
 
 
 def _default_texts(max_rows: int = 300) -> list[str]:
-  """A few hundred GSM8K question+answer texts, or the built-in sample."""
-  texts = [_BUILTIN_TEXT]
-  data_dir = default_data_dir()
-  path = data_dir / "gsm8k" / "train.jsonl" if data_dir else None
-  if path is not None and path.is_file():
-    with open(path, encoding="utf-8") as f:
-      for i, line in enumerate(f):
-        if i >= max_rows:
-          break
-        row = json.loads(line)
-        texts.append(row.get("question", "") + "\n" + row.get("answer", ""))
-  return texts
+    """A few hundred GSM8K question+answer texts, or the built-in sample."""
+    texts = [_BUILTIN_TEXT]
+    data_dir = default_data_dir()
+    path = data_dir / "gsm8k" / "train.jsonl" if data_dir else None
+    if path is not None and path.is_file():
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= max_rows:
+                    break
+                row = json.loads(line)
+                texts.append(row.get("question", "") + "\n" + row.get("answer", ""))
+    return texts
 
 
 def build_tiny_tokenizer(
@@ -101,86 +101,87 @@ def build_tiny_tokenizer(
     vocab_size: int = 512,
     texts: Iterable[str] | None = None,
 ):
-  """Trains a small Qwen2-style byte-level BPE tokenizer offline.
+    """Trains a small Qwen2-style byte-level BPE tokenizer offline.
 
-  Args:
-    out_dir: if given, the tokenizer is saved there with `save_pretrained`.
-    vocab_size: total vocabulary size, the 3 special tokens and the 256 byte
-      symbols included (must be >= 260); when the texts run out of merges the
-      rest is filled with `<|reserved_i|>` special tokens.
-    texts: training texts; default: up to 300 GSM8K train rows from the shared
-      data folder (if present) plus a small built-in math/English sample.
+    Args:
+      out_dir: if given, the tokenizer is saved there with `save_pretrained`.
+      vocab_size: total vocabulary size, the 3 special tokens and the 256 byte
+        symbols included (must be >= 260); when the texts run out of merges the
+        rest is filled with `<|reserved_i|>` special tokens.
+      texts: training texts; default: up to 300 GSM8K train rows from the shared
+        data folder (if present) plus a small built-in math/English sample.
 
-  Returns:
-    A `transformers.PreTrainedTokenizerFast` with `<|endoftext|>` as pad and
-    eos token, `<|im_start|>`/`<|im_end|>` and a ChatML chat template.
-  """
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-  from tokenizers import pre_tokenizers, trainers
-  import transformers
+    Returns:
+      A `transformers.PreTrainedTokenizerFast` with `<|endoftext|>` as pad and
+      eos token, `<|im_start|>`/`<|im_end|>` and a ChatML chat template.
+    """
+    import transformers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-  min_size = len(SPECIAL_TOKENS) + 256 + 1
-  if vocab_size < min_size:
-    raise ValueError(f"vocab_size={vocab_size} is too small; expected >= {min_size}.")
-  texts = list(texts) if texts is not None else _default_texts()
-  if not texts:
-    raise ValueError("texts is empty; expected at least one training text.")
+    min_size = len(SPECIAL_TOKENS) + 256 + 1
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size={vocab_size} is too small; expected >= {min_size}.")
+    texts = list(texts) if texts is not None else _default_texts()
+    if not texts:
+        raise ValueError("texts is empty; expected at least one training text.")
 
-  tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-  tok.normalizer = normalizers.NFC()
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated"),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-  ])
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size,
-      min_frequency=2,
-      special_tokens=list(SPECIAL_TOKENS),
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False,
-  )
-  tok.train_from_iterator(texts, trainer=trainer)
-  # Small corpora run out of merges: fill up with reserved special tokens (like
-  # Qwen's unused ids) so that the vocabulary size is always as asked.
-  missing = vocab_size - tok.get_vocab_size()
-  if missing > 0:
-    tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True)
-                            for i in range(missing)])
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    # Small corpora run out of merges: fill up with reserved special tokens (like
+    # Qwen's unused ids) so that the vocabulary size is always as asked.
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(missing)])
 
-  hf_tok = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok,
-      eos_token=ENDOFTEXT,
-      pad_token=ENDOFTEXT,
-      unk_token=None,
-      bos_token=None,
-      additional_special_tokens=[IM_START, IM_END],
-      model_max_length=2048,
-      padding_side="left",
-      clean_up_tokenization_spaces=False,
-  )
-  hf_tok.chat_template = CHAT_TEMPLATE
-  if out_dir is not None:
-    hf_tok.save_pretrained(str(out_dir))
-    # Real Qwen checkpoints name Qwen2Tokenizer; it loads the same tokenizer.json.
-    cfg_path = pathlib.Path(out_dir) / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "Qwen2Tokenizer"
-    _write_json(cfg_path, cfg)
-  return hf_tok
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=2048,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        hf_tok.save_pretrained(str(out_dir))
+        # Real Qwen checkpoints name Qwen2Tokenizer; it loads the same tokenizer.json.
+        cfg_path = pathlib.Path(out_dir) / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["tokenizer_class"] = "Qwen2Tokenizer"
+        _write_json(cfg_path, cfg)
+    return hf_tok
 
 
 def _supports_bf16_numpy() -> bool:
-  import safetensors.numpy
-  import tempfile
+    import tempfile
 
-  try:
-    with tempfile.TemporaryDirectory() as d:
-      p = os.path.join(d, "probe.safetensors")
-      safetensors.numpy.save_file({"x": np.zeros((1,), ml_dtypes.bfloat16)}, p)
-      return safetensors.numpy.load_file(p)["x"].dtype == ml_dtypes.bfloat16
-  except Exception:  # older safetensors: no bf16 in the numpy backend.
-    return False
+    import safetensors.numpy
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "probe.safetensors")
+            safetensors.numpy.save_file({"x": np.zeros((1,), ml_dtypes.bfloat16)}, p)
+            return safetensors.numpy.load_file(p)["x"].dtype == ml_dtypes.bfloat16
+    except Exception:  # older safetensors: no bf16 in the numpy backend.
+        return False
 
 
 def make_tiny_weights(
@@ -195,42 +196,42 @@ def make_tiny_weights(
     tie_word_embeddings: bool = False,
     random_norms: bool = False,
 ) -> dict[str, np.ndarray]:
-  """Random float32 Qwen2 weights under their HF names (std 0.02 normal).
+    """Random float32 Qwen2 weights under their HF names (std 0.02 normal).
 
-  Norm scales are ones unless `random_norms`, then 1 + N(0, 0.1) so that a
-  swapped norm would be noticed. Shapes follow HF: linear W is [out, in].
-  """
-  rng = np.random.default_rng(seed)
-  head_dim = hidden_size // num_heads
-  q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+    Norm scales are ones unless `random_norms`, then 1 + N(0, 0.1) so that a
+    swapped norm would be noticed. Shapes follow HF: linear W is [out, in].
+    """
+    rng = np.random.default_rng(seed)
+    head_dim = hidden_size // num_heads
+    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
 
-  def normal(*shape, std=0.02):
-    return (rng.standard_normal(shape) * std).astype(np.float32)
+    def normal(*shape, std=0.02):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
 
-  def norm(d):
-    if random_norms:
-      return (1.0 + rng.standard_normal(d) * 0.1).astype(np.float32)
-    return np.ones((d,), np.float32)
+    def norm(d):
+        if random_norms:
+            return (1.0 + rng.standard_normal(d) * 0.1).astype(np.float32)
+        return np.ones((d,), np.float32)
 
-  w = {"model.embed_tokens.weight": normal(vocab_size, hidden_size)}
-  for i in range(num_layers):
-    p = f"model.layers.{i}."
-    w[p + "self_attn.q_proj.weight"] = normal(q_out, hidden_size)
-    w[p + "self_attn.q_proj.bias"] = normal(q_out)
-    w[p + "self_attn.k_proj.weight"] = normal(kv_out, hidden_size)
-    w[p + "self_attn.k_proj.bias"] = normal(kv_out)
-    w[p + "self_attn.v_proj.weight"] = normal(kv_out, hidden_size)
-    w[p + "self_attn.v_proj.bias"] = normal(kv_out)
-    w[p + "self_attn.o_proj.weight"] = normal(hidden_size, q_out)
-    w[p + "mlp.gate_proj.weight"] = normal(intermediate_size, hidden_size)
-    w[p + "mlp.up_proj.weight"] = normal(intermediate_size, hidden_size)
-    w[p + "mlp.down_proj.weight"] = normal(hidden_size, intermediate_size)
-    w[p + "input_layernorm.weight"] = norm(hidden_size)
-    w[p + "post_attention_layernorm.weight"] = norm(hidden_size)
-  w["model.norm.weight"] = norm(hidden_size)
-  if not tie_word_embeddings:
-    w["lm_head.weight"] = normal(vocab_size, hidden_size)
-  return w
+    w = {"model.embed_tokens.weight": normal(vocab_size, hidden_size)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = normal(q_out, hidden_size)
+        w[p + "self_attn.q_proj.bias"] = normal(q_out)
+        w[p + "self_attn.k_proj.weight"] = normal(kv_out, hidden_size)
+        w[p + "self_attn.k_proj.bias"] = normal(kv_out)
+        w[p + "self_attn.v_proj.weight"] = normal(kv_out, hidden_size)
+        w[p + "self_attn.v_proj.bias"] = normal(kv_out)
+        w[p + "self_attn.o_proj.weight"] = normal(hidden_size, q_out)
+        w[p + "mlp.gate_proj.weight"] = normal(intermediate_size, hidden_size)
+        w[p + "mlp.up_proj.weight"] = normal(intermediate_size, hidden_size)
+        w[p + "mlp.down_proj.weight"] = normal(hidden_size, intermediate_size)
+        w[p + "input_layernorm.weight"] = norm(hidden_size)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden_size)
+    w["model.norm.weight"] = norm(hidden_size)
+    if not tie_word_embeddings:
+        w["lm_head.weight"] = normal(vocab_size, hidden_size)
+    return w
 
 
 _CHECKPOINT_FILES = (
@@ -244,9 +245,9 @@ _BUILD_ARGS_FILE = "tiny_build_args.json"
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
-  tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-  tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-  os.replace(tmp, path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def build_tiny_checkpoint(
@@ -263,116 +264,126 @@ def build_tiny_checkpoint(
     random_norms: bool = False,
     texts: Sequence[str] | None = None,
 ) -> str:
-  """Writes a complete random HF Qwen2 checkpoint directory without torch.
+    """Writes a complete random HF Qwen2 checkpoint directory without torch.
 
-  Skips the work when `out_dir` already holds a checkpoint built with the same
-  arguments (recorded in `tiny_build_args.json`, written last).
+    Skips the work when `out_dir` already holds a checkpoint built with the same
+    arguments (recorded in `tiny_build_args.json`, written last).
 
-  Args:
-    out_dir: target directory (created if needed).
-    hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: model
-      shape; hidden_size must divide by num_heads and num_heads by num_kv_heads.
-    seed: weight RNG seed.
-    tie_word_embeddings: if True, no `lm_head.weight` is written.
-    vocab_size: tokenizer vocabulary size (also the model's vocab_size).
-    random_norms: RMSNorm scales 1 + N(0, 0.1) instead of ones.
-    texts: tokenizer training texts (default: see `build_tiny_tokenizer`).
+    Args:
+      out_dir: target directory (created if needed).
+      hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: model
+        shape; hidden_size must divide by num_heads and num_heads by num_kv_heads.
+      seed: weight RNG seed.
+      tie_word_embeddings: if True, no `lm_head.weight` is written.
+      vocab_size: tokenizer vocabulary size (also the model's vocab_size).
+      random_norms: RMSNorm scales 1 + N(0, 0.1) instead of ones.
+      texts: tokenizer training texts (default: see `build_tiny_tokenizer`).
 
-  Returns:
-    `out_dir` as a string.
-  """
-  import safetensors.numpy
+    Returns:
+      `out_dir` as a string.
+    """
+    import safetensors.numpy
 
-  if hidden_size % num_heads:
-    raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}.")
-  if num_heads % num_kv_heads:
-    raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}.")
-  out = pathlib.Path(out_dir)
-  texts = list(texts) if texts is not None else _default_texts()
-  build_args = dict(
-      hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-      num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed,
-      tie_word_embeddings=tie_word_embeddings, vocab_size=vocab_size,
-      random_norms=random_norms,
-      texts_hash=_hash_texts(texts),
-      format_version=1,
-  )
-  marker = out / _BUILD_ARGS_FILE
-  if marker.is_file() and all((out / f).is_file() for f in _CHECKPOINT_FILES):
-    try:
-      if json.loads(marker.read_text()) == build_args:
-        return str(out)
-    except json.JSONDecodeError:
-      pass
-  out.mkdir(parents=True, exist_ok=True)
-  if marker.exists():
-    marker.unlink()
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}.")
+    out = pathlib.Path(out_dir)
+    texts = list(texts) if texts is not None else _default_texts()
+    build_args = dict(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        seed=seed,
+        tie_word_embeddings=tie_word_embeddings,
+        vocab_size=vocab_size,
+        random_norms=random_norms,
+        texts_hash=_hash_texts(texts),
+        format_version=1,
+    )
+    marker = out / _BUILD_ARGS_FILE
+    if marker.is_file() and all((out / f).is_file() for f in _CHECKPOINT_FILES):
+        try:
+            if json.loads(marker.read_text()) == build_args:
+                return str(out)
+        except json.JSONDecodeError:
+            pass
+    out.mkdir(parents=True, exist_ok=True)
+    if marker.exists():
+        marker.unlink()
 
-  tokenizer = build_tiny_tokenizer(out, vocab_size=vocab_size, texts=texts)
-  real_vocab = len(tokenizer)
-  eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-  im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    tokenizer = build_tiny_tokenizer(out, vocab_size=vocab_size, texts=texts)
+    real_vocab = len(tokenizer)
+    eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
 
-  config = {
-      "architectures": ["Qwen2ForCausalLM"],
-      "model_type": "qwen2",
-      "vocab_size": real_vocab,
-      "hidden_size": hidden_size,
-      "intermediate_size": intermediate_size,
-      "num_hidden_layers": num_layers,
-      "num_attention_heads": num_heads,
-      "num_key_value_heads": num_kv_heads,
-      "hidden_act": "silu",
-      "max_position_embeddings": 2048,
-      "initializer_range": 0.02,
-      "rms_norm_eps": 1e-6,
-      "rope_theta": 1000000.0,
-      "rope_scaling": None,
-      "attention_bias": True,
-      "attention_dropout": 0.0,
-      "use_cache": True,
-      "use_sliding_window": False,
-      "sliding_window": None,
-      "max_window_layers": num_layers,
-      "tie_word_embeddings": tie_word_embeddings,
-      "bos_token_id": eos_id,  # Qwen2.5 uses <|endoftext|> as bos id too.
-      "eos_token_id": eos_id,
-      "pad_token_id": eos_id,
-      "torch_dtype": "bfloat16",
-  }
-  gen_config = {
-      "bos_token_id": eos_id,
-      "eos_token_id": [im_end_id, eos_id],
-      "pad_token_id": eos_id,
-      "do_sample": True,
-      "temperature": 1.0,
-      "top_p": 1.0,
-  }
-  weights = make_tiny_weights(
-      vocab_size=real_vocab, hidden_size=hidden_size, num_layers=num_layers,
-      num_heads=num_heads, num_kv_heads=num_kv_heads,
-      intermediate_size=intermediate_size, seed=seed,
-      tie_word_embeddings=tie_word_embeddings, random_norms=random_norms,
-  )
-  if _supports_bf16_numpy():
-    weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
-  else:
-    config["torch_dtype"] = "float32"
-  tmp = out / f"model.safetensors.tmp{os.getpid()}"
-  safetensors.numpy.save_file(weights, str(tmp), metadata={"format": "pt"})
-  os.chmod(tmp, 0o644)
-  os.replace(tmp, out / "model.safetensors")
-  _write_json(out / "config.json", config)
-  _write_json(out / "generation_config.json", gen_config)
-  _write_json(marker, build_args)
-  return str(out)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": real_vocab,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": eos_id,  # Qwen2.5 uses <|endoftext|> as bos id too.
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "torch_dtype": "bfloat16",
+    }
+    gen_config = {
+        "bos_token_id": eos_id,
+        "eos_token_id": [im_end_id, eos_id],
+        "pad_token_id": eos_id,
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+    weights = make_tiny_weights(
+        vocab_size=real_vocab,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        seed=seed,
+        tie_word_embeddings=tie_word_embeddings,
+        random_norms=random_norms,
+    )
+    if _supports_bf16_numpy():
+        weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
+    else:
+        config["torch_dtype"] = "float32"
+    tmp = out / f"model.safetensors.tmp{os.getpid()}"
+    safetensors.numpy.save_file(weights, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out / "model.safetensors")
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", gen_config)
+    _write_json(marker, build_args)
+    return str(out)
 
 
 def _hash_texts(texts: Sequence[str]) -> str:
-  import hashlib
+    import hashlib
 
-  h = hashlib.sha256()
-  for t in texts:
-    h.update(t.encode("utf-8"))
-    h.update(b"\0")
-  return h.hexdigest()
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()

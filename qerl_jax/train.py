@@ -22,16 +22,23 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, lora, memory, rewards, sharding
-from qerl_jax import evaluation
+from qerl_jax import aqn, evaluation, lora, memory, rewards, sharding
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
 from qerl_jax.peft_adapter import export_peft_adapter
-from qerl_jax.policy import Policy, UserFacingError, aqn_config, load_policy, lora_config, optimizer_from_config, sampling_config
-from qerl_jax.rl import losses, step as rl_step
+from qerl_jax.policy import (
+    Policy,
+    UserFacingError,
+    aqn_config,
+    load_policy,
+    lora_config,
+    optimizer_from_config,
+    sampling_config,
+)
+from qerl_jax.rl import losses
+from qerl_jax.rl import step as rl_step
 from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch
-
 
 # ----------------------------------------------------------------------------- one step's data
 
@@ -50,7 +57,9 @@ class Experience:
     groups_kept: int
 
 
-def collect_experience(cfg, policy: Policy, rollout_params, loader: PromptLoader, pool: rewards.RewardPool, key) -> tuple[Experience, dict[str, float]]:
+def collect_experience(
+    cfg, policy: Policy, rollout_params, loader: PromptLoader, pool: rewards.RewardPool, key
+) -> tuple[Experience, dict[str, float]]:
     """Rollouts + rewards for `prompts_per_step` groups (DAPO: only groups with varied rewards)."""
     g = cfg.rollout.group_size
     want = cfg.rollout.prompts_per_step
@@ -60,7 +69,11 @@ def collect_experience(cfg, policy: Policy, rollout_params, loader: PromptLoader
     for round_ in range(1 + (cfg.rl.max_refill_rounds if cfg.rl.dynamic_sampling else 0)):
         prompts = next(loader)
         tok = tokenize_prompts(
-            policy.tokenizer, prompts["prompt"], cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
+            policy.tokenizer,
+            prompts["prompt"],
+            cfg.data.max_prompt_len,
+            cfg.data.template,
+            system_prompt=cfg.data.system_prompt,
         )
         if len(tok.kept_indices) == 0:
             continue
@@ -92,7 +105,9 @@ def collect_experience(cfg, policy: Policy, rollout_params, loader: PromptLoader
         shaped = raw.copy()
         if cfg.rl.overlong_cache:
             shaped += np.asarray(
-                losses.overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.rl.overlong_cache, cfg.rl.overlong_penalty)
+                losses.overlong_penalty(
+                    lengths, cfg.rollout.max_new_tokens, cfg.rl.overlong_cache, cfg.rl.overlong_penalty
+                )
             )
         n_groups = len(tok.kept_indices)
         sampled += n_groups
@@ -131,7 +146,16 @@ def collect_experience(cfg, policy: Policy, rollout_params, loader: PromptLoader
 
 def _select(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
     """The given rows of a rollout (per-row fields only)."""
-    per_row = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
+    per_row = (
+        "prompt_ids",
+        "prompt_mask",
+        "tokens",
+        "logprobs",
+        "response_mask",
+        "lengths",
+        "truncated",
+        "prompt_index",
+    )
     return batch.replace(**{f: getattr(batch, f)[rows] for f in per_row})
 
 
@@ -164,7 +188,9 @@ def make_train_batch(cfg, exp: Experience) -> dict[str, jax.Array]:
         fill = lambda x, v: jnp.concatenate([x, jnp.full((rows - n, *x.shape[1:]), v, x.dtype)])  # noqa: E731
         batch = {
             "input_ids": fill(batch["input_ids"], 0),
-            "attention_mask": jnp.concatenate([batch["attention_mask"], jnp.repeat(batch["attention_mask"][:1], rows - n, 0)]),
+            "attention_mask": jnp.concatenate(
+                [batch["attention_mask"], jnp.repeat(batch["attention_mask"][:1], rows - n, 0)]
+            ),
             "response_mask": fill(batch["response_mask"], 0),
             "old_logp": fill(batch["old_logp"], 0.0),
             "advantages": fill(batch["advantages"], 0.0),
@@ -219,7 +245,9 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     dataset, dropped = filter_overlong(
         dataset, policy.tokenizer, cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
     )
-    tqdm.write(f"train prompts: {len(dataset)} kept, {dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped")
+    tqdm.write(
+        f"train prompts: {len(dataset)} kept, {dropped} longer than data.max_prompt_len={cfg.data.max_prompt_len} dropped"
+    )
     if len(dataset) < cfg.rollout.prompts_per_step:
         raise UserFacingError(
             f"only {len(dataset)} training prompts fit data.max_prompt_len={cfg.data.max_prompt_len}; "
@@ -249,7 +277,9 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                 "lora": state.lora,
             }
             try:
-                exp, metrics = collect_experience(cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step))
+                exp, metrics = collect_experience(
+                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step)
+                )
             except MemoryError as e:
                 raise UserFacingError(f"out of device memory in the rollout: {e}") from None
             metrics.update({"aqn/sigma": sigma, "optim/lr": float(lr_fn(int(state.step)))})
@@ -281,7 +311,10 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
             metrics.update(device_memory_bytes())
             if step % cfg.train.log_every == 0:
                 writer.scalars(step, metrics)
-            bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}", acc=f"{metrics.get('reward/accuracy', float('nan')):.3f}")
+            bar.set_postfix(
+                reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                acc=f"{metrics.get('reward/accuracy', float('nan')):.3f}",
+            )
 
             done = step + 1
             try:
@@ -371,5 +404,11 @@ def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) 
     params = {**policy.frozen, "lora": state.lora}
     output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
     evaluation.evaluate_params(
-        cfg, policy, params, lora_scale=lora.lora_scale(lora_config(cfg)), output_dir=output_dir, writer=writer, step=step
+        cfg,
+        policy,
+        params,
+        lora_scale=lora.lora_scale(lora_config(cfg)),
+        output_dir=output_dir,
+        writer=writer,
+        step=step,
     )

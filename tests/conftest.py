@@ -67,3 +67,11 @@ def load_config(name: str, arg: str | None = None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config() if arg is None else module.get_config(arg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny random Qwen2 checkpoint + tokenizer that configs/tiny.py builds (qerl_jax.tiny)."""
+    from qerl_jax import tiny
+
+    return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qerl_jax
-from qerl_jax.aqn import AQNConfig, aqn_sigma, aqn_stage, apply_aqn, default_aqn_enabled, stage_sigmas
+from qerl_jax.aqn import AQNConfig, apply_aqn, aqn_sigma, aqn_stage, default_aqn_enabled, stage_sigmas
 
 
 def _reference_sigma(step, total_steps, sigma_trend):
@@ -80,7 +80,9 @@ def test_noise_is_gaussian_channelwise_independent_fresh_and_not_accumulating():
         assert leaf.shape == ref.shape and leaf.dtype == ref.dtype
     allz = np.concatenate([x.reshape(-1) for x in jax.tree.leaves(z)])
     assert abs(allz.std() / 1e-2 - 1) < 0.03 and abs(allz.mean()) < 3e-4  # N(0, sigma^2)
-    rows = np.concatenate([z["layers"]["input_layernorm"], z["layers"]["post_attention_layernorm"], z["final_norm"][None]])
+    rows = np.concatenate(
+        [z["layers"]["input_layernorm"], z["layers"]["post_attention_layernorm"], z["final_norm"][None]]
+    )
     corr = np.corrcoef(rows)
     assert np.abs(corr[~np.eye(len(rows), dtype=bool)]).max() < 0.1  # independent per layer and per norm
 
@@ -122,7 +124,9 @@ def test_noisy_norm_forward_equals_transformers_with_replaced_norm_weights(tiny_
     noisy = apply_aqn(cfg, params["norms"], jax.random.key(3), 12)  # stage 1: sigma 0.2
     ours_clean = np.asarray(fwd(params))
     ours_noisy = np.asarray(fwd({**params, "norms": noisy}))
-    np.testing.assert_array_equal(np.asarray(fwd({**params, "norms": apply_aqn(cfg, params["norms"], jax.random.key(3), 5)})), ours_clean)
+    np.testing.assert_array_equal(
+        np.asarray(fwd({**params, "norms": apply_aqn(cfg, params["norms"], jax.random.key(3), 5)})), ours_clean
+    )
 
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     try:

@@ -13,7 +13,12 @@ def _state(seed):
     k = jax.random.key(seed)
     lora = {"layers": {"q_proj": {"a": jax.random.normal(k, (2, 4, 8)), "b": jnp.zeros((2, 6, 4))}}}
     opt = optax.adamw(1e-3)
-    return {"lora": lora, "opt_state": opt.init(lora), "step": jnp.asarray(7, jnp.int32), "key": jax.random.key(seed + 1)}
+    return {
+        "lora": lora,
+        "opt_state": opt.init(lora),
+        "step": jnp.asarray(7, jnp.int32),
+        "key": jax.random.key(seed + 1),
+    }
 
 
 def test_round_trip_is_exact(tmp_path):

@@ -57,7 +57,9 @@ def test_quantization_config_is_parsed_by_compressed_tensors(fmt):
     from compressed_tensors.quantization import preset_name_to_scheme
     from transformers import CompressedTensorsConfig
 
-    compressor = ModelCompressor.from_compression_config(CompressedTensorsConfig.from_dict(qct.quantization_config(fmt)))
+    compressor = ModelCompressor.from_compression_config(
+        CompressedTensorsConfig.from_dict(qct.quantization_config(fmt))
+    )
     group = compressor.quantization_config.config_groups["group_0"]
     preset = preset_name_to_scheme({"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}[fmt], ["Linear"])
     # (compared serialized: a symmetric scheme's zp_dtype is not stored, so it reloads as a default)
@@ -124,8 +126,14 @@ def test_detect_format_supported():
     "config,match",
     [
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq' is not supported"),
-        ({"quantization_config": {"quant_method": "bitsandbytes", "bnb_4bit_quant_type": "nf4"}}, "quant_method='bitsandbytes'"),
-        (_with_weights(type="int", num_bits=4, strategy="group", group_size=128), "type='int', num_bits=4 is not supported"),
+        (
+            {"quantization_config": {"quant_method": "bitsandbytes", "bnb_4bit_quant_type": "nf4"}},
+            "quant_method='bitsandbytes'",
+        ),
+        (
+            _with_weights(type="int", num_bits=4, strategy="group", group_size=128),
+            "type='int', num_bits=4 is not supported",
+        ),
         (_with_weights(type="int", num_bits=8, strategy="channel", group_size=None), "type='int', num_bits=8"),
         (_with_weights(num_bits=8, strategy="tensor", group_size=None), "type='float', num_bits=8"),
         (_with_weights(group_size=128, strategy="group"), "group_size=128, strategy='group' are not supported"),
@@ -173,11 +181,16 @@ def test_tensors_round_trip_through_safetensors(fmt, tmp_path):
     packed = _packed(fmt)
     tensors = qct.tensors_from_packed(packed)
     expected = {
-        "nvfp4": {"weight_packed": (np.uint8, (48, 64)), "weight_scale": (ml_dtypes.float8_e4m3fn, (48, 8)),
-                  "weight_global_scale": (np.float32, (1,))},
+        "nvfp4": {
+            "weight_packed": (np.uint8, (48, 64)),
+            "weight_scale": (ml_dtypes.float8_e4m3fn, (48, 8)),
+            "weight_global_scale": (np.float32, (1,)),
+        },
         "mxfp4": {"weight_packed": (np.uint8, (48, 64)), "weight_scale": (np.uint8, (48, 4))},
     }[fmt]
-    assert {k: (v.dtype, v.shape) for k, v in tensors.items()} == {k: (np.dtype(d), s) for k, (d, s) in expected.items()}
+    assert {k: (v.dtype, v.shape) for k, v in tensors.items()} == {
+        k: (np.dtype(d), s) for k, (d, s) in expected.items()
+    }
     path = str(tmp_path / "layer.safetensors")
     safetensors.numpy.save_file({f"model.layers.0.mlp.up_proj.{k}": v for k, v in tensors.items()}, path)
     # torch reads the dtypes compressed-tensors uses.
@@ -217,7 +230,9 @@ def test_read_safetensors_matches_torch(tmp_path):
     for k, v in arrays.items():
         assert read[k].dtype == v.dtype and read[k].shape == v.shape
         np.testing.assert_array_equal(read[k].view(np.uint8), v.view(np.uint8))
-        np.testing.assert_array_equal(read[k].view(np.uint8).reshape(-1), ref[k].contiguous().view(torch.uint8).numpy().reshape(-1))
+        np.testing.assert_array_equal(
+            read[k].view(np.uint8).reshape(-1), ref[k].contiguous().view(torch.uint8).numpy().reshape(-1)
+        )
     assert [k for k, _ in qct.read_safetensors(path, ["u8"])] == ["u8"]
     with pytest.raises(KeyError, match="no tensor 'nope'"):
         list(qct.read_safetensors(path, ["nope"]))

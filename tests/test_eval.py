@@ -7,17 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO, load_config
+
 from qerl_jax import evaluation
 from qerl_jax.policy import UserFacingError
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from qerl_jax import tiny
-
-    return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_eval") / "model"))
 
 
 def _cfg(tmp_path, model_dir, **eval_overrides):
@@ -36,15 +29,22 @@ def test_eval_command_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out_dir = tmp_path / "eval_out"
     cmd = [
-        sys.executable, "-m", "qerl_jax.eval", "--config=configs/tiny.py",
-        f"--config.workdir={tmp_path}", "--config.model.tiny=False", f"--config.model.path={tiny_model_dir}",
-        "--config.eval.num_examples=8", "--config.eval.max_new_tokens=8", "--config.eval.num_samples=2",
+        sys.executable,
+        "-m",
+        "qerl_jax.eval",
+        "--config=configs/tiny.py",
+        f"--config.workdir={tmp_path}",
+        "--config.model.tiny=False",
+        f"--config.model.path={tiny_model_dir}",
+        "--config.eval.num_examples=8",
+        "--config.eval.max_new_tokens=8",
+        "--config.eval.num_samples=2",
         f"--config.eval.output_dir={out_dir}",
     ]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.load(open(out_dir / "summary.json"))
-    (name, result), = summary["datasets"].items()
+    ((name, result),) = summary["datasets"].items()
     assert result["num_examples"] + result["skipped_too_long"] == 8
     assert 0.0 <= result["pass_at_1"] <= 1.0 and 0.0 <= result["mean_at_2"] <= 1.0
     rows = [json.loads(line) for line in open(out_dir / f"{name}.jsonl")]
@@ -79,7 +79,10 @@ def test_peft_adapter_is_applied(tmp_path, tiny_model_dir):
     layers = {}
     for proj in ("q_proj", "down_proj"):
         L, n, k = params["base"]["layers"][proj]["w"].shape
-        layers[proj] = {"a": rng.normal(0, 1.0, (L, 4, k)).astype(np.float32), "b": rng.normal(0, 1.0, (L, n, 4)).astype(np.float32)}
+        layers[proj] = {
+            "a": rng.normal(0, 1.0, (L, 4, k)).astype(np.float32),
+            "b": rng.normal(0, 1.0, (L, n, 4)).astype(np.float32),
+        }
     strong = export_peft_adapter({"layers": layers}, str(tmp_path / "strong"), rank=4, alpha=64.0)
     zero = {p: {"a": v["a"], "b": np.zeros_like(v["b"])} for p, v in layers.items()}
     zeroed = export_peft_adapter({"layers": zero}, str(tmp_path / "zero"), rank=4, alpha=64.0)

@@ -83,8 +83,12 @@ def test_ptx_decoder_model_all_bytes(fmt):
     even, odd = decode_asm.emulate(table, codes, sbits)
     t = decode_asm.bf16_to_f32(decode_asm.bf16_bits(table))
     s = decode_asm.bf16_to_f32(sbits)
-    np.testing.assert_array_equal(decode_asm.bf16_to_f32(even), decode_asm.bf16_to_f32(decode_asm.bf16_bits(t[codes & 15] * s)))
-    np.testing.assert_array_equal(decode_asm.bf16_to_f32(odd), decode_asm.bf16_to_f32(decode_asm.bf16_bits(t[codes >> 4] * s)))
+    np.testing.assert_array_equal(
+        decode_asm.bf16_to_f32(even), decode_asm.bf16_to_f32(decode_asm.bf16_bits(t[codes & 15] * s))
+    )
+    np.testing.assert_array_equal(
+        decode_asm.bf16_to_f32(odd), decode_asm.bf16_to_f32(decode_asm.bf16_bits(t[codes >> 4] * s))
+    )
 
 
 def test_ptx_text_uses_only_modelled_instructions():
@@ -112,10 +116,19 @@ def test_scale_decode(fmt):
 # (fmt, M, N, K): every format sees both regimes (M <= 64 decode, M = 130 prefill),
 # non-power-of-two N and both K sizes.
 FWD_CASES = [
-    ("nvfp4", 1, 48, 64), ("nvfp4", 3, 200, 256), ("nvfp4", 16, 96, 256), ("nvfp4", 64, 200, 64),
+    ("nvfp4", 1, 48, 64),
+    ("nvfp4", 3, 200, 256),
+    ("nvfp4", 16, 96, 256),
+    ("nvfp4", 64, 200, 64),
     ("nvfp4", 130, 96, 256),
-    ("mxfp4", 1, 200, 256), ("mxfp4", 16, 48, 64), ("mxfp4", 64, 96, 256), ("mxfp4", 130, 200, 64),
-    ("nf4", 1, 96, 256), ("nf4", 3, 48, 64), ("nf4", 16, 200, 256), ("nf4", 130, 48, 256),
+    ("mxfp4", 1, 200, 256),
+    ("mxfp4", 16, 48, 64),
+    ("mxfp4", 64, 96, 256),
+    ("mxfp4", 130, 200, 64),
+    ("nf4", 1, 96, 256),
+    ("nf4", 3, 48, 64),
+    ("nf4", 16, 200, 256),
+    ("nf4", 130, 48, 256),
 ]
 
 
@@ -233,7 +246,9 @@ def test_errors_before_launch():
     with pytest.raises(TypeError, match="bfloat16"):
         qm(x.astype(jnp.float32), p)
     with pytest.raises(ValueError, match="block size"):
-        bad = packed_lib.PackedWeight(jnp.zeros((48, 12), jnp.uint8), jnp.zeros((48, 1), jnp.float8_e4m3fn), jnp.float32(1), "nvfp4")
+        bad = packed_lib.PackedWeight(
+            jnp.zeros((48, 12), jnp.uint8), jnp.zeros((48, 1), jnp.float8_e4m3fn), jnp.float32(1), "nvfp4"
+        )
         qm(rand_x(rng, 4, 24), bad)
     with pytest.raises(ValueError, match="scales must have shape"):
         qm(x, packed_lib.replace(p, scales=p.scales[:, :2]))

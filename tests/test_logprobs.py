@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import make_hf_model, save_hf_model
 
 import qerl_jax
-from conftest import make_hf_model, save_hf_model
 from qerl_jax.lora import LoraConfig, init_lora, lora_scale
 from qerl_jax.rl.logprobs import to_next_token_grid, to_token_aligned, token_logprobs
 

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_hf_model
 
 import qerl_jax
-from conftest import make_hf_model
 from qerl_jax.lora import LoraConfig, check_lora, init_lora, lora_scale, num_lora_params, projection_shapes
 from qerl_jax.models.qwen2 import PROJECTIONS
 from qerl_jax.optim import make_optimizer
@@ -44,7 +44,10 @@ def test_init_and_scale_match_peft(tiny, rslora):
     lora = init_lora(jax.random.key(1), config, cfg)
     hf = make_hf_model(seed=3)
     pm = peft.get_peft_model(
-        hf, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(PROJECTIONS), use_rslora=rslora, lora_dropout=0.0)
+        hf,
+        peft.LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=list(PROJECTIONS), use_rslora=rslora, lora_dropout=0.0
+        ),
     )
     shapes = projection_shapes(config)
     seen = set()
@@ -75,8 +78,13 @@ def test_scale_and_targets():
     assert lora_scale(LoraConfig(rank=16, alpha=32, rslora=True)) == 8.0
     cfg = LoraConfig(rank=2, targets=("down_proj", "q_proj"))
     config = qerl_jax.ModelConfig(
-        vocab_size=10, hidden_size=8, intermediate_size=12, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4,
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=12,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
     )
     lora = init_lora(jax.random.key(0), config, cfg)
     assert sorted(lora["layers"]) == ["down_proj", "q_proj"]
@@ -85,7 +93,9 @@ def test_scale_and_targets():
     assert check_lora(lora, config) == 2
     # The draw of a projection does not depend on which other projections are targeted.
     alone = init_lora(jax.random.key(0), config, LoraConfig(rank=2, targets=("down_proj",)))
-    np.testing.assert_array_equal(np.asarray(alone["layers"]["down_proj"]["a"]), np.asarray(lora["layers"]["down_proj"]["a"]))
+    np.testing.assert_array_equal(
+        np.asarray(alone["layers"]["down_proj"]["a"]), np.asarray(lora["layers"]["down_proj"]["a"])
+    )
     bad = {"layers": {"q_proj": {"a": jnp.zeros((3, 2, 8)), "b": jnp.zeros((3, 4, 2))}}}  # q out is 8, not 4
     with pytest.raises(ValueError, match="q_proj"):
         check_lora(bad, config)

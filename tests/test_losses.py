@@ -54,9 +54,7 @@ def _hand_batch():
     rng = np.random.default_rng(0)
     old = rng.normal(-2.0, 0.5, (4, 6))
     logp = old + log_r
-    mask = np.array(
-        [[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=np.float32
-    )
+    mask = np.array([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=np.float32)
     logp[mask == 0] = 300.0  # finite garbage at padding must not leak into anything
     adv = np.array([1.5, -0.7, 0.0, 2.0])
     ref = old + rng.normal(0, 0.3, (4, 6))
@@ -111,7 +109,9 @@ def test_normalizer_makes_micro_batches_sum_to_full_batch():
         full, _ = policy_loss(*args, cfg, ref_logp=jnp.asarray(ref, jnp.float32))
         norm = mask.sum() if cfg.kind == "dapo" else mask.shape[0]
         parts = [
-            policy_loss(*[x[i : i + 2] for x in args], cfg, ref_logp=jnp.asarray(ref[i : i + 2], jnp.float32), normalizer=norm)[0]
+            policy_loss(
+                *[x[i : i + 2] for x in args], cfg, ref_logp=jnp.asarray(ref[i : i + 2], jnp.float32), normalizer=norm
+            )[0]
             for i in (0, 2)
         ]
         np.testing.assert_allclose(float(sum(parts)), float(full), rtol=1e-6)
@@ -121,9 +121,11 @@ def test_loss_gradient_wrt_logp_matches_torch():
     logp, old, adv, mask, ref, _ = _hand_batch()
     logp[mask == 0] = -1.0
     cfg = LossConfig(kind="grpo", eps_low=0.2, eps_high=0.28, beta=0.05)
-    g = jax.grad(lambda lp: policy_loss(lp, *[jnp.asarray(x, jnp.float32) for x in (old, adv, mask)], cfg, ref_logp=jnp.asarray(ref, jnp.float32))[0])(
-        jnp.asarray(logp, jnp.float32)
-    )
+    g = jax.grad(
+        lambda lp: policy_loss(
+            lp, *[jnp.asarray(x, jnp.float32) for x in (old, adv, mask)], cfg, ref_logp=jnp.asarray(ref, jnp.float32)
+        )[0]
+    )(jnp.asarray(logp, jnp.float32))
     lp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
     o, a, m, rf = (torch.tensor(x, dtype=torch.float64) for x in (old, adv, mask, ref))
     ratio = torch.exp(lp - o)
@@ -201,7 +203,9 @@ def test_overlong_penalty_matches_dapo_formula():
     lengths = np.array([0, 50, 80, 81, 90, 99, 100, 120])
     got = np.asarray(overlong_penalty(jnp.asarray(lengths), max_len, cache, penalty=1.0))
     np.testing.assert_allclose(got, [dapo(x) for x in lengths], atol=1e-7)
-    np.testing.assert_allclose(np.asarray(overlong_penalty(jnp.asarray(lengths), max_len, cache, penalty=0.5)), 0.5 * got)
+    np.testing.assert_allclose(
+        np.asarray(overlong_penalty(jnp.asarray(lengths), max_len, cache, penalty=0.5)), 0.5 * got
+    )
     with pytest.raises(ValueError, match="cache_len"):
         overlong_penalty(jnp.asarray(lengths), 10, 20)
 
@@ -222,9 +226,13 @@ def test_grpo_gradient_wrt_lora_matches_finite_differences(tiny_qwen2_dir):
     mask[:, 4:] = 1
     mask[2, 7:] = 0
     scale = lora_scale(lcfg)
-    logp_fn = jax.jit(lambda lo: token_logprobs(config, {**params, "lora": lo}, ids, jnp.asarray(am), lora_scale=scale)[0])
+    logp_fn = jax.jit(
+        lambda lo: token_logprobs(config, {**params, "lora": lo}, ids, jnp.asarray(am), lora_scale=scale)[0]
+    )
     logp0 = logp_fn(lora)
-    ref = logp_fn({"layers": {k: {"a": v["a"], "b": jnp.zeros_like(v["b"])} for k, v in lora["layers"].items()}})  # = base
+    ref = logp_fn(
+        {"layers": {k: {"a": v["a"], "b": jnp.zeros_like(v["b"])} for k, v in lora["layers"].items()}}
+    )  # = base
     old = logp0 + jnp.asarray(rng.normal(0, 0.3, logp0.shape), jnp.float32)  # ratios on both sides of the clip range
     adv = jnp.array([-1.0, 0.5, 0.8])
     cfg = LossConfig(kind="grpo", eps_low=0.2, eps_high=0.28, beta=0.1)

@@ -95,7 +95,9 @@ def test_nvfp4_32b_numbers_written_out():
     weights = 64 * (5120 * (5120 + 1024 + 1024 + 5120) + 3 * 5120 * 27648)
     assert weights == 31_205_621_760
     nvfp4_linear = weights * 9 // 16 + 64 * 7 * 4  # 4.5 bits per weight + 7 global scales per layer
-    plan = memory.plan_memory(QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024)
+    plan = memory.plan_memory(
+        QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024
+    )
     assert plan.base_linear == nvfp4_linear == 17_553_164_032
     assert plan.embeddings == 2 * 152064 * 5120 * 2
     # LoRA r=32 on all 7 projections: r * sum(N + K) per layer, float32.
@@ -107,7 +109,9 @@ def test_nvfp4_32b_numbers_written_out():
 
 
 def test_kv_cache_and_lora_for_7b_and_72b():
-    p7 = memory.plan_memory(QWEN_7B, rollout_batch=16, prompt_len=256, max_new_tokens=768, lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    p7 = memory.plan_memory(
+        QWEN_7B, rollout_batch=16, prompt_len=256, max_new_tokens=768, lora_rank=8, lora_targets=("q_proj", "v_proj")
+    )
     assert p7.kv_cache == 2 * 28 * 16 * 1024 * 4 * 128 * 2
     assert p7.lora_params == 28 * 8 * ((3584 + 3584) + (512 + 3584)) * 4
     p72 = memory.plan_memory(QWEN_72B, rollout_batch=64, rollout_chunk=32, prompt_len=512, max_new_tokens=1024)
@@ -142,7 +146,10 @@ def _tiny_dense_params(config: ModelConfig, key):
     d = config.hidden_size
     norms = {
         "final_norm": jnp.ones((d,), jnp.bfloat16),
-        "layers": {"input_layernorm": jnp.ones((L, d), jnp.bfloat16), "post_attention_layernorm": jnp.ones((L, d), jnp.bfloat16)},
+        "layers": {
+            "input_layernorm": jnp.ones((L, d), jnp.bfloat16),
+            "post_attention_layernorm": jnp.ones((L, d), jnp.bfloat16),
+        },
     }
     return {"base": base, "norms": norms}
 
@@ -219,10 +226,17 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
     assert "rl.micro_batch_size 16 -> " in result.message
     assert result.plan.total <= budget
     # Maximal: the next larger divisor of 64 does not fit its phase.
-    up_chunk = memory.plan_memory(QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, rollout_chunk=2 * result.rollout_chunk)
+    up_chunk = memory.plan_memory(
+        QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, rollout_chunk=2 * result.rollout_chunk
+    )
     assert up_chunk.rollout_peak > budget
     up_mb = memory.plan_memory(
-        QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=2 * result.micro_batch_size, rollout_chunk=result.rollout_chunk
+        QWEN_32B,
+        quant="bf16",
+        rollout_batch=64,
+        group_size=8,
+        micro_batch_size=2 * result.micro_batch_size,
+        rollout_chunk=result.rollout_chunk,
     )
     assert up_mb.train_peak > budget
 

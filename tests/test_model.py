@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import make_hf_model, save_hf_model
 
 import qerl_jax
-from conftest import make_hf_model, save_hf_model
 
 CONFIGS = {
     "gqa2_untied": dict(),

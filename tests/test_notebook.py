@@ -3,16 +3,21 @@
 import os
 
 import nbformat
-from nbclient import NotebookClient
-
 from conftest import REPO
+from nbclient import NotebookClient
 
 
 def test_quickstart_notebook_executes():
     nb = nbformat.read(os.path.join(REPO, "notebooks", "quickstart.ipynb"), as_version=4)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": os.path.join(REPO, "notebooks")}}).execute()
+    NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": os.path.join(REPO, "notebooks")}}
+    ).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "KL(bf16 || nvfp4) per token:" in outputs
-    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert any(
+        o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )

@@ -81,9 +81,7 @@ def to_jax(w: torch.Tensor) -> jax.Array:
 def assert_packed_equal(packed: quant.PackedWeight, sd: dict, fmt: str) -> None:
     ref = ct_to_numpy(sd)
     np.testing.assert_array_equal(np.asarray(packed.codes), ref["weight_packed"])
-    np.testing.assert_array_equal(
-        np.asarray(packed.scales).view(np.uint8), ref["weight_scale"].view(np.uint8)
-    )
+    np.testing.assert_array_equal(np.asarray(packed.scales).view(np.uint8), ref["weight_scale"].view(np.uint8))
     if fmt == "nvfp4":
         np.testing.assert_array_equal(np.asarray(packed.global_scale).reshape(1), ref["weight_global_scale"])
     else:
@@ -131,7 +129,18 @@ def _weights(case: str, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
-CASES = ("gauss", "gauss_8x256", "rowscaled", "outliers", "zero_blocks", "tiny_blocks", "all_zero", "tiny", "huge", "ties")
+CASES = (
+    "gauss",
+    "gauss_8x256",
+    "rowscaled",
+    "outliers",
+    "zero_blocks",
+    "tiny_blocks",
+    "all_zero",
+    "tiny",
+    "huge",
+    "ties",
+)
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -171,7 +180,11 @@ def test_dequantize_float32_matches_compressed_tensors_float32():
     values = unpack_fp4_from_uint8(sd["weight_packed"], *w.shape, dtype=torch.float32)
     scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
     ref = ct_dequantize(
-        values, sd["weight_scale"].float(), args=scheme.weights, global_scale=sd["weight_global_scale"], dtype=torch.float32
+        values,
+        sd["weight_scale"].float(),
+        args=scheme.weights,
+        global_scale=sd["weight_global_scale"],
+        dtype=torch.float32,
     )
     ours = quant.dequantize(quant.quantize(to_jax(w), "nvfp4"))
     np.testing.assert_array_equal(np.asarray(ours), ref.numpy())
@@ -216,18 +229,24 @@ def test_stacked_layers_equal_per_matrix(fmt):
 
 def test_round_to_bf16_and_e4m3_match_ml_dtypes():
     rng = np.random.default_rng(0)
-    x = np.concatenate([
-        rng.standard_normal(20000).astype(np.float32) * 10.0 ** rng.uniform(-30, 30, 20000).astype(np.float32),
-        np.float32([0.0, -0.0, 1.0, 3.0e38, -3.39e38, 65504.0]),
-    ])
+    x = np.concatenate(
+        [
+            rng.standard_normal(20000).astype(np.float32) * 10.0 ** rng.uniform(-30, 30, 20000).astype(np.float32),
+            np.float32([0.0, -0.0, 1.0, 3.0e38, -3.39e38, 65504.0]),
+        ]
+    )
     np.testing.assert_array_equal(
         np.asarray(round_to_bf16(jnp.asarray(x))), x.astype(ml_dtypes.bfloat16).astype(np.float32)
     )
-    e = np.concatenate([
-        np.clip(rng.standard_normal(20000).astype(np.float32) * 10.0 ** rng.uniform(-4, 3, 20000), -448, 448).astype(np.float32),
-        # every E4M3 value and every midpoint between neighbours (ties to even)
-        np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)),
-    ])
+    e = np.concatenate(
+        [
+            np.clip(
+                rng.standard_normal(20000).astype(np.float32) * 10.0 ** rng.uniform(-4, 3, 20000), -448, 448
+            ).astype(np.float32),
+            # every E4M3 value and every midpoint between neighbours (ties to even)
+            np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)),
+        ]
+    )
     e = e[np.isfinite(e)]
     grid = np.unique(np.abs(e[-254:]))
     e = np.concatenate([e, (grid[1:] + grid[:-1]) / 2, -(grid[1:] + grid[:-1]) / 2]).astype(np.float32)
@@ -243,20 +262,27 @@ def test_integer_division_is_ieee():
     a = (rng.standard_normal(n) * 10.0 ** rng.uniform(-15, 15, n)).astype(np.float32)
     b = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-15, 15, n)).astype(np.float32)
     q = (rng.integers(1, 2**12, n) * 2.0 ** rng.integers(-10, 10, n)).astype(np.float32)  # exact quotients
-    a, b = np.concatenate([a, q * b, np.float32([0.0, -0.0, 3.0, -3.0])]), np.concatenate([b, b, np.float32([7.0, 7.0, 6.0, 6.0])])
+    a, b = (
+        np.concatenate([a, q * b, np.float32([0.0, -0.0, 3.0, -3.0])]),
+        np.concatenate([b, b, np.float32([7.0, 7.0, 6.0, 6.0])]),
+    )
     ref = a / b
     got = np.asarray(jax.jit(_div_rn_integer)(jnp.asarray(a), jnp.asarray(b)))
     normal = np.isfinite(ref) & ((np.abs(ref) >= np.finfo(np.float32).tiny) | (ref == 0))
     assert normal.sum() > 0.9 * len(a)
     np.testing.assert_array_equal(got[normal].view(np.uint32), ref[normal].view(np.uint32))
-    np.testing.assert_array_equal(np.asarray(exact_div(jnp.asarray(a), jnp.asarray(b)))[normal].view(np.uint32), ref[normal].view(np.uint32))
+    np.testing.assert_array_equal(
+        np.asarray(exact_div(jnp.asarray(a), jnp.asarray(b)))[normal].view(np.uint32), ref[normal].view(np.uint32)
+    )
 
 
 def test_gpu_division_path_bit_exact(monkeypatch):
     """NVFP4 with the integer division (the non-CPU branch) still equals compressed-tensors."""
     from qerl_jax.quant import nvfp4
 
-    monkeypatch.setattr(nvfp4, "exact_div", lambda a, b: _div_rn_integer(*jnp.broadcast_arrays(jnp.float32(a), jnp.float32(b))))
+    monkeypatch.setattr(
+        nvfp4, "exact_div", lambda a, b: _div_rn_integer(*jnp.broadcast_arrays(jnp.float32(a), jnp.float32(b)))
+    )
     quantize_int = jax.jit(nvfp4.quantize_nvfp4)
     for case in ("rowscaled", "ties", "tiny_blocks"):
         for dtype in DTYPES.values():
@@ -266,14 +292,24 @@ def test_gpu_division_path_bit_exact(monkeypatch):
 
 def test_e8m0_decode_is_exact():
     e = np.arange(1, 255, dtype=np.uint8)
-    np.testing.assert_array_equal(np.asarray(e8m0_to_f32(jnp.asarray(e))), np.ldexp(np.float32(1), e.astype(np.int32) - 127))
+    np.testing.assert_array_equal(
+        np.asarray(e8m0_to_f32(jnp.asarray(e))), np.ldexp(np.float32(1), e.astype(np.int32) - 127)
+    )
     assert np.isinf(np.asarray(e8m0_to_f32(jnp.uint8(255))))
 
 
 def test_mxfp4_exponent_rule_rounds_mantissa_ge_1_75_up():
     """compressed-tensors' (and our) MX scale rounds amax to a power of two first: a block max
     of 7 (1.75 * 4) gets scale 2 (values up to 3.5 before rounding), not OCP's floor rule 1."""
-    for bmax, expected_scale in [(6.0, 1.0), (6.99, 1.0), (7.0, 2.0), (7.5, 2.0), (12.0, 2.0), (14.0, 4.0), (0.75, 0.125)]:
+    for bmax, expected_scale in [
+        (6.0, 1.0),
+        (6.99, 1.0),
+        (7.0, 2.0),
+        (7.5, 2.0),
+        (12.0, 2.0),
+        (14.0, 4.0),
+        (0.75, 0.125),
+    ]:
         w = jnp.zeros((1, 32)).at[0, 0].set(bmax)
         packed = quant.quantize(w, "mxfp4")
         assert float(2.0 ** (int(packed.scales[0, 0]) - 127)) == expected_scale, bmax
@@ -378,15 +414,26 @@ def test_bad_weights():
 
 def _params(dtype=jnp.bfloat16):
     key = iter(jax.random.split(jax.random.PRNGKey(0), 16))
-    shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
-              "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
+    shapes = {
+        "q_proj": (64, 64),
+        "k_proj": (32, 64),
+        "v_proj": (32, 64),
+        "o_proj": (64, 64),
+        "gate_proj": (128, 64),
+        "up_proj": (128, 64),
+        "down_proj": (64, 128),
+    }
     layers = {p: {"w": (jax.random.normal(next(key), (2, *s)) * 0.02).astype(dtype)} for p, s in shapes.items()}
     for p in ("q_proj", "k_proj", "v_proj"):
         layers[p]["b"] = jnp.ones((2, shapes[p][0]), dtype)
     layers["k_proj"]["w"] = layers["k_proj"]["w"] * 10  # a larger amax in one fused shard
     base = {"embed": jnp.ones((100, 64), dtype), "lm_head": jnp.ones((100, 64), dtype), "layers": layers}
     norms = {"final_norm": jnp.ones((64,)), "layers": {"input_layernorm": jnp.ones((2, 64))}}
-    return {"base": base, "norms": norms, "lora": {"layers": {"q_proj": {"a": jnp.zeros((2, 4, 64)), "b": jnp.zeros((2, 64, 4))}}}}
+    return {
+        "base": base,
+        "norms": norms,
+        "lora": {"layers": {"q_proj": {"a": jnp.zeros((2, 4, 64)), "b": jnp.zeros((2, 64, 4))}}},
+    }
 
 
 def test_quantize_params_structure_and_fused_scales():
@@ -394,7 +441,9 @@ def test_quantize_params_structure_and_fused_scales():
     q = quant.quantize_params(params, "nvfp4", skip=("embed", "lm_head", "down_proj"))
     layers = q["base"]["layers"]
     assert layers["down_proj"]["w"] is params["base"]["layers"]["down_proj"]["w"]
-    assert q["base"]["embed"] is params["base"]["embed"] and q["norms"] is params["norms"] and q["lora"] is params["lora"]
+    assert (
+        q["base"]["embed"] is params["base"]["embed"] and q["norms"] is params["norms"] and q["lora"] is params["lora"]
+    )
     assert layers["q_proj"]["b"] is params["base"]["layers"]["q_proj"]["b"]
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"):
         assert quant.is_packed(layers[proj]["w"]) and layers[proj]["w"].fmt == "nvfp4"
@@ -405,7 +454,9 @@ def test_quantize_params_structure_and_fused_scales():
     # The shared scale is the one of the joint amax (k_proj's, the largest), per layer.
     k_alone = quant.quantize(params["base"]["layers"]["k_proj"]["w"], "nvfp4")
     np.testing.assert_array_equal(gs["q_proj"], np.asarray(k_alone.global_scale))
-    assert not np.array_equal(gs["q_proj"], np.asarray(quant.quantize(params["base"]["layers"]["q_proj"]["w"], "nvfp4").global_scale))
+    assert not np.array_equal(
+        gs["q_proj"], np.asarray(quant.quantize(params["base"]["layers"]["q_proj"]["w"], "nvfp4").global_scale)
+    )
     # Unfused: each projection equals quantize() of it alone.
     unfused = quant.quantize_params(params, "nvfp4", fuse_global_scale=False)
     alone = quant.quantize(params["base"]["layers"]["q_proj"]["w"], "nvfp4")

@@ -23,8 +23,19 @@ pytest.importorskip("transformers")
 from conftest import make_hf_model, save_hf_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TOKENIZER_FILES = {"tokenizer.json": '{"fake": true}\n', "tokenizer_config.json": '{"model_max_length": 64}\n', "merges.txt": "a b\n"}
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+TOKENIZER_FILES = {
+    "tokenizer.json": '{"fake": true}\n',
+    "tokenizer_config.json": '{"model_max_length": 64}\n',
+    "merges.txt": "a b\n",
+}
 
 
 def _model():
@@ -114,7 +125,9 @@ def test_output_structure_and_dequantization(dirs, fmt):
     quantized = [n for n in src if QUANTIZABLE.match(n)]
     assert len(quantized) == 14
     suffixes = qct.TENSOR_SUFFIXES[base_fmt]
-    expected_names = {n for n in src if n not in quantized} | {n[: -len("weight")] + s for n in quantized for s in suffixes}
+    expected_names = {n for n in src if n not in quantized} | {
+        n[: -len("weight")] + s for n in quantized for s in suffixes
+    }
     assert set(out) == expected_names
     for name in src:
         if name not in quantized:  # copied unchanged
@@ -135,12 +148,22 @@ def test_output_structure_and_dequantization(dirs, fmt):
             key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
             kw["amax"] = jnp.float32(amax[key])
         expected = quant.quantize(w, base_fmt, **kw)
-        np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), np.asarray(quant.dequantize(expected)), err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize(packed)), np.asarray(quant.dequantize(expected)), err_msg=name
+        )
         assert packed.codes.shape == (w.shape[0], w.shape[1] // 2)
     if fmt == "nvfp4":  # vLLM keeps the max of the fused global scales: they must be equal
         for i in range(2):
-            gs = {p: float(out[f"model.layers.{i}.{m}.{p}.weight_global_scale"][0])
-                  for m, p in [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj")]}
+            gs = {
+                p: float(out[f"model.layers.{i}.{m}.{p}.weight_global_scale"][0])
+                for m, p in [
+                    ("self_attn", "q_proj"),
+                    ("self_attn", "k_proj"),
+                    ("self_attn", "v_proj"),
+                    ("mlp", "gate_proj"),
+                    ("mlp", "up_proj"),
+                ]
+            }
             assert gs["q_proj"] == gs["k_proj"] == gs["v_proj"] and gs["gate_proj"] == gs["up_proj"]
     with open(os.path.join(dirs[fmt], "config.json")) as f:
         config = json.load(f)
@@ -259,15 +282,33 @@ def test_command_line_entry_point(dirs, tmp_path):
     out = tmp_path / "cli_out"
     ok = subprocess.run(
         [sys.executable, "-m", "qerl_jax.quantize", "--model", dirs["src"], "--out", str(out), "--format", "mxfp4"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
     )
     assert ok.returncode == 0, ok.stderr
     assert "quantizing to mxfp4" in ok.stderr  # the tqdm bar
     for name, array in _read_dir(dirs["mxfp4"]).items():
         np.testing.assert_array_equal(_bits(_read_dir(str(out))[name]), _bits(array))
     bad = subprocess.run(
-        [sys.executable, "-m", "qerl_jax.quantize", "--model", dirs["src"], "--out", str(tmp_path / "x"), "--format", "nf4"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "qerl_jax.quantize",
+            "--model",
+            dirs["src"],
+            "--out",
+            str(tmp_path / "x"),
+            "--format",
+            "nf4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
     )
     assert bad.returncode == 2 and "error: --format 'nf4' cannot be written" in bad.stderr
 

@@ -159,16 +159,29 @@ def test_sampled_logprobs_equal_full_forward_recompute(f32_model, with_lora):
     ids, mask = _prompts(config.vocab_size)
     sampling = _sampling(eos_ids=STOPS[:10])
     batch = generate(
-        config, params, ids, mask, jax.random.key(1), sampling,
-        group_size=2, lora_scale=lora_scale, cache_dtype=jnp.float32,
+        config,
+        params,
+        ids,
+        mask,
+        jax.random.key(1),
+        sampling,
+        group_size=2,
+        lora_scale=lora_scale,
+        cache_dtype=jnp.float32,
     )
     recomputed, old, resp = _recomputed_logp(config, params, batch, 0.8, lora_scale)
     assert resp.sum() == int(np.asarray(batch.lengths).sum())
     np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=2e-4)
     if with_lora:  # the adapters must change the policy, or this case tests nothing new
         plain = generate(
-            config, {k: v for k, v in params.items() if k != "lora"}, ids, mask, jax.random.key(1), sampling,
-            group_size=2, cache_dtype=jnp.float32,
+            config,
+            {k: v for k, v in params.items() if k != "lora"},
+            ids,
+            mask,
+            jax.random.key(1),
+            sampling,
+            group_size=2,
+            cache_dtype=jnp.float32,
         )
         assert not np.array_equal(np.asarray(plain.tokens), np.asarray(batch.tokens))
 
@@ -354,5 +367,13 @@ def test_over_memory_budget_says_what_to_lower(f32_model):
     config, params, _ = f32_model
     ids, mask = _prompts(config.vocab_size)
     with pytest.raises(MemoryError, match="lower max_batch.*group size.*max_new_tokens"):
-        generate(config, params, ids, mask, jax.random.key(0), SamplingConfig(max_new_tokens=8), group_size=4,
-                 memory_budget_bytes=10_000)
+        generate(
+            config,
+            params,
+            ids,
+            mask,
+            jax.random.key(0),
+            SamplingConfig(max_new_tokens=8),
+            group_size=4,
+            memory_budget_bytes=10_000,
+        )

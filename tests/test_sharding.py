@@ -19,7 +19,8 @@ if __name__ != "__main__":  # the 4-device worker must set XLA_FLAGS before jax 
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import AbstractMesh, PartitionSpec as P
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
 
     from qerl_jax import sharding
     from qerl_jax.quant import quantize
@@ -31,8 +32,13 @@ def _spec_params(n_layers=2, d=64, q=64, kv=32, inter=128, vocab=128, packed_fmt
     """Abstract params (ShapeDtypeStructs) of a small model, optionally with packed linears."""
     sds = jax.ShapeDtypeStruct
     shapes = {
-        "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
-        "gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter),
+        "q_proj": (q, d),
+        "k_proj": (kv, d),
+        "v_proj": (kv, d),
+        "o_proj": (d, q),
+        "gate_proj": (inter, d),
+        "up_proj": (inter, d),
+        "down_proj": (d, inter),
     }
     layers, lora = {}, {}
     for proj, (n, k) in shapes.items():
@@ -46,7 +52,10 @@ def _spec_params(n_layers=2, d=64, q=64, kv=32, inter=128, vocab=128, packed_fmt
         lora[proj] = {"a": sds((n_layers, rank, k), jnp.float32), "b": sds((n_layers, n, rank), jnp.float32)}
     return {
         "base": {"embed": sds((vocab, d), jnp.bfloat16), "lm_head": sds((vocab, d), jnp.bfloat16), "layers": layers},
-        "norms": {"final_norm": sds((d,), jnp.bfloat16), "layers": {"input_layernorm": sds((n_layers, d), jnp.bfloat16)}},
+        "norms": {
+            "final_norm": sds((d,), jnp.bfloat16),
+            "layers": {"input_layernorm": sds((n_layers, d), jnp.bfloat16)},
+        },
         "lora": {"layers": lora},
     }
 
@@ -68,7 +77,9 @@ def test_tp_rules_dense():
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
 def test_tp_rules_packed_shard_codes_and_scales_together(fmt):
-    specs = sharding.param_specs(_spec_params(packed_fmt=fmt, d=128, q=128), AbstractMesh((1, 2), ("data", "model")), "tp")
+    specs = sharding.param_specs(
+        _spec_params(packed_fmt=fmt, d=128, q=128), AbstractMesh((1, 2), ("data", "model")), "tp"
+    )
     q, o = specs["base"]["layers"]["q_proj"]["w"], specs["base"]["layers"]["o_proj"]["w"]
     assert q.fmt == fmt and q.codes == q.scales == P(None, "model", None) and q.global_scale == P(None)
     assert o.codes == o.scales == P(None, None, "model") and o.global_scale == P(None)
@@ -150,8 +161,15 @@ def test_shard_batch_checks_divisibility():
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("QERL_NUM_PROCESSES", "QERL_PROCESS_ID", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-                 "JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "SLURM_JOB_ID"):
+    for name in (
+        "QERL_NUM_PROCESSES",
+        "QERL_PROCESS_ID",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS",
+        "SLURM_NTASKS",
+        "SLURM_JOB_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
@@ -266,22 +284,22 @@ def test_data_parallel_rollout_passes_the_batch_sharding():
 
 def _worker() -> dict:
     """Runs in a fresh process with 4 CPU devices; returns the comparisons as a dict."""
+    import inspect
+    import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import optax
     from jax.sharding import PartitionSpec as P
 
     from qerl_jax import sharding
     from qerl_jax.lora import LoraConfig, init_lora, with_lora
     from qerl_jax.models.qwen2 import ModelConfig, forward
-    import optax
     from qerl_jax.quant import quantize_params
     from qerl_jax.rl.losses import LossConfig
     from qerl_jax.rl.step import init_train_state, make_train_step
     from qerl_jax.rollout import SamplingConfig, generate
-
-    import inspect
-    import time
 
     start = [time.perf_counter()]
 
@@ -289,15 +307,29 @@ def _worker() -> dict:
         now = time.perf_counter()
         print(f"{what}: {now - start[0]:.1f}s", file=sys.stderr)
         start[0] = now
+
     out: dict = {"devices": len(jax.devices())}
     config = ModelConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256, attention_bias=True,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        attention_bias=True,
     )
     L, d = config.num_hidden_layers, config.hidden_size
     shapes = {
-        "q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
-        "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128),
+        "q_proj": (64, 64),
+        "k_proj": (32, 64),
+        "v_proj": (32, 64),
+        "o_proj": (64, 64),
+        "gate_proj": (128, 64),
+        "up_proj": (128, 64),
+        "down_proj": (64, 128),
     }
     keys = iter(jax.random.split(jax.random.key(0), 64))
     normal = lambda shape, s: s * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
@@ -310,7 +342,10 @@ def _worker() -> dict:
         "base": {"embed": normal((128, d), 1.0), "lm_head": normal((128, d), d**-0.5), "layers": layers},
         "norms": {
             "final_norm": 1.0 + normal((d,), 0.1),
-            "layers": {"input_layernorm": 1.0 + normal((L, d), 0.1), "post_attention_layernorm": 1.0 + normal((L, d), 0.1)},
+            "layers": {
+                "input_layernorm": 1.0 + normal((L, d), 0.1),
+                "post_attention_layernorm": 1.0 + normal((L, d), 0.1),
+            },
         },
     }
     lora_cfg = LoraConfig(rank=4, alpha=8.0)
@@ -405,7 +440,9 @@ def _worker() -> dict:
             dp = sharding.data_parallel_rollout(generate, mesh)(
                 config, sharded_full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw
             )
-            out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
+            out["rollout"][mode]["dp_tokens_equal"] = bool(
+                np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens))
+            )
         _tick(f"rollout {mode}")
     return out
 

@@ -51,7 +51,9 @@ _LOGP = {}
 def _logp_fn(config, params):
     """Jitted next-token log-probs under a LoRA (compiled once per module)."""
     if "fn" not in _LOGP:
-        _LOGP["fn"] = jax.jit(lambda lo, i, m: token_logprobs(config, {**params, "lora": lo}, i, m, lora_scale=SCALE)[0])
+        _LOGP["fn"] = jax.jit(
+            lambda lo, i, m: token_logprobs(config, {**params, "lora": lo}, i, m, lora_scale=SCALE)[0]
+        )
     return _LOGP["fn"]
 
 
@@ -59,8 +61,13 @@ def _batch(setup, noise=0.3, adv=(1.0, -0.7, 0.4, -1.2)):
     config, params, lora, ids, attn, resp, _ = setup
     logp = np.asarray(to_token_aligned(_logp_fn(config, params)(lora, ids, attn)))
     old = (logp + np.random.default_rng(1).normal(0, noise, logp.shape)) * resp
-    return dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logp=old.astype(np.float32),
-                advantages=np.array(adv, np.float32))
+    return dict(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=resp,
+        old_logp=old.astype(np.float32),
+        advantages=np.array(adv, np.float32),
+    )
 
 
 _STEPS = {}
@@ -71,7 +78,13 @@ def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None):
     if key not in _STEPS:
         config, *_, opt = setup
         _STEPS[key] = make_train_step(
-            config, loss_cfg, opt, lora_scale=SCALE, remat=remat, micro_batch_size=micro, logprob_chunk=chunk,
+            config,
+            loss_cfg,
+            opt,
+            lora_scale=SCALE,
+            remat=remat,
+            micro_batch_size=micro,
+            logprob_chunk=chunk,
             lr_schedule=make_schedule(LR, warmup_steps=0, total_steps=10, schedule="constant"),
         )
     return _STEPS[key]
@@ -80,15 +93,22 @@ def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None):
 def test_on_policy_batch_has_unit_ratio(setup):
     """old_logp built token-aligned by hand from the model's logits: the step must see ratio 1."""
     config, params, lora, ids, attn, resp, opt = setup
-    logits = np.asarray(jax.jit(lambda p: qerl_jax.forward(config, p, ids, attn, lora_scale=SCALE))({**params, "lora": lora}))
+    logits = np.asarray(
+        jax.jit(lambda p: qerl_jax.forward(config, p, ids, attn, lora_scale=SCALE))({**params, "lora": lora})
+    )
     logits = logits.astype(np.float64)
     old = np.zeros((B, T), np.float32)
     for b in range(B):
         for t in range(1, T):  # the token at t was sampled from the distribution at t - 1
             row = logits[b, t - 1]
             old[b, t] = (row[ids[b, t]] - row.max() - np.log(np.exp(row - row.max()).sum())) * resp[b, t]
-    batch = dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logp=old,
-                 advantages=np.array([1.0, -0.7, 0.4, -1.2], np.float32))
+    batch = dict(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=resp,
+        old_logp=old,
+        advantages=np.array([1.0, -0.7, 0.4, -1.2], np.float32),
+    )
     _, m = _step(setup)(init_train_state(lora, opt), params, batch)
     assert abs(float(m["ratio_max"]) - 1) < 1e-4 and abs(float(m["ratio_min"]) - 1) < 1e-4
     assert float(m["clip_frac"]) == 0 and float(m["response_tokens"]) == resp.sum()
@@ -102,15 +122,19 @@ def test_step_equals_direct_update_and_touches_only_lora(setup):
 
     def direct_loss(lo):  # the shift written out by hand: logp[:, t] scores token t + 1
         lp = _logp_fn(config, params)(lo, ids, attn)
-        return policy_loss(lp, jnp.asarray(batch["old_logp"][:, 1:]), jnp.asarray(batch["advantages"]),
-                           jnp.asarray(resp[:, 1:]), DAPO)
+        return policy_loss(
+            lp, jnp.asarray(batch["old_logp"][:, 1:]), jnp.asarray(batch["advantages"]), jnp.asarray(resp[:, 1:]), DAPO
+        )
 
     (loss, dm), grads = jax.value_and_grad(direct_loss, has_aux=True)(lora)
     for new, old, g in zip(jax.tree.leaves(new_state.lora), jax.tree.leaves(lora), jax.tree.leaves(grads)):
         step_grad = (np.asarray(old) - np.asarray(new)) / LR
         # atol: recovering the gradient from float32 params costs ~ulp(param) / LR
         np.testing.assert_allclose(step_grad, np.asarray(g), atol=1e-7, rtol=1e-4)
-    assert any(not np.allclose(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(new_state.lora), jax.tree.leaves(lora)))
+    assert any(
+        not np.allclose(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(new_state.lora), jax.tree.leaves(lora))
+    )
     np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
     np.testing.assert_allclose(float(m["grad_norm"]), float(optax.global_norm(grads)), rtol=1e-5)
     assert 0 < float(m["clip_frac"]) < 1 and float(m["clip_frac"]) == pytest.approx(float(dm["clip_frac"]))
@@ -140,7 +164,10 @@ def test_nonfinite_batches_are_skipped_and_counted(setup):
     for i in (1, 2):
         state, m = step(state, params, bad)
         assert float(m["skipped"]) == 1 and int(m["consecutive_skips"]) == i
-        for a, b in zip(jax.tree.leaves(state.lora) + jax.tree.leaves(state.opt_state), jax.tree.leaves(before.lora) + jax.tree.leaves(before.opt_state)):
+        for a, b in zip(
+            jax.tree.leaves(state.lora) + jax.tree.leaves(state.opt_state),
+            jax.tree.leaves(before.lora) + jax.tree.leaves(before.opt_state),
+        ):
             np.testing.assert_array_equal(np.asarray(a), b)
     check_nonfinite(state, max_consecutive=3)  # 2 < 3: fine
     with pytest.raises(NonFiniteError, match="2 consecutive train steps"):
@@ -208,8 +235,15 @@ def test_schedule_matches_transformers():
     ours_cos = np.array([float(cos(i)) for i in range(21)])
     ours_const = np.array([float(const(i)) for i in range(25)])
     assert float(cos(30)) == 0.0  # past total_steps ours stays at 0 (transformers' cosine rises again)
-    np.testing.assert_allclose(ours_cos, hf_lrs(transformers.get_cosine_schedule_with_warmup, 21, num_warmup_steps=5, num_training_steps=20), rtol=1e-5, atol=1e-12)
-    np.testing.assert_allclose(ours_const, hf_lrs(transformers.get_constant_schedule_with_warmup, 25, num_warmup_steps=5), rtol=1e-6)
+    np.testing.assert_allclose(
+        ours_cos,
+        hf_lrs(transformers.get_cosine_schedule_with_warmup, 21, num_warmup_steps=5, num_training_steps=20),
+        rtol=1e-5,
+        atol=1e-12,
+    )
+    np.testing.assert_allclose(
+        ours_const, hf_lrs(transformers.get_constant_schedule_with_warmup, 25, num_warmup_steps=5), rtol=1e-6
+    )
     with pytest.raises(ValueError, match="schedule"):
         make_schedule(1e-3, warmup_steps=0, total_steps=10, schedule="linear")
 
@@ -218,7 +252,9 @@ def test_optimizer_matches_torch_adamw_with_clipping():
     rng = np.random.default_rng(0)
     params = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
     grads = [{k: rng.normal(size=v.shape).astype(np.float32) * s for k, v in params.items()} for s in (1.0, 0.05, 3.0)]
-    tx = make_optimizer(1e-2, warmup_steps=0, total_steps=10, schedule="constant", b1=0.9, b2=0.99, weight_decay=0.1, clip_norm=0.2)
+    tx = make_optimizer(
+        1e-2, warmup_steps=0, total_steps=10, schedule="constant", b1=0.9, b2=0.99, weight_decay=0.1, clip_norm=0.2
+    )
     ours = jax.tree.map(jnp.asarray, params)
     state = tx.init(ours)
     for g in grads:

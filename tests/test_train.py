@@ -8,13 +8,13 @@ import jax
 import numpy as np
 import pytest
 import torch
+from conftest import load_config
 
 import qerl_jax
 from qerl_jax import train
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.metrics import read_scalars
 from qerl_jax.policy import UserFacingError
-from conftest import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_SCALARS = [
@@ -42,13 +42,6 @@ def digit_reward(completion: str, ground_truth: str) -> float:
 
 
 DIGIT_REWARD = "test_train:digit_reward"  # imported by name in the reward workers
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from qerl_jax import tiny
-
-    return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def _config(workdir, model_dir, **overrides):
@@ -189,11 +182,20 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 def test_command_line_reports_errors_without_traceback(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={tmp_path}"]
-    out = subprocess.run(base + ["--config.model.tiny=False", "--config.model.path=/nonexistent"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        base + ["--config.model.tiny=False", "--config.model.path=/nonexistent"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
     assert "error: model path '/nonexistent' does not exist" in out.stderr
     assert "Traceback" not in out.stderr
-    out = subprocess.run(base + ["--config.rl.grup_size=3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        base + ["--config.rl.grup_size=3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode != 0
     assert "grup_size" in out.stderr
 
@@ -210,5 +212,7 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
         cfg.eval.checkpoint, cfg.eval.num_examples, cfg.eval.max_new_tokens = checkpoint, 4, 8
         cfg.eval.output_dir = str(tmp_path / f"eval_{len(outputs)}")
         evaluation.evaluate(cfg)
-        outputs.append([json.loads(l)["completion"] for l in open(os.path.join(cfg.eval.output_dir, "gsm8k_test.jsonl"))])
+        outputs.append(
+            [json.loads(l)["completion"] for l in open(os.path.join(cfg.eval.output_dir, "gsm8k_test.jsonl"))]
+        )
     assert outputs[0] == outputs[1]

@@ -1,17 +1,15 @@
 """Math datasets, prompt rendering/tokenization and the prompt batch loader."""
 
-from qerl_jax.data.datasets import ALIASES
-from qerl_jax.data.datasets import KNOWN_DATASETS
-from qerl_jax.data.datasets import SCHEMA
-from qerl_jax.data.datasets import convert_row
-from qerl_jax.data.datasets import load_math_dataset
-from qerl_jax.data.prompts import DEFAULT_SYSTEM_PROMPT
-from qerl_jax.data.prompts import DEFAULT_USER_TEMPLATE
-from qerl_jax.data.prompts import PromptLoader
-from qerl_jax.data.prompts import TokenizedPrompts
-from qerl_jax.data.prompts import filter_overlong
-from qerl_jax.data.prompts import render_prompt
-from qerl_jax.data.prompts import tokenize_prompts
+from qerl_jax.data.datasets import ALIASES, KNOWN_DATASETS, SCHEMA, convert_row, load_math_dataset
+from qerl_jax.data.prompts import (
+    DEFAULT_SYSTEM_PROMPT,
+    DEFAULT_USER_TEMPLATE,
+    PromptLoader,
+    TokenizedPrompts,
+    filter_overlong,
+    render_prompt,
+    tokenize_prompts,
+)
 
 __all__ = [
     "ALIASES",

@@ -59,6 +59,22 @@ class ForwardOptions:
     remat: bool = False  # gradient checkpointing per layer
 
 
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N = out features, K = in features) of each projection's weight W [N, K]."""
+    d, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    inter = config.intermediate_size
+    return {
+        "q_proj": (q_out, d),
+        "k_proj": (kv_out, d),
+        "v_proj": (kv_out, d),
+        "o_proj": (d, q_out),
+        "gate_proj": (inter, d),
+        "up_proj": (inter, d),
+        "down_proj": (d, inter),
+    }
+
+
 def rope_inv_freq(config: ModelConfig) -> jax.Array:
     """float32 [head_dim // 2] inverse frequencies, with the checkpoint's rope scaling applied."""
     hd = config.head_dim
@@ -105,9 +121,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (scale.astype(jnp.float32) * x_hat).astype(x.dtype)
 
 
-def attention(
-    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
-) -> jax.Array:
+def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
     """Grouped-query softmax attention; scores and softmax in float32. Returns [B, T, H, D]."""
     b, t, h, d = q_BxTxHxD.shape
     kv_heads = k_BxSxKxD.shape[2]

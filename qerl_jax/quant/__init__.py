@@ -90,9 +90,7 @@ def _check_weight(w: jax.Array, fmt: str, name: str | None) -> None:
         raise ValueError(f"{what} has non-finite values (inf or nan); cannot quantize it")
 
 
-def quantize(
-    w: jax.Array, fmt: str, *, amax: jax.Array | None = None, name: str | None = None
-) -> PackedWeight:
+def quantize(w: jax.Array, fmt: str, *, amax: jax.Array | None = None, name: str | None = None) -> PackedWeight:
     """Quantizes a dense weight W [..., N, K] (HF layout, any float dtype) to `fmt`.
 
     fmt: "nvfp4" | "mxfp4" | "nf4" (static under jit).

@@ -111,9 +111,13 @@ def _weights_format(weights: Mapping[str, Any], field: str) -> str:
             "strategy group) can be loaded"
         )
     if weights.get("symmetric", True) is not True:
-        raise ValueError(f"{field}.symmetric={weights.get('symmetric')!r}: only symmetric 4-bit float weights are supported")
+        raise ValueError(
+            f"{field}.symmetric={weights.get('symmetric')!r}: only symmetric 4-bit float weights are supported"
+        )
     if weights.get("actorder") in ("group", True):
-        raise ValueError(f"{field}.actorder={weights.get('actorder')!r}: group activation ordering (g_idx) is not supported")
+        raise ValueError(
+            f"{field}.actorder={weights.get('actorder')!r}: group activation ordering (g_idx) is not supported"
+        )
     group, strategy = weights.get("group_size"), weights.get("strategy")
     if group == 16 and strategy == "tensor_group":
         return "nvfp4"
@@ -153,7 +157,9 @@ def detect_format(hf_config: Mapping[str, Any]) -> str | None:
         )
     groups = qc.get("config_groups") or {}
     if not groups:
-        raise ValueError("config.json quantization_config.config_groups is empty; expected one NVFP4/MXFP4 weight scheme")
+        raise ValueError(
+            "config.json quantization_config.config_groups is empty; expected one NVFP4/MXFP4 weight scheme"
+        )
     found = set()
     for name, group in groups.items():
         field = f"config.json quantization_config.config_groups.{name}"
@@ -163,10 +169,14 @@ def detect_format(hf_config: Mapping[str, Any]) -> str | None:
         fmt = _weights_format(weights, f"{field}.weights")
         stored = group.get("format") or qc.get("format")
         if stored not in (None, CT_FORMATS[fmt]):
-            raise ValueError(f"{field}.format={stored!r} does not match its {fmt} weights; expected {CT_FORMATS[fmt]!r}")
+            raise ValueError(
+                f"{field}.format={stored!r} does not match its {fmt} weights; expected {CT_FORMATS[fmt]!r}"
+            )
         for act in ("input_activations", "output_activations"):
             if group.get(act) is not None:
-                warnings.warn(f"{field}.{act} is quantized in the checkpoint; qerl-jax loads the {fmt} weights and runs activations unquantized")
+                warnings.warn(
+                    f"{field}.{act} is quantized in the checkpoint; qerl-jax loads the {fmt} weights and runs activations unquantized"
+                )
         found.add(fmt)
     if len(found) > 1:
         raise ValueError(f"config.json quantization_config.config_groups mixes formats {sorted(found)}; expected one")

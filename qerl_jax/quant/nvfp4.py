@@ -70,13 +70,7 @@ def e2m1_codes(q: jax.Array) -> jax.Array:
     """
     a = jnp.abs(q)
     idx = (
-        (a > 0.25).astype(jnp.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
+        (a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
     ).astype(jnp.uint8)
     return idx | ((q < 0).astype(jnp.uint8) << 3)
 
@@ -98,9 +92,7 @@ def global_scale_from_amax(amax: jax.Array, dtype=jnp.float32) -> jax.Array:
     return jnp.where(jnp.isfinite(gs), gs, 1.0)
 
 
-def block_scales(
-    x_blocks: jax.Array, global_scale: jax.Array, dtype=jnp.float32
-) -> jax.Array:
+def block_scales(x_blocks: jax.Array, global_scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     """compressed-tensors' `calculate_qparams` for NVFP4: float32 fp8-valued [..., N, G].
 
     x_blocks: float32 [..., N, G, 16]; global_scale: float32 [...].

@@ -85,7 +85,9 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scales, self.global_scale))
+        return sum(
+            int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.codes, self.scales, self.global_scale)
+        )
 
 
 def is_packed(w) -> bool:

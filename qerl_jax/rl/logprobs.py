@@ -111,7 +111,14 @@ def token_logprobs(
     if input_ids.ndim != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [batch, seq] with seq >= 2; got shape {input_ids.shape}")
     h_BxTxD = forward(
-        config, params, input_ids, attention_mask, lora_scale=lora_scale, backend=backend, remat=remat, compute_logits=False
+        config,
+        params,
+        input_ids,
+        attention_mask,
+        lora_scale=lora_scale,
+        backend=backend,
+        remat=remat,
+        compute_logits=False,
     )
     return head_logprobs(
         h_BxTxD[:, :-1],

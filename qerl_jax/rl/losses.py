@@ -48,13 +48,17 @@ class LossConfig:
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"LossConfig.kind {self.kind!r} is unknown; expected one of {LOSS_KINDS}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"LossConfig needs 0 <= eps_low < 1 and eps_high >= 0; got {self.eps_low}, {self.eps_high}")
+            raise ValueError(
+                f"LossConfig needs 0 <= eps_low < 1 and eps_high >= 0; got {self.eps_low}, {self.eps_high}"
+            )
         if self.beta < 0:
             raise ValueError(f"LossConfig.beta must be >= 0; got {self.beta}")
         if self.kind == "dapo" and self.beta != 0:
             raise ValueError(f"DAPO has no KL term; got beta={self.beta}. Use kind='grpo' for a KL penalty")
         if self.old_logp_source not in OLD_LOGP_SOURCES:
-            raise ValueError(f"LossConfig.old_logp_source {self.old_logp_source!r} is unknown; expected {OLD_LOGP_SOURCES}")
+            raise ValueError(
+                f"LossConfig.old_logp_source {self.old_logp_source!r} is unknown; expected {OLD_LOGP_SOURCES}"
+            )
 
     @property
     def needs_ref(self) -> bool:
@@ -73,7 +77,9 @@ def group_advantages(
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
-        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}; got shape {rewards.shape}")
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by group_size={group_size}; got shape {rewards.shape}"
+        )
     if scale_by_std and group_size - ddof < 1:
         raise ValueError(f"group_size={group_size} is too small for a std with ddof={ddof}")
     r_GxN = rewards.reshape(-1, group_size)
@@ -91,7 +97,9 @@ def dynamic_sampling_mask(rewards: jax.Array, group_size: int) -> jax.Array:
     """
     rewards = jnp.asarray(rewards)
     if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
-        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}; got shape {rewards.shape}")
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by group_size={group_size}; got shape {rewards.shape}"
+        )
     r_GxN = rewards.reshape(-1, group_size)
     return jnp.any(r_GxN != r_GxN[:, :1], axis=1)
 
@@ -103,7 +111,9 @@ def overlong_penalty(lengths: jax.Array, max_len: int, cache_len: int, penalty: 
     down to -penalty at L = max_len, and -penalty beyond.
     """
     if not 0 < cache_len <= max_len:
-        raise ValueError(f"overlong_penalty needs 0 < cache_len <= max_len; got cache_len={cache_len}, max_len={max_len}")
+        raise ValueError(
+            f"overlong_penalty needs 0 < cache_len <= max_len; got cache_len={cache_len}, max_len={max_len}"
+        )
     lengths = jnp.asarray(lengths, jnp.float32)
     over = (lengths - (max_len - cache_len)) / cache_len
     return -penalty * jnp.clip(over, 0.0, 1.0)
@@ -178,7 +188,12 @@ def policy_loss(
        ratio_mean/min/max, adv_mean/std, response_tokens, and entropy / kl_ref when available).
     """
     b, t = logp.shape
-    for name, x in (("old_logp", old_logp), ("response_mask", response_mask), ("ref_logp", ref_logp), ("entropy", entropy)):
+    for name, x in (
+        ("old_logp", old_logp),
+        ("response_mask", response_mask),
+        ("ref_logp", ref_logp),
+        ("entropy", entropy),
+    ):
         if x is not None and x.shape != (b, t):
             raise ValueError(f"{name} has shape {x.shape}; expected {(b, t)} like logp")
     if advantages.shape != (b,):

@@ -84,7 +84,9 @@ def validate_batch(batch: dict[str, Any], micro_batch_size: int | None, ref_logp
     b, t = ids.shape
     for k in ("attention_mask", "response_mask", "old_logp"):
         if tuple(batch[k].shape) != (b, t):
-            raise ValueError(f"batch[{k!r}] has shape {tuple(batch[k].shape)}; expected {(b, t)} like batch['input_ids']")
+            raise ValueError(
+                f"batch[{k!r}] has shape {tuple(batch[k].shape)}; expected {(b, t)} like batch['input_ids']"
+            )
     if tuple(batch["advantages"].shape) != (b,):
         raise ValueError(f"batch['advantages'] has shape {tuple(batch['advantages'].shape)}; expected ({b},)")
     if ref_logp is not None and tuple(ref_logp.shape) != (b, t):
@@ -180,7 +182,9 @@ def make_train_step(
         grads, (logp, ent, ref_used) = jax.lax.scan(micro, zeros, xs)
         unsplit = lambda x: None if x is None else x.reshape(b, t - 1)  # noqa: E731
         logp, ent, ref_used = unsplit(logp), unsplit(ent), unsplit(ref_used)
-        loss, metrics = policy_loss(logp, old, adv, resp, loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer)
+        loss, metrics = policy_loss(
+            logp, old, adv, resp, loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer
+        )
 
         grads = jax.tree.map(lambda gi, p: gi.astype(p.dtype), grads, state.lora)
         grad_norm = optax.global_norm(grads)

@@ -1,9 +1,9 @@
 """The rollout engine: KV-cache generation on the (quantized, LoRA-adapted) policy.
 
-    from qerl_jax.rollout import SamplingConfig, generate, to_train_batch
-    batch = generate(config, params, prompt_ids, prompt_mask, key,
-                     SamplingConfig(temperature=1.0, max_new_tokens=512), group_size=8, lora_scale=2.0)
-    train = to_train_batch(batch)  # {input_ids, attention_mask, response_mask, old_logp}
+from qerl_jax.rollout import SamplingConfig, generate, to_train_batch
+batch = generate(config, params, prompt_ids, prompt_mask, key,
+                 SamplingConfig(temperature=1.0, max_new_tokens=512), group_size=8, lora_scale=2.0)
+train = to_train_batch(batch)  # {input_ids, attention_mask, response_mask, old_logp}
 """
 
 from qerl_jax.rollout.sampler import (

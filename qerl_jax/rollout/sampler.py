@@ -234,7 +234,12 @@ def _hidden(static, params, ids_BxT, positions_BxT, kv_valid_BxS, cache, cache_i
     cfg = static.config
     if not static.unroll:
         return Qwen2(cfg, static.options).apply(
-            variables(params), ids_BxT, positions_BxT, kv_valid_BxS, cache=cache, cache_index=cache_index,
+            variables(params),
+            ids_BxT,
+            positions_BxT,
+            kv_valid_BxS,
+            cache=cache,
+            cache_index=cache_index,
             compute_logits=False,
         )
     h = jnp.take(params["top"]["embed"], ids_BxT, axis=0)
@@ -316,7 +321,18 @@ def _prefill(static: _Static, params, ids_BxP, mask_BxP, rows_R, key, seq_ids_R)
 
 
 def _decode(
-    static: _Static, params, cache, first_R, first_logp_R, mask_BxP, rows_R, key, seq_ids_R, active_R, max_new, stop_V,
+    static: _Static,
+    params,
+    cache,
+    first_R,
+    first_logp_R,
+    mask_BxP,
+    rows_R,
+    key,
+    seq_ids_R,
+    active_R,
+    max_new,
+    stop_V,
     pad_id,
 ):
     """The decode loop. Returns (tokens [R, M_b], logps [R, M_b], lengths [R], stopped [R], steps, cache).
@@ -521,8 +537,14 @@ def generate(
 
     layer_trees = [params["base"]["layers"], params["norms"]["layers"], (params.get("lora") or {}).get("layers")]
     need = estimate_rollout_bytes(
-        config, rows_b, p_b, static.new_slots, cache_dtype, num_prompts=prompts_b,
-        act_dtype=params["base"]["embed"].dtype, stacked=not unroll_layers,
+        config,
+        rows_b,
+        p_b,
+        static.new_slots,
+        cache_dtype,
+        num_prompts=prompts_b,
+        act_dtype=params["base"]["embed"].dtype,
+        stacked=not unroll_layers,
         layer_copy_bytes=sum(x.nbytes for x in jax.tree.leaves(layer_trees)) if unroll_layers else 0,
     )
     budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
@@ -567,8 +589,19 @@ def generate(
             t1 = time.perf_counter()
             timings["prefill_s"] = timings.get("prefill_s", 0.0) + t1 - t0
         *out, cache = _decode_jit(
-            static, run_params, cache, first, first_logp, mask_c, rows_c, key, seq_ids,
-            np.arange(rows_b) < n, np.int32(sampling.max_new_tokens), stop_V, np.int32(pad_id),
+            static,
+            run_params,
+            cache,
+            first,
+            first_logp,
+            mask_c,
+            rows_c,
+            key,
+            seq_ids,
+            np.arange(rows_b) < n,
+            np.int32(sampling.max_new_tokens),
+            stop_V,
+            np.int32(pad_id),
         )
         del cache  # free it before the next chunk's prefill allocates another
         if timings is not None:
