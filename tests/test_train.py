@@ -216,3 +216,37 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
             [json.loads(l)["completion"] for l in open(os.path.join(cfg.eval.output_dir, "gsm8k_test.jsonl"))]
         )
     assert outputs[0] == outputs[1]
+
+
+def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_model_dir):
+    from qerl_jax import rewards
+    from qerl_jax.data import PromptLoader, load_math_dataset
+    from qerl_jax.policy import load_policy
+
+    cfg = _config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "rl.reward": DIGIT_REWARD,
+            "rl.dynamic_sampling": True,
+            "rl.max_refill_rounds": 3,
+            "rollout.prompts_per_step": 4,
+            "rollout.group_size": 4,
+            "rollout.max_new_tokens": 8,
+        },
+    )
+    policy = load_policy(cfg)
+    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
+    with rewards.RewardPool() as pool:
+        exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
+    assert exp is not None and 0 < exp.groups_kept <= 4
+    assert stats["rollout/groups_sampled"] >= exp.groups_kept
+    groups = exp.rewards.reshape(-1, 4)
+    assert len(groups) == exp.groups_kept
+    assert all(len(set(g.tolist())) > 1 for g in groups)  # no group with equal rewards survives
+    assert exp.rollout.tokens.shape[0] == len(exp.completions) == len(exp.answers) == exp.rewards.shape[0]
+    # Rows stay aligned: each kept completion re-scores to its recorded reward.
+    for c, a, r in zip(exp.completions, exp.answers, exp.rewards):
+        assert digit_reward(c, a) == r
+    batch = train.make_train_batch(cfg, exp)
+    assert batch["input_ids"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
