@@ -1,7 +1,7 @@
 """The three packed 4-bit formats as the kernels see them: code table, block, scale decode.
 
-Mirrors `qerl_jax.quant.packed` (tests check that the tables and block sizes agree) so
-that `pallas_kernels` imports nothing from `qerl_jax` and runs where only jax is installed.
+The code tables and block sizes are `qerl_jax.quant.packed`'s (the one definition of the
+formats); this module adds what only the kernels need.
 """
 
 from __future__ import annotations
@@ -10,36 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("nvfp4", "mxfp4", "nf4")
-BLOCK_SIZES = {"nvfp4": 16, "mxfp4": 32, "nf4": 64}
-SCALE_DTYPES = {"nvfp4": jnp.dtype(jnp.float8_e4m3fn), "mxfp4": jnp.dtype(jnp.uint8), "nf4": jnp.dtype(jnp.float32)}
+from qerl_jax.quant.packed import BLOCK_SIZES, CODE_TABLES, FORMATS  # noqa: F401 (re-exported)
 
-_E2M1 = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=np.float32,
-)
-_NF4 = np.array(
-    [
-        -1.0,
-        -0.6961928009986877,
-        -0.5250730514526367,
-        -0.39491748809814453,
-        -0.28444138169288635,
-        -0.18477343022823334,
-        -0.09105003625154495,
-        0.0,
-        0.07958029955625534,
-        0.16093020141124725,
-        0.24611230194568634,
-        0.33791524171829224,
-        0.44070982933044434,
-        0.5626170039176941,
-        0.7229568362236023,
-        1.0,
-    ],
-    dtype=np.float32,
-)
-CODE_TABLES = {"nvfp4": _E2M1, "mxfp4": _E2M1, "nf4": _NF4}
+SCALE_DTYPES = {"nvfp4": jnp.dtype(jnp.float8_e4m3fn), "mxfp4": jnp.dtype(jnp.uint8), "nf4": jnp.dtype(jnp.float32)}
 
 
 def bf16_table(fmt: str) -> list[float]:

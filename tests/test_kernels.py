@@ -65,13 +65,6 @@ def _args(p):
 # ----------------------------------------------------------------------------- format pieces
 
 
-def test_tables_match_packed_module():
-    for fmt in packed_lib.FORMATS:
-        np.testing.assert_array_equal(formats.CODE_TABLES[fmt], packed_lib.CODE_TABLES[fmt])
-        assert formats.BLOCK_SIZES[fmt] == packed_lib.BLOCK_SIZES[fmt]
-    assert formats.FORMATS == packed_lib.FORMATS
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])  # mxfp4 shares nvfp4's table
 def test_ptx_decoder_model_all_bytes(fmt):
     rng = _rng("ptx", fmt)
