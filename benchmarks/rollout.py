@@ -120,26 +120,23 @@ def measure_device(tiny: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
+    def best_seconds(fn, arg, reps=5):
+        fn(arg).block_until_ready()  # compile + warm up
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn(arg).block_until_ready()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    # Random data, not constants: constant inputs can run faster than real ones.
     n = (1 << 20) if tiny else (1 << 30)  # 2 GiB of bf16
-    x = jnp.ones((n,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
-    copy(x).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        copy(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    bw = 2 * x.nbytes / min(ts)
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    bw = 2 * x.nbytes / best_seconds(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
     m = 512 if tiny else 8192
-    a = jnp.ones((m, m), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    mm(a).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        mm(a).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * m**3 / min(ts), "device": str(jax.devices()[0])}
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    flops = 2 * m**3 / best_seconds(jax.jit(lambda a: a @ a), a)
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": flops, "device": str(jax.devices()[0])}
 
 
 # ----------------------------------------------------------------------------- workers

@@ -65,20 +65,11 @@ Its average speed is 120 / 2 = 60 miles per hour. John has 3 apples and buys 4 m
 
 
 def default_data_dir() -> pathlib.Path | None:
-    """The shared math data folder, if one can be found (env QERL_DATA_DIR first)."""
-    candidates = []
-    if os.environ.get("QERL_DATA_DIR"):
-        candidates.append(pathlib.Path(os.environ["QERL_DATA_DIR"]))
-    repo_root = pathlib.Path(__file__).resolve().parent.parent
-    candidates += [
-        repo_root.parent / "shared" / "data",
-        repo_root / "shared" / "data",
-        pathlib.Path("/work/shared/data"),
-    ]
-    for c in candidates:
-        if c.is_dir():
-            return c
-    return None
+    """The shared math data folder (`qerl_jax.config.DATA_DIR`, env QERL_DATA_DIR), if it exists."""
+    from qerl_jax.config import DATA_DIR  # noqa: PLC0415
+
+    path = pathlib.Path(DATA_DIR)
+    return path if path.is_dir() else None
 
 
 def _default_texts(max_rows: int = 300) -> list[str]:

@@ -64,7 +64,8 @@ def collect_experience(
     g = cfg.rollout.group_size
     want = cfg.rollout.prompts_per_step
     sampling = sampling_config(cfg, policy)
-    parts, timing = [], {"rollout": 0.0, "reward": 0.0}
+    timing = {"rollout": 0.0, "reward": 0.0}
+    kept = {"rollouts": [], "answers": [], "completions": [], "prompts": [], "rewards": [], "accuracy": []}
     sampled = kept_count = gen_tokens = 0
     for round_ in range(1 + (cfg.rl.max_refill_rounds if cfg.rl.dynamic_sampling else 0)):
         prompts = next(loader)
@@ -99,7 +100,8 @@ def collect_experience(
         completions = policy.tokenizer.batch_decode(
             [row[:n] for row, n in zip(tokens, lengths)], skip_special_tokens=True
         )
-        answers = [prompts["answer"][i] for i in np.repeat(tok.kept_indices, g)]
+        source_rows = np.repeat(tok.kept_indices, g)  # dataset row of each sequence
+        answers = [prompts["answer"][i] for i in source_rows]
         raw = pool.score(completions, answers, cfg.rl.reward)
         timing["reward"] += time.perf_counter() - t0
         shaped = raw.copy()
@@ -118,8 +120,12 @@ def collect_experience(
         kept_count += len(keep_groups)
         rows = (keep_groups[:, None] * g + np.arange(g)[None]).reshape(-1)
         if len(rows):
-            prompt_texts = [prompts["prompt"][i] for i in np.repeat(tok.kept_indices, g)]
-            parts.append((batch, rows, shaped, raw, completions, answers, prompt_texts))
+            kept["rollouts"].append(_select(batch, rows))
+            kept["answers"] += [answers[r] for r in rows]
+            kept["completions"] += [completions[r] for r in rows]
+            kept["prompts"] += [prompts["prompt"][source_rows[r]] for r in rows]
+            kept["rewards"].append(shaped[rows])
+            kept["accuracy"].append(raw[rows] >= 1.0)
         if kept_count >= want:
             break
     stats = {
@@ -129,15 +135,15 @@ def collect_experience(
         "rollout/groups_sampled": float(sampled),
         "rollout/groups_kept": float(kept_count),
     }
-    if not parts:
+    if not kept["rollouts"]:
         return None, stats
     exp = Experience(
-        rollout=_concat_rollouts([_select(b, r) for b, r, *_ in parts]),
-        answers=[a for _, r, _, _, _, ans, _ in parts for a in np.asarray(ans)[r]],
-        completions=[c for _, r, _, _, comp, _, _ in parts for c in np.asarray(comp, dtype=object)[r]],
-        prompts=[p for _, r, *_, pt in parts for p in np.asarray(pt, dtype=object)[r]],
-        rewards=np.concatenate([s[r] for _, r, s, *_ in parts]).astype(np.float32),
-        accuracy=np.concatenate([(raw[r] >= 1.0) for _, r, _, raw, *_ in parts]).astype(np.float32),
+        rollout=_concat_rollouts(kept["rollouts"]),
+        answers=kept["answers"],
+        completions=kept["completions"],
+        prompts=kept["prompts"],
+        rewards=np.concatenate(kept["rewards"]).astype(np.float32),
+        accuracy=np.concatenate(kept["accuracy"]).astype(np.float32),
         groups_sampled=sampled,
         groups_kept=kept_count,
     )
