@@ -178,8 +178,9 @@ def make_groups(items: list, u: int) -> list[list]:
     return [items[i : i + u] for i in range(0, len(items) // u * u, u)]
 
 
-def deadline_passed(args) -> bool:
-    return time.time() - T_START > args.deadline
+def deadline_passed(args, section: str = "") -> bool:
+    limit = args.sweep_deadline if section == "sweep" and args.sweep_deadline else args.deadline
+    return time.time() - T_START > limit
 
 
 def save(args):
@@ -364,6 +365,12 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=128, bk=128, num_warps=8, num_stages=4, swap=True),
     dict(bn=64, bk=128, num_warps=4, num_stages=5, swap=True),
     dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False),
+    dict(bn=64, bk=256, num_warps=4, num_stages=6, swap=False),
+    dict(bn=64, bk=512, num_warps=8, num_stages=4, swap=False),
+    dict(bn=128, bk=256, num_warps=8, num_stages=4, swap=False),
+    dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, split_mult=2),
+    dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, split_mult=2),
+    dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, scale_words=False),  # control for --scale-words
 ]
 SWEEP_PREFILL = [
     dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3),
@@ -371,6 +378,10 @@ SWEEP_PREFILL = [
     dict(bm=64, bn=128, bk=64, num_warps=4, num_stages=4),
     dict(bm=128, bn=128, bk=128, num_warps=8, num_stages=3),
     dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3, swap=True),
+    dict(bm=256, bn=64, bk=64, num_warps=8, num_stages=3),  # W decoded once for all 256 rows
+    dict(bm=128, bn=64, bk=128, num_warps=4, num_stages=4),
+    dict(bm=256, bn=128, bk=64, num_warps=8, num_stages=3),
+    dict(bm=128, bn=64, bk=128, num_warps=4, num_stages=4, swap=True),
 ]
 
 
@@ -381,7 +392,9 @@ def section_sweep(args, decode: str):
     plan = []
     for model, (n, k) in shapes:
         for m in args.sweep_decode_ms:
-            if args.sweep_size == "full":
+            if args.sweep_decode_cands:
+                cands = [SWEEP_DECODE[i] for i in args.sweep_decode_cands]
+            elif args.sweep_size == "full":
                 cands = SWEEP_DECODE
             elif model == first:
                 cands = [SWEEP_DECODE[i] for i in ((0, 1, 2, 6) if m <= 16 else (0, 1, 6))]
@@ -391,10 +404,13 @@ def section_sweep(args, decode: str):
                 continue
             plan.append(("fwd", m, n, k, cands))
     for model, (n, k) in shapes:
-        if args.sweep_size != "full" and model != first:
+        if args.sweep_size != "full" and model != first and not args.sweep_prefill_cands:
             continue
         for m in args.sweep_prefill_ms:
-            cands = SWEEP_PREFILL if args.sweep_size == "full" else [SWEEP_PREFILL[i] for i in (2, 1)]
+            if args.sweep_prefill_cands:
+                cands = [SWEEP_PREFILL[i] for i in args.sweep_prefill_cands]
+            else:
+                cands = SWEEP_PREFILL if args.sweep_size == "full" else [SWEEP_PREFILL[i] for i in (2, 1)]
             plan.append(("fwd", m, n, k, cands))
     if args.sweep_size == "full":
         for model, (n, k) in shapes[:4]:
@@ -412,7 +428,7 @@ def section_sweep(args, decode: str):
                 )
             )
     for kind, m, n, k, cands in plan:
-        if deadline_passed(args):
+        if deadline_passed(args, "sweep"):
             print("SWEEP deadline reached", flush=True)
             break
         key = jax.random.PRNGKey(m * 7 + n * 13 + k)
@@ -427,9 +443,14 @@ def section_sweep(args, decode: str):
         best = None
         for c in cands:
             base = autotune.default_config(kind, m, n, k)
+            c = dict(c)
+            split_mult = c.pop("split_mult", 1)  # more programs than the rule gives (longer pipelines per SM)
             cfg = dataclasses.replace(base, **{"mode": "fused", **c})
             if kind == "fwd" and m <= autotune.DECODE_MAX_M and "split_k" not in c:
-                cfg = dataclasses.replace(cfg, split_k=autotune.split_rule(n, k, cfg.bn, cfg.bk))
+                split = autotune.split_rule(n, k, cfg.bn, cfg.bk)
+                while split_mult > 1 and (k // cfg.bk) % (split * 2) == 0:
+                    split, split_mult = split * 2, split_mult // 2
+                cfg = dataclasses.replace(cfg, split_k=split)
             op = (
                 fwd_op("nvfp4", cfg, decode)
                 if kind == "fwd"
@@ -600,15 +621,24 @@ def main():
     ap.add_argument("--out", default="kernels.json")
     ap.add_argument("--sections", default="env,check,sweep,bench")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds after start to stop starting work")
+    ap.add_argument("--sweep-deadline", type=float, default=0.0, help="seconds after start to stop sweeping")
     ap.add_argument("--models", default="7B,32B")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--bwd-ms", default="16,4096,256")
     ap.add_argument("--sweep-decode-ms", default="16,64")
     ap.add_argument("--sweep-prefill-ms", default="256")
+    ap.add_argument("--sweep-decode-cands", default="", help="indices into SWEEP_DECODE, for every decode shape")
+    ap.add_argument("--sweep-prefill-cands", default="", help="indices into SWEEP_PREFILL, for every shape")
     ap.add_argument("--sweep-size", default="small", choices=["small", "full"])
     ap.add_argument("--check-quick", action="store_true")
     ap.add_argument("--scale-words", action="store_true", help="force Config.scale_words=True (fused fwd kernels)")
     ap.add_argument("--decode", default="asm", choices=["asm", "jnp"])
+    ap.add_argument(
+        "--null-decode",
+        action="store_true",
+        help="diagnostic: the kernels use the code bytes converted to bf16 as W (wrong values, no nibble "
+        "decode or scaling), to measure what the decode costs; never for results",
+    )
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (tiny shapes)")
     args = ap.parse_args()
     global INTERPRET
@@ -620,12 +650,23 @@ def main():
     args.bwd_ms = [int(v) for v in args.bwd_ms.split(",") if v]
     args.sweep_decode_ms = [int(v) for v in args.sweep_decode_ms.split(",") if v]
     args.sweep_prefill_ms = [int(v) for v in args.sweep_prefill_ms.split(",") if v]
+    args.sweep_decode_cands = [int(v) for v in args.sweep_decode_cands.split(",") if v]
+    args.sweep_prefill_cands = [int(v) for v in args.sweep_prefill_cands.split(",") if v]
     sections = args.sections.split(",")
     if args.scale_words:  # measure the pipelined scale loads everywhere the fused kernel runs
         base_get = autotune.get_config
         autotune.get_config = lambda kind, m, n, k: dataclasses.replace(base_get(kind, m, n, k), scale_words=True)
-        SWEEP_DECODE[:] = [dict(c, scale_words=True) for c in SWEEP_DECODE]
+        SWEEP_DECODE[:] = [{"scale_words": True, **c} for c in SWEEP_DECODE]
     decode = args.decode
+    if args.null_decode:
+        from pallas_kernels import quant_matmul as qm_module
+
+        def bytes_as_weights(codes, scales, fmt, decode, words=None):
+            w = codes.astype(jnp.bfloat16)
+            return jnp.stack([w, w], axis=-1).reshape(codes.shape[0], 2 * codes.shape[1])
+
+        qm_module._decode_tile = bytes_as_weights
+        sections = [s_ for s_ in sections if s_ != "check"]  # the values are wrong on purpose
     RESULTS["args"] = vars(args)
     if "env" in sections:
         section_env(args)
