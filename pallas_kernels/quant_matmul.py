@@ -65,7 +65,8 @@ def _validate(x: Any, packed: Any, fmts: tuple[str, ...] = FORMATS) -> tuple[str
     codes, scales, gs = packed.codes, packed.scales, packed.global_scale
     if codes.ndim != 2:
         raise ValueError(
-            f"packed.codes must be 2-D [N, K/2] (one matrix; slice stacked layers first), got shape {tuple(codes.shape)}"
+            f"packed.codes must be 2-D [N, K/2] (one matrix; for a stack of layers pass layer=...), "
+            f"got shape {tuple(codes.shape)}"
         )
     if codes.dtype != jnp.uint8:
         raise TypeError(f"packed.codes must be uint8, got {codes.dtype}")
@@ -199,7 +200,8 @@ def _load(ref, idx, mask, other):
 # ----------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, k_chunk, decode):
+def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, cfg, k_chunk, decode):
+    """r_ref: the first row of this weight in c_ref / s_ref (layer * N for stacked weights)."""
     o_ref = rest[-1]  # rest = (o_ref,) or (poison_in_ref, o_ref)
     words = _load_words(t_ref, fmt, decode)
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
@@ -226,16 +228,17 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, k_c
     if cfg.scale_words and n % bn:
         mask_w = jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // (4 * block)))
     k_base = ks * k_chunk
+    w0 = r_ref[0] + n0  # first weight row of the tile
 
     def body(i, acc):
         k0 = pl.multiple_of(k_base + i * bk, bk)
         x = _load(x_ref, (pl.ds(m0, bm), pl.ds(k0, bk)), mask_x, 0.0)
-        c = _load(c_ref, (pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
+        c = _load(c_ref, (pl.ds(w0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
         if cfg.scale_words:
             per_word = 4 * block
-            s = _unpack_words(_load(s_ref, (pl.ds(n0, bn), pl.ds(k0 // per_word, bk // per_word)), mask_w, 0))
+            s = _unpack_words(_load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // per_word, bk // per_word)), mask_w, 0))
         else:
-            s = _load(s_ref, (pl.ds(n0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
+            s = _load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
         w = _decode_tile(c, s, fmt, decode, words)
         if cfg.swap:
             return acc + _dot(w, x, contract=(1, 1))  # [bn, bm]
@@ -254,6 +257,24 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, k_c
     else:
         mask = (rows_m < m)[:, None] & (rows_n < n)[None, :]
         plgpu.store(o_ref.at[idx], out, mask=mask)
+
+
+def _select_layer(codes, scales, gs, layer):
+    """-> (codes [R, K/2], scales [R, K/B], scalar global scale, first row int32 [1]).
+
+    For stacked weights the [L, N, ...] arrays are viewed as [L * N, ...] (a free reshape)
+    and the first row is layer * N; a 2-D weight starts at row 0.
+    """
+    if layer is None:
+        return codes, scales, gs, jnp.zeros((1,), jnp.int32)
+    num_layers, n = codes.shape[0], codes.shape[1]
+    layer = jnp.asarray(layer, jnp.int32)
+    return (
+        codes.reshape(num_layers * n, codes.shape[2]),
+        scales.reshape(num_layers * n, scales.shape[2]),
+        jnp.reshape(gs, (num_layers,))[layer],
+        jnp.reshape(layer * n, (1,)),
+    )
 
 
 def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -> tuple[autotune.Config, int]:
@@ -287,10 +308,16 @@ def _forward(
     decode: str | None = None,
     cfg: autotune.Config | None = None,
     poison: bool = False,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
-    """The forward launch (no custom_vjp); `poison` NaN-fills the kernel's output first."""
+    """The forward launch (no custom_vjp); `poison` NaN-fills the kernel's output first.
+
+    layer: with stacked weights (codes [L, N, K/2], scales [L, N, K/B], gs [L]) the layer
+    to multiply by; the kernel reads its rows in place (no slice copy of the stack).
+    """
+    n = codes.shape[-2]
+    codes, scales, gs, row0 = _select_layer(codes, scales, gs, layer)
     m, k = x.shape
-    n = codes.shape[0]
     if m == 0:
         return jnp.zeros((0, n), jnp.bfloat16)
     decode = decode or ("jnp" if interpret else "asm")
@@ -298,13 +325,14 @@ def _forward(
         raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
     cfg, k_chunk = _fwd_config(m, n, k, fmt, cfg)
     if cfg.mode == "dequant":
-        return _dot_nt(x, _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode))
+        w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode, n=n, row0=row0)
+        return _dot_nt(x, w)
     num_tiles = pl.cdiv(m, cfg.bm) * pl.cdiv(n, cfg.bn)
     split = cfg.split_k > 1
     out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
     kernel = functools.partial(_fwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
     s_arg = _as_words(scales) if cfg.scale_words else _kernel_scales(scales)
-    args = [x, codes, s_arg, jnp.reshape(gs.astype(jnp.float32), (1,)), _table_input(fmt)]
+    args = [x, codes, s_arg, jnp.reshape(gs.astype(jnp.float32), (1,)), row0, _table_input(fmt)]
     aliases = {}
     if poison:
         args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
@@ -428,18 +456,19 @@ def _backward(
 # ----------------------------------------------------------------------------- dequantize kernel
 
 
-def _dequant_kernel(c_ref, s_ref, g_ref, t_ref, o_ref, *, fmt, n, k, bn, bk, decode):
+def _dequant_kernel(c_ref, s_ref, g_ref, r_ref, t_ref, o_ref, *, fmt, n, k, bn, bk, decode):
     """One [bn, bk] tile of W = table[codes] * scale / global_scale, written as bf16."""
     words = _load_words(t_ref, fmt, decode)
     block = BLOCK_SIZES[fmt]
     n0 = pl.program_id(0) * bn
     k0 = pl.program_id(1) * bk
+    w0 = r_ref[0] + n0
     rows = n0 + _iota(bn)
     ragged = n % bn != 0
     mask_c = jnp.broadcast_to((rows < n)[:, None], (bn, bk // 2)) if ragged else None
     mask_s = jnp.broadcast_to((rows < n)[:, None], (bn, bk // block)) if ragged else None
-    c = _load(c_ref, (pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
-    s = _load(s_ref, (pl.ds(n0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
+    c = _load(c_ref, (pl.ds(w0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
+    s = _load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
     w = (_decode_tile(c, s, fmt, decode, words).astype(jnp.float32) * (1.0 / g_ref[0])).astype(o_ref.dtype)
     idx = (pl.ds(n0, bn), pl.ds(k0, bk))
     if ragged:
@@ -449,10 +478,26 @@ def _dequant_kernel(c_ref, s_ref, g_ref, t_ref, o_ref, *, fmt, n, k, bn, bk, dec
 
 
 def _dequantize(
-    codes, scales, gs, *, fmt: str, interpret: bool, decode: str | None = None, bn: int = 64, bk: int = 256
+    codes,
+    scales,
+    gs,
+    *,
+    fmt: str,
+    interpret: bool,
+    decode: str | None = None,
+    bn: int = 64,
+    bk: int = 256,
+    n: int | None = None,
+    row0: jax.Array | None = None,
 ) -> jax.Array:
-    """W bf16 [N, K] from the packed arrays (the 'dequant' path: then an XLA dot)."""
-    n, k = codes.shape[0], 2 * codes.shape[1]
+    """W bf16 [N, K] from the packed arrays (the 'dequant' path: then an XLA dot).
+
+    n / row0: the N rows starting at row0 (int32 [1]) of codes / scales (one layer of a
+    stack viewed as [L * N, ...]); default all rows.
+    """
+    n = codes.shape[0] if n is None else n
+    k = 2 * codes.shape[1]
+    row0 = jnp.zeros((1,), jnp.int32) if row0 is None else row0
     decode = decode or ("jnp" if interpret else "asm")
     block = BLOCK_SIZES[fmt]
     bk = max(_pow2_divisor(k, bk), max(16, block))
@@ -464,7 +509,7 @@ def _dequantize(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         name=f"w4a16_{fmt}_dequant",
-    )(codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)), _table_input(fmt))
+    )(codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)), row0, _table_input(fmt))
 
 
 def _dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -476,41 +521,72 @@ def _dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- public API
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _qmm(x, codes, scales, gs, fmt, interpret):
-    return _forward(x, codes, scales, gs, fmt=fmt, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _qmm(x, codes, scales, gs, layer, fmt, interpret):
+    return _forward(x, codes, scales, gs, fmt=fmt, interpret=interpret, layer=layer)
 
 
-def _qmm_fwd(x, codes, scales, gs, fmt, interpret):
-    return _qmm(x, codes, scales, gs, fmt, interpret), (codes, scales, gs)
+def _qmm_fwd(x, codes, scales, gs, layer, fmt, interpret):
+    return _qmm(x, codes, scales, gs, layer, fmt, interpret), (codes, scales, gs, layer)
 
 
 def _qmm_bwd(fmt, interpret, res, dy):
-    codes, scales, gs = res
+    codes, scales, gs, layer = res
+    if layer is not None:  # the backward kernel takes one matrix: slice the layer out
+        codes, scales, gs = (jnp.take(a, layer, axis=0) for a in (codes, scales, jnp.reshape(gs, (-1,))))
     dx = _backward(dy, codes, scales, gs, fmt=fmt, interpret=interpret)
-    # W is frozen: no cotangent for codes / scales / global scale.
-    return dx, None, None, None
+    # W is frozen: no cotangent for codes / scales / global scale (nor the layer index).
+    return dx, None, None, None, None
 
 
 _qmm.defvjp(_qmm_fwd, _qmm_bwd)
 
 
-def quant_matmul(x: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
+def _validate_layer(packed: Any, layer: Any) -> Any:
+    """For `layer` given: checks the stack and returns a 2-D view of one layer for `_validate`."""
+    codes = getattr(packed, "codes", None)
+    if codes is None or codes.ndim != 3:
+        raise ValueError(
+            "with layer=..., packed must be a stack of layers (codes [L, N, K/2]); "
+            f"got codes of shape {getattr(codes, 'shape', None)}"
+        )
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise TypeError(f"layer must be an integer scalar, got {layer!r}")
+    if isinstance(layer, int) and not 0 <= layer < codes.shape[0]:
+        raise ValueError(f"layer={layer} out of range for a stack of {codes.shape[0]} layers")
+    if tuple(packed.global_scale.shape) not in ((codes.shape[0],), (codes.shape[0], 1)):
+        raise ValueError(f"packed.global_scale must have shape ({codes.shape[0]},), got {packed.global_scale.shape}")
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+    return dataclasses.replace(
+        packed,
+        codes=sds(codes),
+        scales=sds(packed.scales),
+        global_scale=jax.ShapeDtypeStruct((), packed.global_scale.dtype),
+    )
+
+
+def quant_matmul(
+    x: jax.Array, packed: Any, *, layer: jax.Array | int | None = None, interpret: bool | None = None
+) -> jax.Array:
     """y bf16 [M, N] = x bf16 [M, K] @ dequantize(packed).T, fp32 accumulation.
 
     packed: a 2-D `PackedWeight` (codes uint8 [N, K/2], scales [N, K/block], scalar
-    global_scale) of format "nvfp4", "mxfp4" or "nf4". Differentiable in x (custom VJP,
-    W frozen). interpret: None = Pallas interpreter on CPU, compiled Triton on GPU.
-    Raises ValueError / TypeError on bad shapes or dtypes before anything is launched.
+    global_scale) of format "nvfp4", "mxfp4" or "nf4"; or, with `layer` (an int32 scalar,
+    may be traced), a stack of L such weights ([L, N, K/2], [L, N, K/block], [L]) of which
+    layer `layer` is used, read in place by the kernel (no copy of the slice). Differentiable
+    in x (custom VJP, W frozen). interpret: None = Pallas interpreter on CPU, compiled Triton
+    on GPU. Raises ValueError / TypeError on bad shapes or dtypes before anything is launched.
     """
-    fmt, _, _, _ = _validate(x, packed)
-    return _qmm(x, packed.codes, packed.scales, packed.global_scale, fmt, _resolve_interpret(interpret))
+    fmt, _, _, _ = _validate(x, packed if layer is None else _validate_layer(packed, layer))
+    if layer is not None:
+        layer = jnp.asarray(layer, jnp.int32)
+    return _qmm(x, packed.codes, packed.scales, packed.global_scale, layer, fmt, _resolve_interpret(interpret))
 
 
 def nvfp4_matmul(x: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
     """`quant_matmul` restricted to NVFP4 weights (E2M1 codes, e4m3 block-16 scales)."""
     fmt, _, _, _ = _validate(x, packed, fmts=("nvfp4",))
-    return _qmm(x, packed.codes, packed.scales, packed.global_scale, fmt, _resolve_interpret(interpret))
+    return _qmm(x, packed.codes, packed.scales, packed.global_scale, None, fmt, _resolve_interpret(interpret))
 
 
 def quant_matmul_dx(dy: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:

@@ -10,10 +10,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed
 
 BACKENDS = ("xla", "pallas")
+
+
+@struct.dataclass
+class LayerOf:
+    """Layer `index` of a weight stacked over layers ([L, N, K] dense or packed), used where
+    it lies: the Pallas kernel reads the layer's rows inside the stack, the XLA path fuses
+    the slice into the dequantization. A plain `stack[index]` before a matmul would make
+    XLA copy the slice first (every call, e.g. every decode step)."""
+
+    stack: Any  # jax.Array [L, N, K] | PackedWeight with leading L axis
+    index: jax.Array  # int32 scalar (may be traced: one trace serves every layer)
+
+
+def _take_layer(w: LayerOf) -> jax.Array | PackedWeight:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, keepdims=False), w.stack)
 
 
 def _dense_matmul(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
@@ -22,8 +38,14 @@ def _dense_matmul(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
     )
 
 
-def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight, backend: str = "xla") -> jax.Array:
-    """x [M, K] @ W.T for W [N, K] dense or packed; float32 [M, N]."""
+def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend: str = "xla") -> jax.Array:
+    """x [M, K] @ W.T for W [N, K] dense, packed or one layer of a stack (`LayerOf`); float32 [M, N]."""
+    if isinstance(w, LayerOf):
+        if is_packed(w.stack) and backend == "pallas":
+            import pallas_kernels
+
+            return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w.stack, layer=w.index).astype(jnp.float32)
+        w = _take_layer(w)
     if not is_packed(w):
         return _dense_matmul(x_MxK, w)
     if backend == "pallas":
@@ -37,7 +59,7 @@ def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight, backend: str = "x
 
 def linear(
     x: jax.Array,
-    w: jax.Array | PackedWeight,
+    w: jax.Array | PackedWeight | LayerOf,
     *,
     bias: jax.Array | None = None,
     lora: dict[str, Any] | None = None,

@@ -5,7 +5,8 @@ alone (no arrays are built). A step has two phases that never overlap in time, s
 
   persistent   = frozen base (packed or bf16 linears, bf16 embeddings, biases, norms)
                  + LoRA params + AdamW moments
-  rollout peak = persistent + KV cache + rollout activations (+ one dequantized layer)
+  rollout peak = persistent + KV cache + rollout activations + per-layer copies
+                 (+ one dequantized layer)
   train peak   = persistent + LoRA gradients + training activations (+ one dequantized layer)
   total        = max(rollout peak, train peak)
 
@@ -94,6 +95,7 @@ class MemoryPlan:
     lora_grads: int
     kv_cache: int
     rollout_activations: int
+    rollout_layer_copies: int
     train_saved_activations: int
     train_layer_activations: int
     train_logits: int
@@ -107,7 +109,13 @@ class MemoryPlan:
 
     @property
     def rollout_peak(self) -> int:
-        return self.persistent + self.kv_cache + self.rollout_activations + self.dequant_workspace
+        return (
+            self.persistent
+            + self.kv_cache
+            + self.rollout_activations
+            + self.rollout_layer_copies
+            + self.dequant_workspace
+        )
 
     @property
     def train_activations(self) -> int:
@@ -152,6 +160,7 @@ class MemoryPlan:
             ("= persistent", self.persistent),
             (f"KV cache ({i['rollout_chunk']} seqs x {i['prompt_len'] + i['max_new_tokens']} tokens)", self.kv_cache),
             ("rollout activations", self.rollout_activations),
+            ("per-layer copies (dense linears, biases, norms, LoRA)", self.rollout_layer_copies),
             ("dequantized layer (xla backend)", self.dequant_workspace),
             ("= rollout phase peak", self.rollout_peak),
             ("LoRA gradients + accumulator (f32)", self.lora_grads),
@@ -253,6 +262,9 @@ def plan_memory(
         decode  = (kv_cache_copies - 1) * kv_cache + B*H*S*6 (scores over the cache)
                   + 5*B*V*4 (logits, log-softmax, filtered logits, sampling noise, probabilities),
         with E = `layer_activation_elements` and P = prompt_len.
+      rollout_layer_copies: the per-layer buffers the unrolled decode copies once per rollout:
+        bf16 linears (all of them for quant="bf16", the `quant_skip` ones otherwise; packed
+        weights are read in place), biases, the 2*L norms and the LoRA params.
       train_saved_activations: with remat, (L + 1) * M*T*D*2 (every layer's input hidden state
         plus the final one; M = micro_batch_size, T = train_seq_len). Without remat: included
         in the next term.
@@ -340,6 +352,12 @@ def plan_memory(
     )
     decode = (kv_cache_copies - 1) * kv_cache + b * heads * s_total * ATTN_SCORE_BYTES + 5 * b * v * LOGIT_BYTES
     rollout_activations = max(prefill, decode)
+    # The unrolled decode copies each layer's variables into their own buffers once per
+    # rollout (qerl_jax.rollout.sampler._split_layers), except packed weights, read in place.
+    dense_linear = sum(
+        n_layers * linear_weight_bytes(n, k, "bf16") for p, (n, k) in shapes.items() if proj_quant(p) == "bf16"
+    )
+    rollout_layer_copies = dense_linear + (bias_elems + 2 * n_layers * d) * DENSE_BYTES + lora_params
 
     m, t = micro_batch_size, train_seq_len
     layer_fwd = m * t * e_layer * DENSE_BYTES + m * heads * t * t * ATTN_SCORE_BYTES
@@ -365,6 +383,7 @@ def plan_memory(
         lora_grads=lora_grads,
         kv_cache=kv_cache,
         rollout_activations=rollout_activations,
+        rollout_layer_copies=rollout_layer_copies,
         train_saved_activations=train_saved,
         train_layer_activations=train_layer,
         train_logits=train_logits,
@@ -476,10 +495,18 @@ def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = Tru
             )
         else:
             one = replan(1, 1)
-            problems.append(
-                f"the rollout of even 1 sequence needs {_gib(one.rollout_peak)} (KV cache {_gib(one.kv_cache)}): "
-                f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}) or the prompt length"
-            )
+            copies = one.persistent + one.rollout_layer_copies + one.dequant_workspace
+            if copies > budget and inputs["quant"] == "bf16":
+                problems.append(
+                    f"the rollout needs {_gib(copies)} before any KV cache (the weights plus their per-layer "
+                    f"copies for the decode): set {FIELD_QUANT}='nvfp4' (packed weights are read in place), "
+                    "or shard the model over more GPUs"
+                )
+            else:
+                problems.append(
+                    f"the rollout of even 1 sequence needs {_gib(one.rollout_peak)} (KV cache {_gib(one.kv_cache)}): "
+                    f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}) or the prompt length"
+                )
     if mb is None:
         best = None if adjust else first_fitting(_divisors_desc(batch, mb0), train_peak)
         if best is not None:

@@ -187,7 +187,18 @@ def test_kv_cache_matches_the_rollout_engine():
 
 def test_phases_and_total():
     plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4)
-    assert plan.rollout_peak == plan.persistent + plan.kv_cache + plan.rollout_activations + plan.dequant_workspace
+    assert plan.rollout_peak == (
+        plan.persistent + plan.kv_cache + plan.rollout_activations + plan.rollout_layer_copies + plan.dequant_workspace
+    )
+    # Packed linears are read in place by the rollout; only norms, biases and LoRA are copied.
+    c = QWEN_14B
+    norms_biases = (
+        2 * c.num_hidden_layers * c.hidden_size
+        + c.num_hidden_layers * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    ) * 2
+    assert plan.rollout_layer_copies == norms_biases + plan.lora_params
+    bf16 = memory.plan_memory(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=4)
+    assert bf16.rollout_layer_copies == bf16.base_linear + norms_biases + bf16.lora_params
     assert plan.train_peak == plan.persistent + plan.lora_grads + plan.train_activations + plan.dequant_workspace
     assert plan.total == max(plan.rollout_peak, plan.train_peak)
     # Activations grow with the micro-batch; the frozen part does not.
@@ -218,8 +229,8 @@ def test_fit_keeps_sizes_that_fit():
 
 
 def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
-    device = int(75 * GIB)
-    plan = memory.plan_memory(QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
+    device = int(60 * GIB)
+    plan = memory.plan_memory(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
     result = memory.fit(plan, device)
     budget = 0.95 * device
     assert set(result.changed) == {"rl.micro_batch_size", "rollout.max_batch"}
@@ -227,11 +238,11 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
     assert result.plan.total <= budget
     # Maximal: the next larger divisor of 64 does not fit its phase.
     up_chunk = memory.plan_memory(
-        QWEN_32B, quant="bf16", rollout_batch=64, group_size=8, rollout_chunk=2 * result.rollout_chunk
+        QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, rollout_chunk=2 * result.rollout_chunk
     )
     assert up_chunk.rollout_peak > budget
     up_mb = memory.plan_memory(
-        QWEN_32B,
+        QWEN_14B,
         quant="bf16",
         rollout_batch=64,
         group_size=8,
@@ -248,6 +259,14 @@ def test_fit_validate_names_the_value_to_lower():
     plan = memory.plan_memory(QWEN_32B, rollout_batch=64, group_size=8, micro_batch_size=1)
     with pytest.raises(memory.DoesNotFitError, match=r"lower rollout\.max_batch from 64 to \d+"):
         memory.fit(plan, 40 * GIB, adjust=False)
+
+
+def test_fit_names_quant_when_bf16_rollout_copies_do_not_fit():
+    # bf16 32B: 61 GiB of linears fit an 80 GB H100, but not twice (the decode's per-layer copies).
+    plan = memory.plan_memory(QWEN_32B, quant="bf16", micro_batch_size=1)
+    assert plan.persistent < 0.95 * 80 * GIB < plan.persistent + plan.rollout_layer_copies
+    with pytest.raises(memory.DoesNotFitError, match=r"per-layer copies.*model\.quant='nvfp4'"):
+        memory.fit(plan, 80 * GIB)
 
 
 def test_fit_names_quant_when_bf16_weights_do_not_fit():

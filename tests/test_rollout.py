@@ -147,6 +147,27 @@ def test_nvfp4_greedy_matches_naive_forward_loop(tiny_qwen2_dir, f32_model):
     assert not np.array_equal(np.asarray(dense.tokens), np.asarray(batch.tokens))  # the 4-bit weights are used
 
 
+def test_packed_weights_are_read_in_place_by_the_pallas_kernel(tiny_qwen2_dir):
+    """The unrolled decode passes the stacked packed weights with a layer index (no per-layer
+    copies); with the Pallas kernel (interpreted on CPU) it samples exactly what the layer
+    scan over sliced weights samples."""
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    split = sampler_module._split_layers(params)
+    assert set(split["packed"]) == set(params["base"]["layers"])
+    assert all("w" not in p for p in split["layers"][0]["base"].values())
+    packed_bytes = sum(x.nbytes for x in jax.tree.leaves(split["packed"]))
+    all_bytes = sum(x.nbytes for x in jax.tree.leaves([params["base"]["layers"], params["norms"]["layers"]]))
+    assert sampler_module.layer_copy_bytes(params) == all_bytes - packed_bytes
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, eos_ids=())
+    kw = dict(group_size=2, backend="pallas")
+    unrolled = generate(config, params, ids, mask, jax.random.key(3), sampling, **kw)
+    scanned = generate(config, params, ids, mask, jax.random.key(3), sampling, unroll_layers=False, **kw)
+    np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
+    np.testing.assert_array_equal(np.asarray(unrolled.logprobs), np.asarray(scanned.logprobs))
+
+
 # ----------------------------------------------------------------------------- log-prob invariant
 
 
@@ -293,16 +314,17 @@ def test_train_batch_layout(f32_model):
 
 def test_buckets_reuse_compiled_programs(f32_model):
     config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size, pads=(0, 2, 4), width=11)
+    ids, mask = _prompts(config.vocab_size, pads=(0, 2, 4, 1), width=11)
     kw = dict(group_size=2, cache_dtype=jnp.float32)
     generate(config, params, ids, mask, jax.random.key(0), _sampling(max_new_tokens=7), **kw)
     before = dict(sampler_module.TRACE_COUNTS)
-    # Other prompt lengths in the same bucket (16), other widths, other max_new_tokens in the
-    # same 64 bucket, other stop/pad ids, another batch size in the same row bucket: no new program.
+    # Another batch size in the same row buckets (3 prompts / 6 rows vs 4 / 8), other prompt
+    # lengths in the same bucket (16), other widths, other max_new_tokens in the same 64
+    # bucket, other stop/pad ids: no new program.
     ids2, mask2 = _prompts(config.vocab_size, pads=(3, 1, 0), width=14, seed=1)
     generate(config, params, ids2, mask2, jax.random.key(1), _sampling(max_new_tokens=30, eos_ids=(5,)), **kw)
     generate(config, params, ids2[:, 4:], mask2[:, 4:], jax.random.key(1), _sampling(pad_id=3), **kw)
-    generate(config, params, ids2[:2], mask2[:2], jax.random.key(1), _sampling(ignore_eos=True), **kw)
+    generate(config, params, ids2, mask2, jax.random.key(1), _sampling(ignore_eos=True), **kw)
     assert sampler_module.TRACE_COUNTS == before
     assert sampler_module.TRACE_COUNTS["prefill"] > 0  # the counter counts at all
     assert [prompt_bucket(n) for n in (1, 16, 17, 300, 2048, 2049)] == [16, 16, 32, 512, 2048, 3072]

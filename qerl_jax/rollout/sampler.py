@@ -51,6 +51,8 @@ from qerl_jax.models.qwen2 import (
     rms_norm,
     variables,
 )
+from qerl_jax.linear import LayerOf
+from qerl_jax.quant.packed import is_packed
 from qerl_jax.rollout.sampling import SamplingConfig, sample
 
 # The memory check asks for this multiple of `estimate_rollout_bytes`: on an H100 (Qwen2.5-7B,
@@ -199,21 +201,50 @@ def device_free_bytes(device: jax.Device | None = None) -> int | None:
 
 
 def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
-    """Per-layer copies of the stacked variables: {"top": {...}, "layers": [vars of layer l]}.
+    """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
     before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
-    written through the scan is copied as well. Decoding layer by layer over separate buffers
-    avoids both (measured on an H100, Qwen2.5-7B bf16: 15.3 -> 6.1 ms per step at B=1 and
-    59 -> 14.5 ms at B=256). The copy is made once per `generate` call, outside the programs.
+    written through the scan is copied as well. Decoding layer by layer avoids both
+    (measured on an H100, Qwen2.5-7B bf16: 15.3 -> 6.1 ms per step at B=1 and 59 -> 14.5 ms
+    at B=256). Packed 4-bit weights stay stacked and are read in place (`LayerOf`: the
+    Pallas kernel takes the layer index); the other layer variables (dense weights, biases,
+    norms, LoRA) are copied into per-layer buffers once per `generate` call.
     """
-    stacked = {"base": params["base"]["layers"], "norms": params["norms"]["layers"]}
+    base_layers = params["base"]["layers"]
+    packed = {name: p["w"] for name, p in base_layers.items() if is_packed(p["w"])}
+    stacked = {
+        "base": {
+            name: {f: v for f, v in p.items() if not (f == "w" and name in packed)} for name, p in base_layers.items()
+        },
+        "norms": params["norms"]["layers"],
+    }
     if params.get("lora"):
         stacked["lora"] = params["lora"]["layers"]
     top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
     if "lm_head" in params["base"]:
         top["lm_head"] = params["base"]["lm_head"]
-    return {"top": top, "layers": _unstack_jit(stacked)}
+    return {"top": top, "packed": packed, "layers": _unstack_jit(stacked)}
+
+
+def layer_copy_bytes(params: dict[str, Any]) -> int:
+    """Bytes of the per-layer copies `_split_layers` makes (all but the packed weights)."""
+    trees = [params["norms"]["layers"], (params.get("lora") or {}).get("layers")]
+    for p in params["base"]["layers"].values():
+        trees.append({f: v for f, v in p.items() if not (f == "w" and is_packed(v))})
+    return sum(x.nbytes for x in jax.tree.leaves(trees))
+
+
+def _layer_vars(params: dict[str, Any], layer: int) -> dict[str, Any]:
+    """The variables of one layer: its copied buffers plus `LayerOf` views of the packed stacks."""
+    vars_l = params["layers"][layer]
+    if not params["packed"]:
+        return vars_l
+    index = jnp.int32(layer)
+    base = {name: dict(p) for name, p in vars_l["base"].items()}
+    for name, stack in params["packed"].items():
+        base[name]["w"] = LayerOf(stack, index)
+    return {**vars_l, "base": base}
 
 
 def _unstack(stacked):
@@ -244,7 +275,8 @@ def _hidden(static, params, ids_BxT, positions_BxT, kv_valid_BxS, cache, cache_i
         )
     h = jnp.take(params["top"]["embed"], ids_BxT, axis=0)
     new_cache = []
-    for vars_l, cache_l in zip(params["layers"], cache):
+    for layer, cache_l in enumerate(cache):
+        vars_l = _layer_vars(params, layer)
         h, cache_l = _layer_jit(cfg, static.options, vars_l, h, cache_l, positions_BxT, kv_valid_BxS, cache_index)
         new_cache.append(cache_l)
     return rms_norm(h, params["top"]["final_norm"], cfg.rms_norm_eps), new_cache
@@ -437,6 +469,18 @@ def _check_prompts(config: ModelConfig, ids: np.ndarray, mask: np.ndarray, max_n
     return lengths
 
 
+def _row_shards(batch_sharding: jax.sharding.Sharding | None) -> int:
+    """Into how many pieces `batch_sharding` splits a leading axis (1 for None)."""
+    if batch_sharding is None:
+        return 1
+    probe = 1 << 20  # a length every mesh size of interest divides
+    return probe // batch_sharding.shard_shape((probe,))[0]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _chunks(num_prompts: int, group_size: int, max_batch: int) -> list[tuple[int, int]]:
     """Contiguous [start, stop) row ranges of at most max_batch rows; whole groups when they fit."""
     total = num_prompts * group_size
@@ -462,6 +506,7 @@ def generate(
     cache_new_tokens: int | None = None,
     timings: dict[str, float] | None = None,
     unroll_layers: bool = True,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
 
@@ -484,9 +529,15 @@ def generate(
       timings: if a dict, the per-layer weight copies, the prefill and the decode of every chunk
         are waited for and their wall-clock seconds are added under "unstack_s", "prefill_s" and
         "decode_s" (and the sampling steps under "steps").
-      unroll_layers: run the layers one by one over per-layer copies of the weights (made for
-        this call: +1x the layer weights in memory) and per-layer caches (default; 2.5-4x faster
-        decode on GPU, see `_split_layers`); False runs the model's layer scan as is.
+      unroll_layers: run the layers one by one (packed weights read in place, dense weights,
+        norms and LoRA over per-layer copies made for this call: +1x those in memory) with
+        per-layer caches (default; 2.5-4x faster decode on GPU, see `_split_layers`); False
+        runs the model's layer scan as is.
+      batch_sharding: a sharding of the leading (row) axis, e.g. NamedSharding(mesh, P("data")),
+        for data-parallel rollouts: each chunk's prompt and row arrays are placed with it (row
+        buckets rounded up to a multiple of its shard count) and jit propagates it to the KV
+        cache and the samples. Place the params first (replicated, or `sharding.shard_params`).
+        The samples equal those of one device (per-row keys).
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
@@ -534,8 +585,10 @@ def generate(
     rows_b = rows_bucket(max(stop - start for start, stop in chunks))
     prompts_per_chunk = [((stop - 1) // group_size) - (start // group_size) + 1 for start, stop in chunks]
     prompts_b = rows_b if not share_prefill else rows_bucket(max(prompts_per_chunk))
+    shards = _row_shards(batch_sharding)
+    rows_b, prompts_b = _round_up(rows_b, shards), _round_up(prompts_b, shards)
+    put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
 
-    layer_trees = [params["base"]["layers"], params["norms"]["layers"], (params.get("lora") or {}).get("layers")]
     need = estimate_rollout_bytes(
         config,
         rows_b,
@@ -545,7 +598,7 @@ def generate(
         num_prompts=prompts_b,
         act_dtype=params["base"]["embed"].dtype,
         stacked=not unroll_layers,
-        layer_copy_bytes=sum(x.nbytes for x in jax.tree.leaves(layer_trees)) if unroll_layers else 0,
+        layer_copy_bytes=layer_copy_bytes(params) if unroll_layers else 0,
     )
     budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
     if budget is not None and need * MEMORY_MARGIN > budget:
@@ -582,6 +635,7 @@ def generate(
         rows_c = np.zeros((rows_b,), np.int32)
         rows_c[:n] = rows
         seq_ids = np.minimum(np.arange(rows_b) + start, total - 1).astype(np.uint32)
+        ids_c, mask_c, rows_c, seq_ids = map(put, (ids_c, mask_c, rows_c, seq_ids))
         t0 = time.perf_counter()
         cache, first, first_logp = _prefill_jit(static, run_params, ids_c, mask_c, rows_c, key, seq_ids)
         if timings is not None:
@@ -598,7 +652,7 @@ def generate(
             rows_c,
             key,
             seq_ids,
-            np.arange(rows_b) < n,
+            put(np.arange(rows_b) < n),
             np.int32(sampling.max_new_tokens),
             stop_V,
             np.int32(pad_id),
