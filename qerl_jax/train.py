@@ -58,9 +58,18 @@ class Experience:
 
 
 def collect_experience(
-    cfg, policy: Policy, rollout_params, loader: PromptLoader, pool: rewards.RewardPool, key
+    cfg,
+    policy: Policy,
+    rollout_params,
+    loader: PromptLoader,
+    pool: rewards.RewardPool,
+    key,
+    batch_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Experience, dict[str, float]]:
-    """Rollouts + rewards for `prompts_per_step` groups (DAPO: only groups with varied rewards)."""
+    """Rollouts + rewards for `prompts_per_step` groups (DAPO: only groups with varied rewards).
+
+    batch_sharding: rollout rows sharded over the mesh's "data" axis (data-parallel rollouts).
+    """
     g = cfg.rollout.group_size
     want = cfg.rollout.prompts_per_step
     sampling = sampling_config(cfg, policy)
@@ -90,6 +99,7 @@ def collect_experience(
             lora_scale=lora.lora_scale(lora_config(cfg)),
             backend=policy.backend,
             max_batch=cfg.rollout.max_batch,
+            batch_sharding=batch_sharding,
         )
         jax.block_until_ready(batch.tokens)
         timing["rollout"] += time.perf_counter() - t0
@@ -222,7 +232,11 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     if cfg.mesh.data * cfg.mesh.model != 1:
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
         policy.frozen = sharding.shard_params(policy.frozen, mesh, "tp")
-        tqdm.write(f"mesh {dict(mesh.shape)}: base weights tensor-parallel over 'model'")
+        tqdm.write(
+            f"mesh {dict(mesh.shape)}: base weights tensor-parallel over 'model', rollouts and training batches "
+            "data-parallel over 'data'"
+        )
+    batch_sharding = sharding.data_sharding(mesh) if mesh is not None and cfg.mesh.data > 1 else None
     acfg = aqn_config(cfg, policy.quant)
     total = cfg.train.total_steps
     optimizer, lr_fn = optimizer_from_config(cfg)
@@ -284,7 +298,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
             }
             try:
                 exp, metrics = collect_experience(
-                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step)
+                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), batch_sharding
                 )
             except MemoryError as e:
                 raise UserFacingError(f"out of device memory in the rollout: {e}") from None
@@ -295,6 +309,8 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                 metrics.update(_rollout_metrics(exp))
                 t0 = time.perf_counter()
                 batch = make_train_batch(cfg, exp)
+                if batch_sharding is not None:
+                    batch = sharding.shard_batch(batch, mesh)
                 try:
                     for _ in range(cfg.rl.ppo_epochs):
                         state, train_metrics = train_step(state, policy.frozen, batch)
