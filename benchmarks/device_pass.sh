@@ -29,7 +29,7 @@ for step in ${STEPS:-rollout grpo scale}; do
     kernels256)
       timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT/kernels256.json" --sections env,sweep,bench \
         --deadline $(( ${KERNELS_S:-200} - 20 )) --ms 128,256 --bwd-ms "" --sweep-decode-ms "" \
-        --sweep-prefill-ms 256 --sweep-prefill-cands 1,2,5,6,7,8 > "$OUT/kernels256.log" 2>&1
+        --sweep-prefill-ms 256 --sweep-prefill-cands 1,2,5,6,7,8 --models ${KERNELS_MODELS:-7B} > "$OUT/kernels256.log" 2>&1
       echo "kernels256 rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 22 "$OUT/kernels256.log" ;;
     nulldecode)  # diagnostic: the same kernels with the nibble decode replaced by a byte->bf16 convert
       timeout ${NULL_S:-120} python3 benchmarks/kernels.py --out "$OUT/kernels_null.json" --sections bench --null-decode \

@@ -13,9 +13,9 @@ Regimes, picked from M and the autotune table (`autotune.get_config`):
 - decode (M <= 64, memory-bound): x padded to 16/32/64 rows, narrow N tiles (64) so that
   every SM streams weights, split-K with an XLA reduction when N tiles are too few, and
   optionally W as the dot's left operand (`swap`, y.T = W @ x.T);
-- 64 < M <= 256: the fused kernel with [bm, bn] tiles and a grouped program order;
-- M > 256 ("dequant" mode): a Pallas kernel writes W as bf16 with the same decode, then an
-  XLA / cuBLAS dot (the fused kernel was measured slower there; KERNEL_NOTES.md).
+- M > 64 ("dequant" mode): a Pallas kernel writes W as bf16 with the same decode, then an
+  XLA / cuBLAS dot (the fused kernel with [bm, bn] tiles and a grouped program order, still
+  selectable by config, was measured slower there; KERNEL_NOTES.md).
 
 Backward (`jax.custom_vjp`): dx = dy @ dequantize(W) by a second kernel that walks the
 same packed layout with the contraction over N (or dequant + dot for M > 64); W is
@@ -259,6 +259,9 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
         plgpu.store(o_ref.at[idx], out, mask=mask)
 
 
+_I32_UNSAFE_BYTES = (2**31, 2**32)  # array sizes (bytes) Pallas indexes with overflowing 32-bit offsets
+
+
 def _select_layer(codes, scales, gs, layer):
     """-> (codes [R, K/2], scales [R, K/B], scalar global scale, first row int32 [1]).
 
@@ -267,8 +270,14 @@ def _select_layer(codes, scales, gs, layer):
     """
     if layer is None:
         return codes, scales, gs, jnp.zeros((1,), jnp.int32)
-    num_layers, n = codes.shape[0], codes.shape[1]
     layer = jnp.asarray(layer, jnp.int32)
+    if any(_I32_UNSAFE_BYTES[0] < a.size * a.dtype.itemsize <= _I32_UNSAFE_BYTES[1] for a in (codes, scales)):
+        # Pallas' Triton lowering indexes arrays of up to 4 GiB with 32-bit offsets, which
+        # overflow past 2 GiB (illegal address; e.g. the Qwen2.5-72B q/o stacks): slice the
+        # layer out instead (a copy of one layer per call).
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+        return pick(codes), pick(scales), pick(jnp.reshape(gs, (-1,))), jnp.zeros((1,), jnp.int32)
+    num_layers, n = codes.shape[0], codes.shape[1]
     return (
         codes.reshape(num_layers * n, codes.shape[2]),
         scales.reshape(num_layers * n, scales.shape[2]),

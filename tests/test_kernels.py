@@ -8,6 +8,7 @@ checked through its numpy model (`decode_asm.emulate`) for all 256 byte values.
 
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import jax
@@ -323,3 +324,23 @@ def test_autotune_table_entries_are_valid_configs():
         assert cfg.mode in ("fused", "dequant")
         for size in (cfg.bm, cfg.bk, cfg.bc) + ((cfg.bn,) if kind == "fwd" else ()):
             assert size & (size - 1) == 0, (key, entry)
+
+
+def test_stacks_between_2_and_4_gib_are_sliced_not_indexed_in_place(monkeypatch):
+    """Pallas indexes arrays of 2-4 GiB with 32-bit offsets that overflow past 2 GiB; such
+    stacks take the layer slice instead. Checked with the window moved down to this size."""
+    qm = importlib.import_module("pallas_kernels.quant_matmul")  # the module, not the function
+
+    rng = _rng("window")
+    layers = [rand_packed(rng, 48, 64, "nvfp4") for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = rand_x(rng, 4, 64)
+    codes, _, gs, row0 = qm._select_layer(*_args(stack), 2)
+    assert codes.shape == (3 * 48, 32) and int(row0[0]) == 2 * 48
+    monkeypatch.setattr(qm, "_I32_UNSAFE_BYTES", (stack.codes.nbytes - 1, stack.codes.nbytes))
+    codes, _, gs, row0 = qm._select_layer(*_args(stack), 2)
+    assert codes.shape == (48, 32) and int(row0[0]) == 0 and float(gs) == float(layers[2].global_scale)
+    np.testing.assert_array_equal(
+        np.asarray(pallas_kernels.quant_matmul(x, stack, layer=2), np.float32),
+        np.asarray(pallas_kernels.quant_matmul(x, layers[2]), np.float32),
+    )
