@@ -3,7 +3,8 @@
 # JSON + logs under $OUT. Run from the repo root with the .whl folder carried:
 #   STEPS="rollout grpo" bash benchmarks/device_pass.sh
 # Steps: rollout (benchmarks/rollout.py), grpo (grpo_step.py), scale (scale.py, 32B),
-# kernels256 (kernels.py sweep + bench at M = 128 / 256), nulldecode (kernels.py diagnostic).
+# kernels256 (kernels.py sweep + bench at M = 128 / 256), nulldecode (kernels.py diagnostic),
+# dp (benchmarks/data_parallel.py: all local GPUs vs one).
 set -u
 OUT=${OUT:-/tmp/qerl_bench}
 mkdir -p "$OUT"
@@ -35,6 +36,10 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${NULL_S:-120} python3 benchmarks/kernels.py --out "$OUT/kernels_null.json" --sections bench --null-decode \
         --deadline $(( ${NULL_S:-120} - 15 )) --ms 16,64 --models 7B > "$OUT/kernels_null.log" 2>&1
       echo "nulldecode rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 "$OUT/kernels_null.log" ;;
+    dp)  # all local GPUs vs one (e.g. on nvidia-h200-x2)
+      timeout ${DP_S:-300} python3 benchmarks/data_parallel.py --model ${DP_MODEL:-7B} --out "$OUT/data_parallel.json" \
+        > "$OUT/data_parallel.log" 2>&1
+      echo "dp rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 10 "$OUT/data_parallel.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
