@@ -234,6 +234,12 @@ def test_sharded_logits_equal_one_device(four_device_results, case):
     assert r["max_abs_diff"] <= 1e-5 * r["scale"], r
 
 
+def test_data_parallel_micro_batches_are_split_over_devices(four_device_results):
+    # Batch 4, micro-batch 2, "data" axis 2: each device runs 1 row of every micro-batch (not
+    # every micro-batch in full).
+    assert four_device_results["train_step"]["micro_rows_per_device"] == [1]
+
+
 @pytest.mark.parametrize("strategy", ["tp", "fsdp"])
 def test_sharded_grpo_loss_and_lora_grads_equal_one_device(four_device_results, strategy):
     r = four_device_results["train_step"][strategy]
@@ -285,6 +291,7 @@ def test_data_parallel_rollout_passes_the_batch_sharding():
 def _worker() -> dict:
     """Runs in a fresh process with 4 CPU devices; returns the comparisons as a dict."""
     import inspect
+    import re
     import time
 
     import jax
@@ -418,6 +425,12 @@ def _worker() -> dict:
             "grad_rel_err": float(np.abs(g - g_ref).max() / np.abs(g_ref).max()),
             "lora_a_spec": str(state.lora["layers"]["down_proj"]["a"].sharding.spec),
         }
+    # Rows of a micro-batch each device runs (from the partitioned program's next-token grids).
+    compiled = step.jitted.lower(
+        init_train_state(lora_s, optax.sgd(lr)), frozen, sharding.shard_batch(train_batch, mesh), None
+    ).compile()
+    rows = {int(r) for r in re.findall(rf"s32\[(\d+),{t - 1}\]", compiled.as_text())}
+    out["train_step"]["micro_rows_per_device"] = sorted(rows)
     _tick("train step")
 
     # Rollouts: tensor-parallel weights (the rollout engine builds its batches on the host).

@@ -161,7 +161,11 @@ def make_train_step(
         ref = None if ref_logp is None else to_next_token_grid(ref_logp).astype(jnp.float32)
         adv = batch["advantages"].astype(jnp.float32)
         normalizer = loss_normalizer(resp, loss_cfg)
-        split = lambda x: None if x is None else x.reshape(n_micro, mb, *x.shape[1:])  # noqa: E731
+        # Micro-batch i holds rows i, i + n_micro, ...: a batch sharded in contiguous blocks over
+        # a "data" mesh axis then stays sharded within every micro-batch (each device runs its
+        # share of every micro-step); consecutive rows per micro-batch would put the sharded
+        # axis on the scanned one, and every device would run every micro-batch.
+        split = lambda x: None if x is None else x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1)  # noqa: E731
         xs = tuple(map(split, (batch["input_ids"], batch["attention_mask"], resp, old, adv, ref)))
 
         def micro(grad_acc, x):
@@ -180,7 +184,7 @@ def make_train_step(
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.lora)
         grads, (logp, ent, ref_used) = jax.lax.scan(micro, zeros, xs)
-        unsplit = lambda x: None if x is None else x.reshape(b, t - 1)  # noqa: E731
+        unsplit = lambda x: None if x is None else x.swapaxes(0, 1).reshape(b, t - 1)  # noqa: E731
         logp, ent, ref_used = unsplit(logp), unsplit(ent), unsplit(ref_used)
         loss, metrics = policy_loss(
             logp, old, adv, resp, loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer
