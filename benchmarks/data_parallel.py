@@ -12,7 +12,9 @@ gradients). Rollout: prompts x group sequences, --decode-steps sampling steps wi
 sized for --max-new-tokens (a step costs the same at every position), the second of two
 identical calls timed. Train: one DAPO step on prompt + new-token sequences (micro-batches,
 per-layer remat), the second of two steps timed. Reported: times, tokens/s, speed-up n-GPU
-vs 1-GPU and scaling efficiency (speed-up / n), and whether the sampled tokens are equal.
+vs 1-GPU on the same batch (strong scaling) and its efficiency (speed-up / n), throughput
+with n times the batch (weak scaling: the same rows per device), and whether the sampled
+tokens are equal.
 """
 
 from __future__ import annotations
@@ -107,7 +109,19 @@ def run(args) -> dict:
             return step(state, frozen, train_batch)
 
         (state, metrics), train_s = _timed(train_once)
-        res = {
+        res = {}
+        if batch_sharding is not None:  # weak scaling: n times the sequences, the same rows per device
+            ids_n, mask_n = np.tile(ids, (n, 1)), np.tile(mask, (n, 1))
+            _, weak_roll_s = _timed(lambda: generate(config, policy, ids_n, mask_n, jax.random.key(3), sampling, **kw))
+            batch_n = sharding.shard_batch({k: np.concatenate([v] * n) for k, v in batch.items()}, mesh)
+            _, weak_train_s = _timed(lambda: step(place(rl_step.init_train_state(lora, optimizer)), frozen, batch_n))
+            res.update(
+                weak_rollout_tokens_per_s=n * rows * args.decode_steps / weak_roll_s,
+                weak_train_tokens_per_s=n * rows * t_total / weak_train_s,
+                weak_rollout_s=weak_roll_s,
+                weak_train_s=weak_train_s,
+            )
+        res |= {
             "rollout_s": roll_s,
             "rollout_tokens_per_s": rows * args.decode_steps / roll_s,
             "train_s": train_s,
@@ -138,9 +152,13 @@ def run(args) -> dict:
         speedup = single[f"{phase}_s"] / dp[f"{phase}_s"]
         report[f"{phase}_speedup"] = speedup
         report[f"{phase}_efficiency"] = speedup / n
+        weak = dp[f"weak_{phase}_tokens_per_s"] / single[f"{phase}_tokens_per_s"]
+        report[f"{phase}_weak_speedup"] = weak
     step_1 = single["rollout_s"] * args.max_new_tokens / args.decode_steps + single["train_s"]
     step_n = dp["rollout_s"] * args.max_new_tokens / args.decode_steps + dp["train_s"]
     report["grpo_step_speedup"] = step_1 / step_n  # rollout extrapolated to max_new_tokens
+    weak_n = dp["weak_rollout_s"] * args.max_new_tokens / args.decode_steps + dp["weak_train_s"]
+    report["grpo_step_weak_throughput_speedup"] = n * step_1 / weak_n
     return report
 
 
@@ -166,14 +184,19 @@ def main(argv=None) -> None:
     print(
         f"\n{report['model']} {report['quant']} on {len(report['devices'])} x {report['device_kind']}: "
         f"{report['rows']} sequences\n"
-        f"{'phase':8} {'1 device s':>11} {'n devices s':>12} {'speed-up':>9} {'efficiency':>10}"
+        f"{'phase':8} {'1 device s':>11} {'n devices s':>12} {'speed-up':>9} {'efficiency':>10} "
+        f"{'n x batch: throughput':>22}"
     )
     for phase in ("rollout", "train"):
         print(
             f"{phase:8} {report['one_device'][phase + '_s']:11.2f} {report['data_parallel'][phase + '_s']:12.2f} "
-            f"{report[phase + '_speedup']:8.2f}x {report[phase + '_efficiency']:10.0%}"
+            f"{report[phase + '_speedup']:8.2f}x {report[phase + '_efficiency']:10.0%} "
+            f"{report[phase + '_weak_speedup']:21.2f}x"
         )
-    print(f"GRPO step (rollout extrapolated to {report['max_new_tokens']} tokens): {report['grpo_step_speedup']:.2f}x")
+    print(
+        f"GRPO step (rollout extrapolated to {report['max_new_tokens']} tokens): same batch {report['grpo_step_speedup']:.2f}x, "
+        f"n x batch throughput {report['grpo_step_weak_throughput_speedup']:.2f}x"
+    )
     print(
         f"sampled tokens equal: {report['tokens_equal']}; LoRA after one step max |diff| {report['lora_max_abs_diff_after_step']:.2e}"
     )
