@@ -229,6 +229,11 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     lcfg = lora_config(cfg)
     cfg = _check_memory(cfg, policy, lcfg)
     mesh = None
+    if cfg.mesh.data > 1 and cfg.rl.micro_batch_size % cfg.mesh.data:
+        raise UserFacingError(
+            f"rl.micro_batch_size ({cfg.rl.micro_batch_size}) must be a multiple of mesh.data ({cfg.mesh.data}): "
+            "each micro-batch is split over the data-parallel devices"
+        )
     if cfg.mesh.data * cfg.mesh.model != 1:
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
         policy.frozen = sharding.shard_params(policy.frozen, mesh, "tp")

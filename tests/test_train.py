@@ -250,3 +250,40 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
         assert digit_reward(c, a) == r
     batch = train.make_train_batch(cfg, exp)
     assert batch["input_ids"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
+
+
+def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path):
+    """`--config.mesh.data=2` on 2 (CPU) devices: rollouts and train batches split over the data
+    axis give the metrics of the 1-device run; a micro-batch that does not split is refused."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    metrics = {}
+    for name, extra in (("one", []), ("dp", ["--config.mesh.data=2"])):
+        workdir = tmp_path / name
+        cmd = [
+            sys.executable,
+            "-m",
+            "qerl_jax.main",
+            "--config=configs/tiny.py",
+            f"--config.workdir={workdir}",
+            "--config.train.total_steps=2",
+            "--config.eval.num_examples=0",
+            *extra,
+        ]
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 2
+        metrics[name] = read_scalars(os.path.join(workdir, "tensorboard"))
+    assert "mesh {'data': 2, 'model': 1}" in out.stdout + out.stderr
+    for tag in ("train/entropy", "train/grad_norm", "rollout/response_length_mean"):
+        one, dp = np.array(metrics["one"][tag])[:, 1], np.array(metrics["dp"][tag])[:, 1]
+        assert one.shape == (2,) and np.all(np.isfinite(one)), tag
+        np.testing.assert_allclose(dp, one, rtol=2e-3, err_msg=tag)
+    bad = subprocess.run(
+        [*cmd[:-1], "--config.mesh.data=2", "--config.rl.micro_batch_size=3"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bad.returncode == 1 and "must be a multiple of mesh.data" in bad.stderr
