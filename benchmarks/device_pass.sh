@@ -27,6 +27,11 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${SCALE_S:-100} python3 benchmarks/scale.py --models ${SCALE_MODELS:-32b} --phases load,rollout,train \
         --decode-steps 32 --out "$OUT/scale.json" > "$OUT/scale.log" 2>&1
       echo "scale rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 20 "$OUT/scale.log" ;;
+    persistent)  # decode sweep with the persistent-loop candidates, then the decode bench
+      timeout ${PERS_S:-380} python3 benchmarks/kernels.py --out "$OUT/kernels_persistent.json" --sections env,sweep,bench \
+        --deadline $(( ${PERS_S:-380} - 25 )) --sweep-deadline $(( ${PERS_S:-380} - 150 )) --ms 1,16,64 --bwd-ms "" \
+        --sweep-decode-ms 16,64 --sweep-prefill-ms "" --sweep-decode-cands 11,13,14,15,6 > "$OUT/kernels_persistent.log" 2>&1
+      echo "persistent rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 30 "$OUT/kernels_persistent.log" ;;
     kernels256)
       timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT/kernels256.json" --sections env,sweep,bench \
         --deadline $(( ${KERNELS_S:-200} - 20 )) --ms 128,256 --bwd-ms "" --sweep-decode-ms "" \

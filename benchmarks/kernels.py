@@ -371,6 +371,9 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, split_mult=2),
     dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, split_mult=2),
     dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, scale_words=False),  # control for --scale-words
+    dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, persistent=2),  # 13: N tiles per program
+    dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, persistent=4),
+    dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, persistent=3),
 ]
 SWEEP_PREFILL = [
     dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3),
@@ -464,7 +467,14 @@ def section_sweep(args, decode: str):
             try:
                 t = time_ops(op, groups)
                 row.update(us=t["s"] * 1e6, compile_s=t["compile_s"])
-                if best is None or t["s"] < best[0]:
+                if kind == "fwd":  # every candidate is checked against the float32 reference
+                    x0, c0, s0, g0 = groups[0][0]
+                    got = jax.jit(op)(x0, c0, s0, g0).astype(jnp.float32)
+                    ref = x0.astype(jnp.float32) @ P.dequantize(P.PackedWeight(c0, s0, g0, "nvfp4"), jnp.float32).T
+                    row["rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                if row.get("rel_err", 0.0) > 1e-2:
+                    log_error(f"sweep {kind} {m}x{n}x{k} {c}", ValueError(f"rel_err {row['rel_err']:.3g}"))
+                elif best is None or t["s"] < best[0]:
                     best = (t["s"], cfg)
             except Exception as e:  # noqa: BLE001
                 log_error(f"sweep {kind} {m}x{n}x{k} {c}", e)

@@ -229,6 +229,10 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
         mask_w = jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // (4 * block)))
     k_base = ks * k_chunk
     w0 = r_ref[0] + n0  # first weight row of the tile
+    if cfg.persistent:
+        return _fwd_persistent(
+            x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, fmt=fmt, m=m, n=n, k=k, cfg=cfg, decode=decode
+        )
 
     def body(i, acc):
         k0 = pl.multiple_of(k_base + i * bk, bk)
@@ -257,6 +261,56 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     else:
         mask = (rows_m < m)[:, None] & (rows_n < n)[None, :]
         plgpu.store(o_ref.at[idx], out, mask=mask)
+
+
+def _fwd_persistent(x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, *, fmt, m, n, k, cfg, decode):
+    """Decode regime, one M tile: program p computes N tiles p * T ... p * T + T - 1 (T =
+    cfg.persistent) in ONE loop over (tile, K step) pairs, so its loads stay pipelined across
+    tile boundaries instead of re-filling the pipeline for every short tile."""
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    block = BLOCK_SIZES[fmt]
+    steps = k // bk
+    first_tile = pl.program_id(0) * cfg.persistent
+    rows_m = _iota(bm)
+    mask_x = None if m % bm == 0 else jnp.broadcast_to((rows_m < m)[:, None], (bm, bk))
+    inv_gs = 1.0 / g_ref[0]
+    per_word = 4 * block
+
+    def body(i, acc):
+        t = first_tile + jax.lax.div(i, steps)  # i >= 0: lax.div/rem (jnp's floor versions add sign fixes)
+        kk = jax.lax.rem(i, steps)
+        n0 = t * bn
+        rows_n = n0 + _iota(bn)
+        valid_n = (rows_n < n)[:, None]  # also false for the tiles past the end
+        w0 = r_ref[0] + n0
+        k0 = pl.multiple_of(kk * bk, bk)
+        x = _load(x_ref, (pl.ds(0, bm), pl.ds(k0, bk)), mask_x, 0.0)
+        c = _load(
+            c_ref,
+            (pl.ds(w0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)),
+            jnp.broadcast_to(valid_n, (bn, bk // 2)),
+            0,
+        )
+        if cfg.scale_words:
+            sw = jnp.broadcast_to(valid_n, (bn, bk // per_word))
+            s = _unpack_words(_load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // per_word, bk // per_word)), sw, 0))
+        else:
+            s = _load(
+                s_ref, (pl.ds(w0, bn), pl.ds(k0 // block, bk // block)), jnp.broadcast_to(valid_n, (bn, bk // block)), 0
+            )
+        w = _decode_tile(c, s, fmt, decode, words)
+        acc = jnp.where(kk == 0, 0.0, acc) + _dot(x, w, contract=(1, 1))  # [bm, bn]
+
+        @pl.when(kk == steps - 1)
+        def _store():
+            out = (acc * inv_gs).astype(o_ref.dtype)
+            plgpu.store(
+                o_ref.at[(pl.ds(0, bm), pl.ds(n0, bn))], out, mask=(rows_m < m)[:, None] & (rows_n < n)[None, :]
+            )
+
+        return acc
+
+    jax.lax.fori_loop(0, cfg.persistent * steps, body, jnp.zeros((bm, bn), jnp.float32))
 
 
 _I32_UNSAFE_BYTES = (2**31, 2**32)  # array sizes (bytes) Pallas indexes with overflowing 32-bit offsets
@@ -291,6 +345,10 @@ def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -
     cfg = cfg or autotune.get_config("fwd", m, n, k)
     block = BLOCK_SIZES[fmt]
     min_bk = max(16, block)
+    if cfg.persistent and (m > autotune.DECODE_MAX_M or cfg.swap):
+        cfg = dataclasses.replace(cfg, persistent=0)  # decode regime (one M tile), x on the left only
+    if cfg.persistent:
+        cfg = dataclasses.replace(cfg, split_k=1)
     if m <= autotune.DECODE_MAX_M or cfg.swap:
         cfg = dataclasses.replace(cfg, bm=max(16, 1 << (m - 1).bit_length()) if m <= autotune.DECODE_MAX_M else cfg.bm)
     split_k = cfg.split_k
@@ -337,6 +395,8 @@ def _forward(
         w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode, n=n, row0=row0)
         return _dot_nt(x, w)
     num_tiles = pl.cdiv(m, cfg.bm) * pl.cdiv(n, cfg.bn)
+    if cfg.persistent:
+        num_tiles = pl.cdiv(num_tiles, cfg.persistent)
     split = cfg.split_k > 1
     out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
     kernel = functools.partial(_fwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
