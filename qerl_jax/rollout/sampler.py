@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from qerl_jax.linear import LayerOf
 from qerl_jax.models.qwen2 import (
     DecoderLayer,
     ForwardOptions,
@@ -51,7 +52,6 @@ from qerl_jax.models.qwen2 import (
     rms_norm,
     variables,
 )
-from qerl_jax.linear import LayerOf
 from qerl_jax.quant.packed import is_packed
 from qerl_jax.rollout.sampling import SamplingConfig, sample
 
