@@ -197,6 +197,23 @@ def _load(ref, idx, mask, other):
     return plgpu.load(ref.at[idx], mask=mask, other=other)
 
 
+def _load_w_tile(c_ref, s_ref, w0, k0, rows: int, bk: int, fmt: str, scale_words: bool = False, valid=None):
+    """The packed W tile at row w0, column k0: uint8 codes [rows, bk/2] and raw scales [rows,
+    bk/block] (loaded as int32 words and unpacked with scale_words). valid: bool [rows] (rows
+    past N read as 0) or None when every row exists."""
+    block = BLOCK_SIZES[fmt]
+
+    def mask(cols):
+        return None if valid is None else jnp.broadcast_to(valid[:, None], (rows, cols))
+
+    c = _load(c_ref, (pl.ds(w0, rows), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask(bk // 2), 0)
+    if scale_words:
+        per_word = 4 * block
+        words = _load(s_ref, (pl.ds(w0, rows), pl.ds(k0 // per_word, bk // per_word)), mask(bk // per_word), 0)
+        return c, _unpack_words(words)
+    return c, _load(s_ref, (pl.ds(w0, rows), pl.ds(k0 // block, bk // block)), mask(bk // block), 0)
+
+
 # ----------------------------------------------------------------------------- forward kernel
 
 
@@ -205,7 +222,6 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     o_ref = rest[-1]  # rest = (o_ref,) or (poison_in_ref, o_ref)
     words = _load_words(t_ref, fmt, decode)
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
-    block = BLOCK_SIZES[fmt]
     num_m, num_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
     pid = pl.program_id(0)
     if num_m == 1:
@@ -222,11 +238,7 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     rows_m = m0 + _iota(bm)
     rows_n = n0 + _iota(bn)
     mask_x = None if m % bm == 0 else jnp.broadcast_to((rows_m < m)[:, None], (bm, bk))
-    mask_c = None if n % bn == 0 else jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // 2))
-    mask_s = None if n % bn == 0 else jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // block))
-    mask_w = None
-    if cfg.scale_words and n % bn:
-        mask_w = jnp.broadcast_to((rows_n < n)[:, None], (bn, bk // (4 * block)))
+    valid_n = None if n % bn == 0 else rows_n < n
     k_base = ks * k_chunk
     w0 = r_ref[0] + n0  # first weight row of the tile
     if cfg.persistent:
@@ -237,12 +249,7 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     def body(i, acc):
         k0 = pl.multiple_of(k_base + i * bk, bk)
         x = _load(x_ref, (pl.ds(m0, bm), pl.ds(k0, bk)), mask_x, 0.0)
-        c = _load(c_ref, (pl.ds(w0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
-        if cfg.scale_words:
-            per_word = 4 * block
-            s = _unpack_words(_load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // per_word, bk // per_word)), mask_w, 0))
-        else:
-            s = _load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
+        c, s = _load_w_tile(c_ref, s_ref, w0, k0, bn, bk, fmt, cfg.scale_words, valid_n)
         w = _decode_tile(c, s, fmt, decode, words)
         if cfg.swap:
             return acc + _dot(w, x, contract=(1, 1))  # [bn, bm]
@@ -268,36 +275,21 @@ def _fwd_persistent(x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, *, fmt, m, 
     cfg.persistent) in ONE loop over (tile, K step) pairs, so its loads stay pipelined across
     tile boundaries instead of re-filling the pipeline for every short tile."""
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
-    block = BLOCK_SIZES[fmt]
     steps = k // bk
     first_tile = pl.program_id(0) * cfg.persistent
     rows_m = _iota(bm)
     mask_x = None if m % bm == 0 else jnp.broadcast_to((rows_m < m)[:, None], (bm, bk))
     inv_gs = 1.0 / g_ref[0]
-    per_word = 4 * block
 
     def body(i, acc):
         t = first_tile + jax.lax.div(i, steps)  # i >= 0: lax.div/rem (jnp's floor versions add sign fixes)
         kk = jax.lax.rem(i, steps)
         n0 = t * bn
         rows_n = n0 + _iota(bn)
-        valid_n = (rows_n < n)[:, None]  # also false for the tiles past the end
-        w0 = r_ref[0] + n0
         k0 = pl.multiple_of(kk * bk, bk)
         x = _load(x_ref, (pl.ds(0, bm), pl.ds(k0, bk)), mask_x, 0.0)
-        c = _load(
-            c_ref,
-            (pl.ds(w0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)),
-            jnp.broadcast_to(valid_n, (bn, bk // 2)),
-            0,
-        )
-        if cfg.scale_words:
-            sw = jnp.broadcast_to(valid_n, (bn, bk // per_word))
-            s = _unpack_words(_load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // per_word, bk // per_word)), sw, 0))
-        else:
-            s = _load(
-                s_ref, (pl.ds(w0, bn), pl.ds(k0 // block, bk // block)), jnp.broadcast_to(valid_n, (bn, bk // block)), 0
-            )
+        # rows_n < n is also false for the tiles past the end
+        c, s = _load_w_tile(c_ref, s_ref, r_ref[0] + n0, k0, bn, bk, fmt, cfg.scale_words, rows_n < n)
         w = _decode_tile(c, s, fmt, decode, words)
         acc = jnp.where(kk == 0, 0.0, acc) + _dot(x, w, contract=(1, 1))  # [bm, bn]
 
@@ -428,7 +420,6 @@ def _bwd_kernel(dy_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, de
     o_ref = rest[-1]
     words = _load_words(t_ref, fmt, decode)
     bm, bk, bc = cfg.bm, cfg.bk, cfg.bc
-    block = BLOCK_SIZES[fmt]
     num_m, num_k = pl.cdiv(m, bm), k // bk
     pid = pl.program_id(0)
     if num_m == 1:
@@ -447,15 +438,11 @@ def _bwd_kernel(dy_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, de
     def body(i, acc):
         n0 = pl.multiple_of(i * bc, bc)
         cols_n = n0 + _iota(bc)
-        mask_dy = mask_c = mask_s = None
+        mask_dy = None
         if ragged_m or ragged_n:
             mask_dy = jnp.broadcast_to((rows_m < m)[:, None] & (cols_n < n)[None, :], (bm, bc))
-        if ragged_n:
-            mask_c = jnp.broadcast_to((cols_n < n)[:, None], (bc, bk // 2))
-            mask_s = jnp.broadcast_to((cols_n < n)[:, None], (bc, bk // block))
         dy = _load(dy_ref, (pl.ds(m0, bm), pl.ds(n0, bc)), mask_dy, 0.0)
-        c = _load(c_ref, (pl.ds(n0, bc), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
-        s = _load(s_ref, (pl.ds(n0, bc), pl.ds(k0 // block, bk // block)), mask_s, 0)
+        c, s = _load_w_tile(c_ref, s_ref, n0, k0, bc, bk, fmt, valid=cols_n < n if ragged_n else None)
         w = _decode_tile(c, s, fmt, decode, words)  # [bc, bk]
         return acc + _dot(dy, w, contract=(1, 0))
 
@@ -528,16 +515,12 @@ def _backward(
 def _dequant_kernel(c_ref, s_ref, g_ref, r_ref, t_ref, o_ref, *, fmt, n, k, bn, bk, decode):
     """One [bn, bk] tile of W = table[codes] * scale / global_scale, written as bf16."""
     words = _load_words(t_ref, fmt, decode)
-    block = BLOCK_SIZES[fmt]
     n0 = pl.program_id(0) * bn
     k0 = pl.program_id(1) * bk
     w0 = r_ref[0] + n0
     rows = n0 + _iota(bn)
     ragged = n % bn != 0
-    mask_c = jnp.broadcast_to((rows < n)[:, None], (bn, bk // 2)) if ragged else None
-    mask_s = jnp.broadcast_to((rows < n)[:, None], (bn, bk // block)) if ragged else None
-    c = _load(c_ref, (pl.ds(w0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask_c, 0)
-    s = _load(s_ref, (pl.ds(w0, bn), pl.ds(k0 // block, bk // block)), mask_s, 0)
+    c, s = _load_w_tile(c_ref, s_ref, w0, k0, bn, bk, fmt, valid=rows < n if ragged else None)
     w = (_decode_tile(c, s, fmt, decode, words).astype(jnp.float32) * (1.0 / g_ref[0])).astype(o_ref.dtype)
     idx = (pl.ds(n0, bn), pl.ds(k0, bk))
     if ragged:
