@@ -17,14 +17,15 @@ A dimension that does not divide by the axis size is replicated instead, and the
 logged. Norms are replicated. LoRA adapters follow their base weight under "tp" (B [L, N, r]
 N-sharded for a column-parallel base, A [L, r, K] K-sharded for a row-parallel one, so the
 adapter delta is computed where the base output shard lives) and are replicated under "fsdp"
-(they are small). Batches shard their leading axis over "data".
+(they are small). Batches shard their leading axis over "data" (`shard_batch`; rollouts:
+`qerl_jax.rollout.generate(..., batch_sharding=data_sharding(mesh))`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -265,30 +266,6 @@ def shard_batch(tree: Any, mesh: Mesh, batch_size: int | None = None) -> Any:
         return jax.device_put(x, replicated(mesh))
 
     return jax.tree.map(place, tree)
-
-
-def data_parallel_rollout(generate: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """`generate` with its per-chunk row arrays sharded over "data" (rollouts data-parallel).
-
-    The rollout engine builds each chunk's prompt/row arrays on the host, so the batch
-    sharding has to be applied inside it: `generate` must accept a `batch_sharding` keyword
-    (a `Sharding` it `device_put`s its [rows, ...] arrays with); jit then propagates it to the
-    KV cache and the sampled tokens. Place the params with `shard_params` first. Raises
-    NotImplementedError when `generate` has no such keyword.
-    """
-    import inspect  # noqa: PLC0415
-
-    if "batch_sharding" not in inspect.signature(generate).parameters:
-        raise NotImplementedError(
-            f"{getattr(generate, '__qualname__', generate)} takes no `batch_sharding` argument, so its rollout "
-            "batches cannot be sharded over the mesh's data axis; run it tensor-parallel (mesh.data=1)"
-        )
-    sharding = data_sharding(mesh)
-
-    def run(*args, **kwargs):
-        return generate(*args, batch_sharding=sharding, **kwargs)
-
-    return run
 
 
 def _env_int(name: str) -> int | None:

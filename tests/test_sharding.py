@@ -262,27 +262,7 @@ def test_sharded_rollout_tokens_equal_one_device(four_device_results, mode):
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_data_parallel_rollout_tokens_equal_one_device(four_device_results, mode):
     r = four_device_results["rollout"][mode]
-    if "dp_tokens_equal" not in r:
-        pytest.skip("qerl_jax.rollout.generate takes no batch_sharding argument yet")
     assert r["dp_tokens_equal"], r
-
-
-def test_data_parallel_rollout_passes_the_batch_sharding():
-    mesh = sharding.make_mesh(1, 1)
-    seen = {}
-
-    def generate(config, params, ids, mask, key, sampling, *, group_size=1, batch_sharding=None):
-        seen.update(sharding=batch_sharding, group_size=group_size)
-        return "ok"
-
-    assert sharding.data_parallel_rollout(generate, mesh)(1, 2, 3, 4, 5, 6, group_size=8) == "ok"
-    assert seen["sharding"].spec == P("data") and seen["group_size"] == 8
-
-    def no_hook(config, params, ids, mask, key, sampling):
-        return None
-
-    with pytest.raises(NotImplementedError, match="batch_sharding"):
-        sharding.data_parallel_rollout(no_hook, mesh)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -290,7 +270,6 @@ def test_data_parallel_rollout_passes_the_batch_sharding():
 
 def _worker() -> dict:
     """Runs in a fresh process with 4 CPU devices; returns the comparisons as a dict."""
-    import inspect
     import re
     import time
 
@@ -302,7 +281,7 @@ def _worker() -> dict:
 
     from qerl_jax import sharding
     from qerl_jax.lora import LoraConfig, init_lora, with_lora
-    from qerl_jax.models.qwen2 import ModelConfig, forward
+    from qerl_jax.models.qwen2 import ModelConfig, forward, projection_shapes
     from qerl_jax.quant import quantize_params
     from qerl_jax.rl.losses import LossConfig
     from qerl_jax.rl.step import init_train_state, make_train_step
@@ -329,15 +308,7 @@ def _worker() -> dict:
         attention_bias=True,
     )
     L, d = config.num_hidden_layers, config.hidden_size
-    shapes = {
-        "q_proj": (64, 64),
-        "k_proj": (32, 64),
-        "v_proj": (32, 64),
-        "o_proj": (64, 64),
-        "gate_proj": (128, 64),
-        "up_proj": (128, 64),
-        "down_proj": (64, 128),
-    }
+    shapes = projection_shapes(config)  # q/o 64x64, k/v 32x64, gate/up 128x64, down 64x128
     keys = iter(jax.random.split(jax.random.key(0), 64))
     normal = lambda shape, s: s * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
     layers = {}
@@ -449,13 +420,17 @@ def _worker() -> dict:
             "logp_max_abs_diff": float(np.abs(np.asarray(ref.logprobs) - np.asarray(got.logprobs)).max()),
             "distinct_tokens": int(len(np.unique(np.asarray(ref.tokens)))),
         }
-        if "batch_sharding" in inspect.signature(generate).parameters:  # data-parallel rollout
-            dp = sharding.data_parallel_rollout(generate, mesh)(
-                config, sharded_full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw
-            )
-            out["rollout"][mode]["dp_tokens_equal"] = bool(
-                np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens))
-            )
+        dp = generate(  # data-parallel: rows over "data" as well
+            config,
+            sharded_full,
+            prompt_ids,
+            prompt_mask,
+            jax.random.key(3),
+            sampling,
+            batch_sharding=sharding.data_sharding(mesh),
+            **kw,
+        )
+        out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
         _tick(f"rollout {mode}")
     return out
 
