@@ -211,28 +211,31 @@ def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
     Pallas kernel takes the layer index); the other layer variables (dense weights, biases,
     norms, LoRA) are copied into per-layer buffers once per `generate` call.
     """
+    packed, copied = _packed_and_copied(params)
+    top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
+    if "lm_head" in params["base"]:
+        top["lm_head"] = params["base"]["lm_head"]
+    return {"top": top, "packed": packed, "layers": _unstack_jit(copied)}
+
+
+def _packed_and_copied(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stacked layer variables split into ({proj: packed weight}, everything else)."""
     base_layers = params["base"]["layers"]
     packed = {name: p["w"] for name, p in base_layers.items() if is_packed(p["w"])}
-    stacked = {
+    copied = {
         "base": {
             name: {f: v for f, v in p.items() if not (f == "w" and name in packed)} for name, p in base_layers.items()
         },
         "norms": params["norms"]["layers"],
     }
     if params.get("lora"):
-        stacked["lora"] = params["lora"]["layers"]
-    top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
-    if "lm_head" in params["base"]:
-        top["lm_head"] = params["base"]["lm_head"]
-    return {"top": top, "packed": packed, "layers": _unstack_jit(stacked)}
+        copied["lora"] = params["lora"]["layers"]
+    return packed, copied
 
 
 def layer_copy_bytes(params: dict[str, Any]) -> int:
     """Bytes of the per-layer copies `_split_layers` makes (all but the packed weights)."""
-    trees = [params["norms"]["layers"], (params.get("lora") or {}).get("layers")]
-    for p in params["base"]["layers"].values():
-        trees.append({f: v for f, v in p.items() if not (f == "w" and is_packed(v))})
-    return sum(x.nbytes for x in jax.tree.leaves(trees))
+    return sum(x.nbytes for x in jax.tree.leaves(_packed_and_copied(params)[1]))
 
 
 def _layer_vars(params: dict[str, Any], layer: int) -> dict[str, Any]:
