@@ -40,18 +40,18 @@ def _dense_matmul(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
 
 def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend: str = "xla") -> jax.Array:
     """x [M, K] @ W.T for W [N, K] dense, packed or one layer of a stack (`LayerOf`); float32 [M, N]."""
+    layer = None
     if isinstance(w, LayerOf):
-        if is_packed(w.stack) and backend == "pallas":
-            import pallas_kernels
-
-            return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w.stack, layer=w.index).astype(jnp.float32)
-        w = _take_layer(w)
+        if is_packed(w.stack) and backend == "pallas":  # the kernel indexes the stack itself
+            w, layer = w.stack, w.index
+        else:
+            w = _take_layer(w)
     if not is_packed(w):
         return _dense_matmul(x_MxK, w)
     if backend == "pallas":
         import pallas_kernels  # imported lazily: the kernels are only needed on this path
 
-        return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w).astype(jnp.float32)
+        return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w, layer=layer).astype(jnp.float32)
     if backend == "xla":
         return _dense_matmul(x_MxK, dequantize(w, x_MxK.dtype))
     raise ValueError(f"unknown linear backend {backend!r}; expected one of {BACKENDS}")
