@@ -221,6 +221,10 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     """r_ref: the first row of this weight in c_ref / s_ref (layer * N for stacked weights)."""
     o_ref = rest[-1]  # rest = (o_ref,) or (poison_in_ref, o_ref)
     words = _load_words(t_ref, fmt, decode)
+    if cfg.persistent:
+        return _fwd_persistent(
+            x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, fmt=fmt, m=m, n=n, k=k, cfg=cfg, decode=decode
+        )
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     num_m, num_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
     pid = pl.program_id(0)
@@ -241,10 +245,6 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     valid_n = None if n % bn == 0 else rows_n < n
     k_base = ks * k_chunk
     w0 = r_ref[0] + n0  # first weight row of the tile
-    if cfg.persistent:
-        return _fwd_persistent(
-            x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, fmt=fmt, m=m, n=n, k=k, cfg=cfg, decode=decode
-        )
 
     def body(i, acc):
         k0 = pl.multiple_of(k_base + i * bk, bk)
