@@ -234,6 +234,10 @@ def test_sharded_logits_equal_one_device(four_device_results, case):
     assert r["max_abs_diff"] <= 1e-5 * r["scale"], r
 
 
+def test_rollout_rows_are_rounded_to_the_data_shard_count(four_device_results):
+    assert four_device_results["row_shards"] == {"2x2": 2, "3x1": 3}
+
+
 def test_data_parallel_micro_batches_are_split_over_devices(four_device_results):
     # Batch 4, micro-batch 2, "data" axis 2: each device runs 1 row of every micro-batch (not
     # every micro-batch in full).
@@ -432,6 +436,13 @@ def _worker() -> dict:
         )
         out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
         _tick(f"rollout {mode}")
+    # Row shards of a data sharding, also for a data axis that is not a power of two.
+    from qerl_jax.rollout.sampler import _row_shards
+
+    out["row_shards"] = {
+        "2x2": _row_shards(sharding.data_sharding(mesh)),
+        "3x1": _row_shards(sharding.data_sharding(sharding.make_mesh(3, 1, devices=jax.devices()[:3]))),
+    }
     return out
 
 

@@ -476,7 +476,7 @@ def _row_shards(batch_sharding: jax.sharding.Sharding | None) -> int:
     """Into how many pieces `batch_sharding` splits a leading axis (1 for None)."""
     if batch_sharding is None:
         return 1
-    probe = 1 << 20  # a length every mesh size of interest divides
+    probe = batch_sharding.num_devices  # a length the shard count divides, whatever the mesh
     return probe // batch_sharding.shard_shape((probe,))[0]
 
 
