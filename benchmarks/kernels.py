@@ -374,6 +374,21 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, persistent=2),  # 13: N tiles per program
     dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, persistent=4),
     dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, persistent=3),
+    dict(bn=64, bk=256, num_warps=4, num_stages=1, swap=False),  # 16: no cp.async pipeline, plain loads
+    dict(bn=64, bk=256, num_warps=8, num_stages=1, swap=False),
+    dict(bn=128, bk=256, num_warps=8, num_stages=1, swap=False),
+    dict(bn=32, bk=256, num_warps=4, num_stages=1, swap=False, split_mult=2),
+    dict(bn=64, bk=512, num_warps=8, num_stages=2, swap=False),
+    dict(bn=64, bk=256, num_warps=4, num_stages=2, swap=False, split_mult=2),
+    dict(bn=128, bk=128, num_warps=8, num_stages=2, swap=False),
+    # 23-29: the nvfp4 block kernel (M <= 32); split_programs: programs the split-K rule aims at
+    dict(bn=64, bk=128, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
+    dict(bn=64, bk=128, num_warps=4, num_stages=2, mode="block", split_programs=2.5),
+    dict(bn=64, bk=64, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
+    dict(bn=64, bk=128, num_warps=4, num_stages=3, mode="block", split_programs=4),
+    dict(bn=64, bk=128, num_warps=4, num_stages=4, mode="block", split_programs=2.5),
+    dict(bn=32, bk=128, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
+    dict(bn=128, bk=128, num_warps=8, num_stages=3, mode="block", split_programs=2.5),
 ]
 SWEEP_PREFILL = [
     dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3),
@@ -448,9 +463,10 @@ def section_sweep(args, decode: str):
             base = autotune.default_config(kind, m, n, k)
             c = dict(c)
             split_mult = c.pop("split_mult", 1)  # more programs than the rule gives (longer pipelines per SM)
+            per_sm = c.pop("split_programs", 0.8)
             cfg = dataclasses.replace(base, **{"mode": "fused", **c})
             if kind == "fwd" and m <= autotune.DECODE_MAX_M and "split_k" not in c:
-                split = autotune.split_rule(n, k, cfg.bn, cfg.bk)
+                split = autotune.split_rule(n, k, cfg.bn, cfg.bk, min_programs=per_sm * autotune.NUM_SMS)
                 while split_mult > 1 and (k // cfg.bk) % (split * 2) == 0:
                     split, split_mult = split * 2, split_mult // 2
                 cfg = dataclasses.replace(cfg, split_k=split)

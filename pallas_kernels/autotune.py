@@ -14,6 +14,7 @@ import os
 
 M_BUCKETS = (16, 32, 64, 256, 1024, 4096)
 DECODE_MAX_M = 64  # M <= this: the memory-bound decode regime
+BLOCK_MAX_M = 32  # nvfp4, M <= this: the block kernel ("block" mode; Triton fails to compile it at M = 64)
 NUM_SMS = 132  # H100 / H200 SXM
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "autotune.json")
 
@@ -26,8 +27,11 @@ class Config:
     (fwd) or K columns of dx per program (bwd); bc: contraction step over N (bwd only);
     split_k: K ranges reduced afterwards (fwd, decode); swap: compute y.T = W @ x.T so
     that W is the dot's left operand (decode); group_m: program-order swizzle for L2;
-    mode: "fused" (decode inside the matmul kernel) or "dequant" (a Pallas kernel writes
-    W as bf16, then an XLA / cuBLAS dot; for large M, where the dot is compute-bound);
+    mode: "fused" (decode inside the matmul kernel), "block" (nvfp4, M <= BLOCK_MAX_M: the
+    kernel that reads [bn, bk/16, 8] code blocks and decodes them with integer ops in the
+    tensor-core operand layout; uses bm, bn, bk, split_k, num_warps, num_stages) or
+    "dequant" (a Pallas kernel writes W as bf16, then an XLA / cuBLAS dot; for large M,
+    where the dot is compute-bound);
     scale_words: load the 1-byte block scales four to a 32-bit word (fwd, fused), so that
     Triton can pipeline them with cp.async like the codes (byte loads are issued
     synchronously inside the K loop). Measured on an H100: 0-15 % faster at decode
@@ -78,9 +82,18 @@ def _pow2_le(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def default_config(kind: str, m: int, n: int, k: int) -> Config:
-    """The rule for shapes not in the table (see KERNEL_NOTES.md for the reasoning)."""
+def default_config(kind: str, m: int, n: int, k: int, fmt: str = "nvfp4", block: bool = True) -> Config:
+    """The rule for shapes not in the table (see KERNEL_NOTES.md for the reasoning).
+
+    block=False: never the block kernel (for a table entry that does not apply to fmt / M).
+    """
     bm = max(16, 1 << (max(1, m) - 1).bit_length())
+    if kind == "fwd" and block and fmt == "nvfp4" and m <= BLOCK_MAX_M:
+        # Measured on an H100 (7B gate / down / q at M = 1 and 16): [64, 128] tiles, 4 warps,
+        # 2-3 stages (more stages = fewer programs per SM = slower); ~2.5 programs per SM.
+        bn, bk = 64, 128
+        split = split_rule(n, k, bn, bk, min_programs=2.5 * NUM_SMS)
+        return Config(bm=bm, bn=bn, bk=bk, split_k=split, num_warps=4, num_stages=3, mode="block")
     if kind == "fwd" and m <= DECODE_MAX_M:
         # Memory-bound: stream W tiles [64, 256]; split K when there are too few N tiles to
         # give every SM a program. x on the left (swap=False) won 10 of the 12 measured
@@ -98,15 +111,15 @@ def default_config(kind: str, m: int, n: int, k: int) -> Config:
     return Config(bm=128, bn=0, bk=128, bc=64, num_warps=8, num_stages=3, mode="dequant")
 
 
-def split_rule(n: int, k: int, bn: int, bk: int = 256, max_split: int = 16) -> int:
-    """Split-K factor for the decode kernel: the smallest divisor d of K / bk that gives
-    at least 0.8 * NUM_SMS programs (N tiles * d), at most max_split."""
+def split_rule(n: int, k: int, bn: int, bk: int = 256, max_split: int = 16, min_programs: float = 0.8 * NUM_SMS) -> int:
+    """Split-K factor for the decode kernels: the smallest divisor d of K / bk that gives
+    at least min_programs programs (N tiles * d), at most max_split."""
     if k % bk:
         return 1
     steps, tiles = k // bk, pl_cdiv(n, bn)
     divisors = [d for d in range(1, min(steps, max_split) + 1) if steps % d == 0]
     for d in divisors:
-        if tiles * d >= 0.8 * NUM_SMS:
+        if tiles * d >= min_programs:
             return d
     return divisors[-1]
 
@@ -115,9 +128,10 @@ def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def get_config(kind: str, m: int, n: int, k: int) -> Config:
-    """The table entry for (kind, M bucket, N, K), else `default_config`."""
+def get_config(kind: str, m: int, n: int, k: int, fmt: str = "nvfp4") -> Config:
+    """The table entry for (kind, M bucket, N, K), else `default_config`. The table is
+    measured on nvfp4; a "block" entry does not apply to the other formats."""
     entry = _table().get(key(kind, m, n, k))
-    if entry is not None:
+    if entry is not None and not (entry.get("mode") == "block" and (fmt != "nvfp4" or m > BLOCK_MAX_M)):
         return Config(**entry)
-    return default_config(kind, m, n, k)
+    return default_config(kind, m, n, k, fmt)

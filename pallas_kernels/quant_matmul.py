@@ -10,6 +10,11 @@ and feeds them to a tensor-core dot with the x tile; the global scale divides th
 accumulator once at the end.
 
 Regimes, picked from M and the autotune table (`autotune.get_config`):
+- nvfp4 decode, M <= 32 ("block" mode, `_fwd_block_kernel`): the codes are read as
+  [N, K/16, 8] (one row of 8 bytes per 16-weight block; a free view of the stored layout)
+  and decoded with plain integer ops (`_decode_block`), which Triton keeps in the
+  tensor-core operand layout: no shared-memory round trip of the decoded tile (the PTX
+  decode below forces one; KERNEL_NOTES.md has the profiles);
 - decode (M <= 64, memory-bound): x padded to 16/32/64 rows, narrow N tiles (64) so that
   every SM streams weights, split-K with an XLA reduction when N tiles are too few, and
   optionally W as the dot's left operand (`swap`, y.T = W @ x.T);
@@ -40,7 +45,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import autotune, decode_asm
 from pallas_kernels.formats import BLOCK_SIZES, CODE_TABLES, FORMATS, SCALE_DTYPES, decode_jnp, scales_to_bf16
 
-_DECODES = ("asm", "jnp")
+_DECODES = ("asm", "jnp", "bits")
+# "bits" is the block kernel's GPU decode ("asm" selects it there): E2M1 nibbles placed into
+# bf16 bit patterns worth value * 2**-126 (code 1, 0.5, is the subnormal 2**-127), times the
+# block scale pre-multiplied by 2**_BITS_PRE (exact: 448 * 2**118 < the bf16 maximum); the
+# accumulator is multiplied back by 2**(126 - _BITS_PRE). XLA on CPU flushes subnormals, so
+# interpret mode uses the "jnp" decode instead (tests/test_quant_matmul.py checks the bit
+# formula itself exactly in numpy).
+_BITS_PRE = 118
+_BITS_MASK = -0x7E3F7E40  # 0x81C081C0 as int32: sign + 3 value bits of both halves
 
 
 # ----------------------------------------------------------------------------- validation
@@ -206,12 +219,16 @@ def _load_w_tile(c_ref, s_ref, w0, k0, rows: int, bk: int, fmt: str, scale_words
     def mask(cols):
         return None if valid is None else jnp.broadcast_to(valid[:, None], (rows, cols))
 
+    # multiple_of on every column start: Pallas lowers `//` with sign fix-ups that hide the
+    # alignment from Triton, which then loads the scales byte by byte, unpipelined.
     c = _load(c_ref, (pl.ds(w0, rows), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)), mask(bk // 2), 0)
     if scale_words:
         per_word = 4 * block
-        words = _load(s_ref, (pl.ds(w0, rows), pl.ds(k0 // per_word, bk // per_word)), mask(bk // per_word), 0)
+        col = pl.multiple_of(k0 // per_word, bk // per_word)
+        words = _load(s_ref, (pl.ds(w0, rows), pl.ds(col, bk // per_word)), mask(bk // per_word), 0)
         return c, _unpack_words(words)
-    return c, _load(s_ref, (pl.ds(w0, rows), pl.ds(k0 // block, bk // block)), mask(bk // block), 0)
+    col = pl.multiple_of(k0 // block, bk // block)
+    return c, _load(s_ref, (pl.ds(w0, rows), pl.ds(col, bk // block)), mask(bk // block), 0)
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -305,6 +322,73 @@ def _fwd_persistent(x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, *, fmt, m, 
     jax.lax.fori_loop(0, cfg.persistent * steps, body, jnp.zeros((bm, bn), jnp.float32))
 
 
+def decode_bits_pairs(c: jax.Array) -> jax.Array:
+    """nvfp4 code bytes (int32, any shape) -> int32 whose low / high 16 bits are the bf16 bit
+    patterns of the low / high nibble's E2M1 value times 2**-126.
+
+    c * 0x1001 & 0xF000F moves the nibbles to bits 0-3 and 16-19; * 0x1040 adds copies
+    shifted by 6 (the 3 value bits land on the exponent's two low bits and the top mantissa
+    bit) and by 12 (the sign, bit 3, lands on bit 15); no two copies overlap, and the mask
+    keeps the placed bits. Four integer ops for two weights.
+    """
+    return (((c * 0x1001) & 0xF000F) * 0x1040) & _BITS_MASK
+
+
+def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
+    """nvfp4 codes int32 [R, NB, 8] (byte j of block b: k = 16 b + 2 j, + 1) and raw e4m3
+    scale bytes uint8 [R, NB] -> bf16 W [R, 16 NB], times 2**(_BITS_PRE - 126) for "bits"."""
+    r, nb, _ = c.shape
+    sb = jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    if decode == "bits":
+        p = decode_bits_pairs(c)
+        lo = jax.lax.bitcast_convert_type(p.astype(jnp.uint16), jnp.bfloat16)
+        hi = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(p, 16).astype(jnp.uint16), jnp.bfloat16)
+        # multiply after the join, so that each product is one bf16x2 op on the (lo, hi) pair
+        w = jnp.stack([lo, hi], axis=-1) * (sb * jnp.bfloat16(2.0**_BITS_PRE))[:, :, None, None]
+    else:
+        even, odd = decode_jnp(c.astype(jnp.uint8), jnp.broadcast_to(sb[:, :, None], c.shape), "nvfp4")
+        w = jnp.stack([even, odd], axis=-1)
+    return w.reshape(r, 16 * nb)
+
+
+def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_chunk, decode):
+    """nvfp4, M <= 32: one [bm, bn] tile of y (or of a split-K partial) per program.
+
+    c_ref: codes viewed as [R, K/16, 8]; s_ref: e4m3 scale bytes [R, K/16]; r_ref: the
+    first row of this weight (layer * N for stacked weights).
+    """
+    o_ref = rest[-1]
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    nb = bk // 16
+    n0 = pl.program_id(0) * bn
+    ks = pl.program_id(1)
+    rows_m = _iota(bm)
+    rows_n = n0 + _iota(bn)
+    mask_x = None if m % bm == 0 else jnp.broadcast_to((rows_m < m)[:, None], (bm, bk))
+    mask_c = mask_s = None
+    if n % bn:
+        mask_c = jnp.broadcast_to((rows_n < n)[:, None, None], (bn, nb, 8))
+        mask_s = jnp.broadcast_to((rows_n < n)[:, None], (bn, nb))
+    w0 = r_ref[0] + n0
+
+    def body(i, acc):
+        # block index without a division, so Triton sees the alignment (vector loads of scales)
+        kb = pl.multiple_of(ks * (k_chunk // 16) + i * nb, nb)
+        x = _load(x_ref, (pl.ds(0, bm), pl.ds(pl.multiple_of(kb * 16, bk), bk)), mask_x, 0.0)
+        c = _load(c_ref, (pl.ds(w0, bn), pl.ds(kb, nb), pl.ds(0, 8)), mask_c, 0)
+        s = _load(s_ref, (pl.ds(w0, bn), pl.ds(kb, nb)), mask_s, 0)
+        return acc + _dot(x, _decode_block(c.astype(jnp.int32), s, decode), contract=(1, 1))
+
+    acc = jax.lax.fori_loop(0, k_chunk // bk, body, jnp.zeros((bm, bn), jnp.float32))
+    post = 2.0 ** (126 - _BITS_PRE) if decode == "bits" else 1.0
+    out = (acc * (post / g_ref[0])).astype(o_ref.dtype)
+    idx = (pl.ds(ks * m, bm), pl.ds(n0, bn))
+    if m % bm == 0 and n % bn == 0:
+        o_ref[idx] = out
+    else:
+        plgpu.store(o_ref.at[idx], out, mask=(rows_m < m)[:, None] & (rows_n < n)[None, :])
+
+
 _I32_UNSAFE_BYTES = (2**31, 2**32)  # array sizes (bytes) Pallas indexes with overflowing 32-bit offsets
 
 
@@ -334,7 +418,9 @@ def _select_layer(codes, scales, gs, layer):
 
 def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -> tuple[autotune.Config, int]:
     """Fits a (table or given) config to the problem; returns it and the K chunk per split."""
-    cfg = cfg or autotune.get_config("fwd", m, n, k)
+    cfg = cfg or autotune.get_config("fwd", m, n, k, fmt)
+    if cfg.mode == "block" and (fmt != "nvfp4" or m > autotune.BLOCK_MAX_M):
+        cfg = autotune.default_config("fwd", m, n, k, fmt, block=False)
     block = BLOCK_SIZES[fmt]
     min_bk = max(16, block)
     if cfg.persistent and (m > autotune.DECODE_MAX_M or cfg.swap):
@@ -386,6 +472,21 @@ def _forward(
     if cfg.mode == "dequant":
         w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode, n=n, row0=row0)
         return _dot_nt(x, w)
+    if cfg.mode == "block":
+        return _forward_block(
+            x,
+            codes,
+            scales,
+            gs,
+            row0,
+            n=n,
+            cfg=cfg,
+            k_chunk=k_chunk,
+            interpret=interpret,
+            decode="bits" if decode == "asm" else decode,
+            poison=poison,
+        )
+    decode = "asm" if decode == "bits" else decode  # the fast GPU decode of the 2-D tile kernels
     num_tiles = pl.cdiv(m, cfg.bm) * pl.cdiv(n, cfg.bn)
     if cfg.persistent:
         num_tiles = pl.cdiv(num_tiles, cfg.persistent)
@@ -406,6 +507,38 @@ def _forward(
         interpret=interpret,
         compiler_params=_compiler_params(cfg),
         name=f"w4a16_{fmt}_fwd",
+    )(*args)
+    if split:
+        y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
+    return y
+
+
+def _forward_block(x, codes, scales, gs, row0, *, n, cfg, k_chunk, interpret, decode, poison):
+    """The launch of `_fwd_block_kernel` (nvfp4, M <= 32); split-K partials summed by XLA."""
+    m, k = x.shape
+    rows = codes.shape[0]
+    split = cfg.split_k > 1
+    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
+    kernel = functools.partial(_fwd_block_kernel, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
+    args = [
+        x,
+        codes.reshape(rows, k // 16, 8),  # a free view: 8 code bytes per 16-weight block
+        _kernel_scales(scales),
+        jnp.reshape(gs.astype(jnp.float32), (1,)),
+        row0,
+    ]
+    aliases = {}
+    if poison:
+        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        aliases = {len(args) - 1: 0}
+    y = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(n, cfg.bn), cfg.split_k),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=_compiler_params(cfg),
+        name="w4a16_nvfp4_block_fwd",
     )(*args)
     if split:
         y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
@@ -472,7 +605,7 @@ def _backward(
     k = 2 * codes.shape[1]
     if m == 0:
         return jnp.zeros((0, k), jnp.bfloat16)
-    decode = decode or ("jnp" if interpret else "asm")
+    decode = {None: "jnp" if interpret else "asm", "bits": "asm"}.get(decode, decode)
     cfg = cfg or autotune.get_config("bwd", m, n, k)
     if cfg.mode == "dequant":
         w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode)
@@ -550,7 +683,7 @@ def _dequantize(
     n = codes.shape[0] if n is None else n
     k = 2 * codes.shape[1]
     row0 = jnp.zeros((1,), jnp.int32) if row0 is None else row0
-    decode = decode or ("jnp" if interpret else "asm")
+    decode = {None: "jnp" if interpret else "asm", "bits": "asm"}.get(decode, decode)
     block = BLOCK_SIZES[fmt]
     bk = max(_pow2_divisor(k, bk), max(16, block))
     kernel = functools.partial(_dequant_kernel, fmt=fmt, n=n, k=k, bn=bn, bk=bk, decode=decode)

@@ -158,6 +158,53 @@ def test_forward_configs(cfg):
     assert rel_err(out, reference(x, p)) < TOL
 
 
+def test_bits_decode_formula_all_bytes():
+    """The block kernel's GPU decode: for every code byte, the low / high 16 bits of
+    decode_bits_pairs are bf16 patterns of table[nibble] * 2**-126, exactly (numpy keeps the
+    subnormal 0.5 * 2**-126 that XLA on CPU would flush, which is why interpret mode uses the
+    jnp decode)."""
+    import ml_dtypes
+
+    qm = importlib.import_module("pallas_kernels.quant_matmul")
+    pairs = np.asarray(qm.decode_bits_pairs(jnp.arange(256, dtype=jnp.int32))).view(np.uint32)
+    table = np.asarray(packed_lib.CODE_TABLES["nvfp4"], np.float64)
+    for half, nibble in ((pairs & 0xFFFF, np.arange(256) & 0xF), (pairs >> 16, np.arange(256) >> 4)):
+        got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0**126
+        np.testing.assert_array_equal(got, table[nibble])
+        np.testing.assert_array_equal(np.signbit(got), nibble >= 8)  # -0 keeps its sign
+
+
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (5, 72, 256, autotune.Config(bm=16, bn=64, bk=64, split_k=2, mode="block")),  # ragged N, split-K
+        (32, 48, 128, autotune.Config(bm=32, bn=16, bk=16, mode="block")),  # one block per step
+        (1, 40, 512, autotune.Config(bm=16, bn=32, bk=128, split_k=4, num_stages=2, mode="block")),
+    ],
+    ids=["ragged_splitk", "bk16", "m1_split4"],
+)
+def test_block_kernel_configs(m, n, k, cfg):
+    rng = _rng("block", m, n, k)
+    p = rand_packed(rng, n, k, "nvfp4")
+    x = rand_x(rng, m, k)
+    out = _forward(x, *_args(p), fmt="nvfp4", interpret=True, cfg=cfg, poison=True)
+    assert out.shape == (m, n) and rel_err(out, reference(x, p)) < TOL
+
+
+def test_block_mode_only_for_nvfp4_and_small_m():
+    """A "block" config (table or given) falls back to the 2-D kernels where it does not
+    apply: other formats and M > BLOCK_MAX_M."""
+    assert autotune.default_config("fwd", 16, 512, 512).mode == "block"
+    assert autotune.default_config("fwd", 16, 512, 512, "mxfp4").mode == "fused"
+    assert autotune.default_config("fwd", 64, 512, 512).mode == "fused"
+    rng = _rng("block_fallback")
+    block = autotune.Config(bm=16, bn=64, bk=64, mode="block")
+    for fmt, m in (("mxfp4", 3), ("nf4", 3), ("nvfp4", 40)):
+        p = rand_packed(rng, 48, 128, fmt)
+        x = rand_x(rng, m, 128)
+        assert rel_err(_forward(x, *_args(p), fmt=fmt, interpret=True, cfg=block), reference(x, p)) < TOL
+
+
 @pytest.mark.parametrize("fmt", packed_lib.FORMATS)
 def test_dequantize_kernel(fmt):
     rng = _rng("deq", fmt)
@@ -315,6 +362,10 @@ def test_autotune_lookup(monkeypatch):
     assert autotune.get_config("fwd", 7, 4096, 11008) == entry
     default = autotune.get_config("fwd", 7, 4096, 4096)
     assert default == autotune.default_config("fwd", 7, 4096, 4096) and default.bm == 16
+    block_entry = autotune.Config(bm=16, bn=64, bk=128, mode="block")
+    monkeypatch.setattr(autotune, "_table", lambda: {"fwd:16:4096:11008": block_entry.to_dict()})
+    assert autotune.get_config("fwd", 7, 4096, 11008) == block_entry
+    assert autotune.get_config("fwd", 7, 4096, 11008, "nf4") == autotune.default_config("fwd", 7, 4096, 11008, "nf4")
     assert autotune.get_config("fwd", 4096, 4096, 4096).bm >= 64  # prefill tiles
 
 
@@ -323,7 +374,7 @@ def test_autotune_table_entries_are_valid_configs():
         kind, bucket, n, k = key.split(":")
         assert kind in ("fwd", "bwd") and int(bucket) in autotune.M_BUCKETS and int(n) > 0 and int(k) > 0
         cfg = autotune.Config(**entry)
-        assert cfg.mode in ("fused", "dequant")
+        assert cfg.mode in ("fused", "dequant", "block")
         for size in (cfg.bm, cfg.bk, cfg.bc) + ((cfg.bn,) if kind == "fwd" else ()):
             assert size & (size - 1) == 0, (key, entry)
 
