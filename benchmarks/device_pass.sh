@@ -66,7 +66,7 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${BLOCK_S:-560} python3 benchmarks/kernels.py --out "$OUT/kernels_block.json" --sections env,check,sweep,bench \
         --check-quick --deadline $(( ${BLOCK_S:-560} - 20 )) --sweep-deadline $(( ${BLOCK_S:-560} - 200 )) \
         --sweep-decode-ms ${BLOCK_MS:-16} --sweep-prefill-ms "" --sweep-decode-cands ${BLOCK_CANDS:-11,23,24,25,26,28} \
-        --ms ${BLOCK_BENCH_MS:-1,16} --bwd-ms "" > "$OUT/kernels_block.log" 2>&1
+        --ms ${BLOCK_BENCH_MS:-1,16} --models ${BLOCK_MODELS:-7B,32B} --bwd-ms "" > "$OUT/kernels_block.log" 2>&1
       echo "block rc=$? after $(( $(date +%s) - T0 )) s"; grep -E "^CHECK|ERROR" "$OUT/kernels_block.log" | cut -c1-200 | tail -n 12
       python3 -c "import json; d = json.load(open('$OUT/kernels_block.json')); [print(r['m'], r['n'], r['k'], [r['cfg'][c] for c in ('mode', 'bn', 'bk', 'split_k', 'num_warps', 'num_stages')], r.get('us'), r.get('rel_err')) for r in d['sweep']]; [print('BENCH', r['m'], r['n'], r['k'], r.get('cfg', {}).get('mode'), round(r.get('ours_us', 0), 1), round(r.get('bf16_us', 0), 1), round(r.get('speedup_vs_bf16', 0), 3)) for r in d['bench']]" ;;
     dp)  # all local GPUs vs one (e.g. on nvidia-h200-x2)

@@ -389,6 +389,13 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=64, bk=128, num_warps=4, num_stages=4, mode="block", split_programs=2.5),
     dict(bn=32, bk=128, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
     dict(bn=128, bk=128, num_warps=8, num_stages=3, mode="block", split_programs=2.5),
+    # 30-34: the block kernel with W as the dot's left operand (wgmma, W from registers)
+    dict(bn=64, bk=128, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
+    dict(bn=64, bk=64, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
+    dict(bn=128, bk=128, num_warps=8, num_stages=3, mode="block", swap=True, split_programs=2.5),
+    dict(bn=64, bk=128, num_warps=4, num_stages=4, mode="block", swap=True, split_programs=2.5),
+    dict(bn=64, bk=256, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
+    "table",  # 35: the autotune table's current entry for the shape (the control)
 ]
 SWEEP_PREFILL = [
     dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3),
@@ -461,6 +468,8 @@ def section_sweep(args, decode: str):
         best = None
         for c in cands:
             base = autotune.default_config(kind, m, n, k)
+            if c == "table":
+                c = {f.name: getattr(autotune.get_config(kind, m, n, k), f.name) for f in dataclasses.fields(base)}
             c = dict(c)
             split_mult = c.pop("split_mult", 1)  # more programs than the rule gives (longer pipelines per SM)
             per_sm = c.pop("split_programs", 0.8)

@@ -14,7 +14,8 @@ import os
 
 M_BUCKETS = (16, 32, 64, 256, 1024, 4096)
 DECODE_MAX_M = 64  # M <= this: the memory-bound decode regime
-BLOCK_MAX_M = 32  # nvfp4, M <= this: the block kernel ("block" mode; Triton fails to compile it at M = 64)
+BLOCK_MAX_M = 64  # nvfp4, M <= this: the block kernel ("block" mode)
+BLOCK_SWAP_FROM_M = 33  # from this M the block kernel needs swap=True (with x on the left Triton fails at M = 64)
 NUM_SMS = 132  # H100 / H200 SXM
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "autotune.json")
 
@@ -29,7 +30,7 @@ class Config:
     that W is the dot's left operand (decode); group_m: program-order swizzle for L2;
     mode: "fused" (decode inside the matmul kernel), "block" (nvfp4, M <= BLOCK_MAX_M: the
     kernel that reads [bn, bk/16, 8] code blocks and decodes them with integer ops in the
-    tensor-core operand layout; uses bm, bn, bk, split_k, num_warps, num_stages) or
+    tensor-core operand layout; uses bm, bn, bk, split_k, swap, num_warps, num_stages) or
     "dequant" (a Pallas kernel writes W as bf16, then an XLA / cuBLAS dot; for large M,
     where the dot is compute-bound);
     scale_words: load the 1-byte block scales four to a 32-bit word (fwd, fused), so that
@@ -93,7 +94,8 @@ def default_config(kind: str, m: int, n: int, k: int, fmt: str = "nvfp4", block:
         # 2-3 stages (more stages = fewer programs per SM = slower); ~2.5 programs per SM.
         bn, bk = 64, 128
         split = split_rule(n, k, bn, bk, min_programs=2.5 * NUM_SMS)
-        return Config(bm=bm, bn=bn, bk=bk, split_k=split, num_warps=4, num_stages=3, mode="block")
+        swap = m >= BLOCK_SWAP_FROM_M
+        return Config(bm=bm, bn=bn, bk=bk, split_k=split, swap=swap, num_warps=4, num_stages=3, mode="block")
     if kind == "fwd" and m <= DECODE_MAX_M:
         # Memory-bound: stream W tiles [64, 256]; split K when there are too few N tiles to
         # give every SM a program. x on the left (swap=False) won 10 of the 12 measured

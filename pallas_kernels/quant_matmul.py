@@ -10,7 +10,7 @@ and feeds them to a tensor-core dot with the x tile; the global scale divides th
 accumulator once at the end.
 
 Regimes, picked from M and the autotune table (`autotune.get_config`):
-- nvfp4 decode, M <= 32 ("block" mode, `_fwd_block_kernel`): the codes are read as
+- nvfp4 decode, M <= 64 ("block" mode, `_fwd_block_kernel`): the codes are read as
   [N, K/16, 8] (one row of 8 bytes per 16-weight block; a free view of the stored layout)
   and decoded with plain integer ops (`_decode_block`), which Triton keeps in the
   tensor-core operand layout: no shared-memory round trip of the decoded tile (the PTX
@@ -352,7 +352,9 @@ def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
 
 
 def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_chunk, decode):
-    """nvfp4, M <= 32: one [bm, bn] tile of y (or of a split-K partial) per program.
+    """nvfp4, M <= 64: one [bm, bn] tile of y (or of a split-K partial) per program; with
+    cfg.swap the decoded W is the dot's left operand (y.T = W @ x.T: Hopper's wgmma, which
+    takes that operand from registers).
 
     c_ref: codes viewed as [R, K/16, 8]; s_ref: e4m3 scale bytes [R, K/16]; r_ref: the
     first row of this weight (layer * N for stacked weights).
@@ -377,11 +379,16 @@ def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_
         x = _load(x_ref, (pl.ds(0, bm), pl.ds(pl.multiple_of(kb * 16, bk), bk)), mask_x, 0.0)
         c = _load(c_ref, (pl.ds(w0, bn), pl.ds(kb, nb), pl.ds(0, 8)), mask_c, 0)
         s = _load(s_ref, (pl.ds(w0, bn), pl.ds(kb, nb)), mask_s, 0)
-        return acc + _dot(x, _decode_block(c.astype(jnp.int32), s, decode), contract=(1, 1))
+        w = _decode_block(c.astype(jnp.int32), s, decode)
+        if cfg.swap:
+            return acc + _dot(w, x, contract=(1, 1))  # [bn, bm]
+        return acc + _dot(x, w, contract=(1, 1))
 
-    acc = jax.lax.fori_loop(0, k_chunk // bk, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, k_chunk // bk, body, jnp.zeros((bn, bm) if cfg.swap else (bm, bn), jnp.float32))
     post = 2.0 ** (126 - _BITS_PRE) if decode == "bits" else 1.0
     out = (acc * (post / g_ref[0])).astype(o_ref.dtype)
+    if cfg.swap:
+        out = out.T
     idx = (pl.ds(ks * m, bm), pl.ds(n0, bn))
     if m % bm == 0 and n % bn == 0:
         o_ref[idx] = out
@@ -421,6 +428,8 @@ def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -
     cfg = cfg or autotune.get_config("fwd", m, n, k, fmt)
     if cfg.mode == "block" and (fmt != "nvfp4" or m > autotune.BLOCK_MAX_M):
         cfg = autotune.default_config("fwd", m, n, k, fmt, block=False)
+    if cfg.mode == "block" and m >= autotune.BLOCK_SWAP_FROM_M:
+        cfg = dataclasses.replace(cfg, swap=True)
     block = BLOCK_SIZES[fmt]
     min_bk = max(16, block)
     if cfg.persistent and (m > autotune.DECODE_MAX_M or cfg.swap):
@@ -514,7 +523,7 @@ def _forward(
 
 
 def _forward_block(x, codes, scales, gs, row0, *, n, cfg, k_chunk, interpret, decode, poison):
-    """The launch of `_fwd_block_kernel` (nvfp4, M <= 32); split-K partials summed by XLA."""
+    """The launch of `_fwd_block_kernel` (nvfp4, M <= 64); split-K partials summed by XLA."""
     m, k = x.shape
     rows = codes.shape[0]
     split = cfg.split_k > 1
