@@ -396,6 +396,11 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=64, bk=128, num_warps=4, num_stages=4, mode="block", swap=True, split_programs=2.5),
     dict(bn=64, bk=256, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
     "table",  # 35: the autotune table's current entry for the shape (the control)
+    # 36-39: the block kernel for the rollout's decode batch (M = 128 / 256: one M tile, wgmma N = M)
+    dict(bn=64, bk=64, num_warps=8, num_stages=3, mode="block", swap=True, split_programs=1),
+    dict(bn=64, bk=128, num_warps=8, num_stages=3, mode="block", swap=True, split_programs=1),
+    dict(bn=64, bk=64, num_warps=8, num_stages=4, mode="block", swap=True, split_programs=2),
+    dict(bn=64, bk=64, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=1),
 ]
 SWEEP_PREFILL = [
     dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3),

@@ -14,7 +14,7 @@ import os
 
 M_BUCKETS = (16, 32, 64, 256, 1024, 4096)
 DECODE_MAX_M = 64  # M <= this: the memory-bound decode regime
-BLOCK_MAX_M = 64  # nvfp4, M <= this: the block kernel ("block" mode)
+BLOCK_MAX_M = 256  # nvfp4, M <= this: the block kernel ("block" mode, one M tile)
 BLOCK_SWAP_FROM_M = 33  # from this M the block kernel needs swap=True (with x on the left Triton fails at M = 64)
 NUM_SMS = 132  # H100 / H200 SXM
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "autotune.json")
@@ -89,7 +89,7 @@ def default_config(kind: str, m: int, n: int, k: int, fmt: str = "nvfp4", block:
     block=False: never the block kernel (for a table entry that does not apply to fmt / M).
     """
     bm = max(16, 1 << (max(1, m) - 1).bit_length())
-    if kind == "fwd" and block and fmt == "nvfp4" and m <= BLOCK_MAX_M:
+    if kind == "fwd" and block and fmt == "nvfp4" and m <= DECODE_MAX_M:
         # Measured on an H100 (7B gate / down / q at M = 1 and 16): [64, 128] tiles, 4 warps,
         # 2-3 stages (more stages = fewer programs per SM = slower); ~2.5 programs per SM.
         bn, bk = 64, 128

@@ -10,7 +10,7 @@ and feeds them to a tensor-core dot with the x tile; the global scale divides th
 accumulator once at the end.
 
 Regimes, picked from M and the autotune table (`autotune.get_config`):
-- nvfp4 decode, M <= 64 ("block" mode, `_fwd_block_kernel`): the codes are read as
+- nvfp4, M <= 256 ("block" mode, `_fwd_block_kernel`, one M tile): the codes are read as
   [N, K/16, 8] (one row of 8 bytes per 16-weight block; a free view of the stored layout)
   and decoded with plain integer ops (`_decode_block`), which Triton keeps in the
   tensor-core operand layout: no shared-memory round trip of the decoded tile (the PTX
@@ -352,7 +352,7 @@ def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
 
 
 def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_chunk, decode):
-    """nvfp4, M <= 64: one [bm, bn] tile of y (or of a split-K partial) per program; with
+    """nvfp4, M <= 256: one [bm, bn] tile of y (or of a split-K partial) per program; with
     cfg.swap the decoded W is the dot's left operand (y.T = W @ x.T: Hopper's wgmma, which
     takes that operand from registers).
 
@@ -428,8 +428,9 @@ def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -
     cfg = cfg or autotune.get_config("fwd", m, n, k, fmt)
     if cfg.mode == "block" and (fmt != "nvfp4" or m > autotune.BLOCK_MAX_M):
         cfg = autotune.default_config("fwd", m, n, k, fmt, block=False)
-    if cfg.mode == "block" and m >= autotune.BLOCK_SWAP_FROM_M:
-        cfg = dataclasses.replace(cfg, swap=True)
+    if cfg.mode == "block":  # one M tile; W on the left (wgmma) from M = 33
+        bm = max(16, 1 << (m - 1).bit_length())
+        cfg = dataclasses.replace(cfg, bm=bm, swap=cfg.swap or m >= autotune.BLOCK_SWAP_FROM_M)
     block = BLOCK_SIZES[fmt]
     min_bk = max(16, block)
     if cfg.persistent and (m > autotune.DECODE_MAX_M or cfg.swap):
@@ -523,7 +524,7 @@ def _forward(
 
 
 def _forward_block(x, codes, scales, gs, row0, *, n, cfg, k_chunk, interpret, decode, poison):
-    """The launch of `_fwd_block_kernel` (nvfp4, M <= 64); split-K partials summed by XLA."""
+    """The launch of `_fwd_block_kernel` (nvfp4, M <= 256); split-K partials summed by XLA."""
     m, k = x.shape
     rows = codes.shape[0]
     split = cfg.split_k > 1

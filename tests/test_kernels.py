@@ -182,8 +182,9 @@ def test_bits_decode_formula_all_bytes():
         (1, 40, 512, autotune.Config(bm=16, bn=32, bk=128, split_k=4, num_stages=2, mode="block")),
         (7, 72, 256, autotune.Config(bm=16, bn=64, bk=64, split_k=2, swap=True, mode="block")),  # y.T = W @ x.T
         (50, 48, 128, autotune.Config(bm=64, bn=32, bk=64, mode="block")),  # M > 32: swap forced
+        (130, 40, 128, autotune.Config(bm=16, bn=32, bk=64, mode="block", num_warps=8)),  # one 256-row M tile
     ],
-    ids=["ragged_splitk", "bk16", "m1_split4", "swap", "m50_swap"],
+    ids=["ragged_splitk", "bk16", "m1_split4", "swap", "m50_swap", "m130"],
 )
 def test_block_kernel_configs(m, n, k, cfg):
     rng = _rng("block", m, n, k)
@@ -195,14 +196,14 @@ def test_block_kernel_configs(m, n, k, cfg):
 
 def test_block_mode_only_for_nvfp4_and_small_m():
     """A "block" config (table or given) falls back to the 2-D kernels where it does not
-    apply: other formats and M > BLOCK_MAX_M (64)."""
+    apply: other formats and M > BLOCK_MAX_M (256)."""
     assert autotune.default_config("fwd", 16, 512, 512).mode == "block"
     assert autotune.default_config("fwd", 16, 512, 512, "mxfp4").mode == "fused"
     assert autotune.default_config("fwd", 64, 512, 512).swap
-    assert autotune.default_config("fwd", 65, 512, 512).mode == "dequant"
+    assert autotune.default_config("fwd", 65, 512, 512).mode == "dequant"  # block only where measured faster
     rng = _rng("block_fallback")
     block = autotune.Config(bm=16, bn=64, bk=64, mode="block")
-    for fmt, m in (("mxfp4", 3), ("nf4", 3), ("nvfp4", 70)):
+    for fmt, m in (("mxfp4", 3), ("nf4", 3), ("nvfp4", 300)):
         p = rand_packed(rng, 48, 128, fmt)
         x = rand_x(rng, m, 128)
         assert rel_err(_forward(x, *_args(p), fmt=fmt, interpret=True, cfg=block), reference(x, p)) < TOL
