@@ -784,6 +784,17 @@ def nvfp4_matmul(x: jax.Array, packed: Any, *, interpret: bool | None = None) ->
     return _qmm(x, packed.codes, packed.scales, packed.global_scale, None, fmt, _resolve_interpret(interpret))
 
 
+def dequantize_bf16(packed: Any, *, layer: jax.Array | int | None = None, interpret: bool | None = None) -> jax.Array:
+    """bf16 W [N, K] of a packed weight (or of layer `layer` of a stack), by the same kernel
+    (and so the same values) as the "dequant" path of `quant_matmul`."""
+    fmt, _, n, k = _validate(
+        jax.ShapeDtypeStruct((1, 2 * packed.codes.shape[-1]), jnp.bfloat16),
+        packed if layer is None else _validate_layer(packed, layer),
+    )
+    codes, scales, gs, row0 = _select_layer(packed.codes, packed.scales, packed.global_scale, layer)
+    return _dequantize(codes, scales, gs, fmt=fmt, interpret=_resolve_interpret(interpret), n=n, row0=row0)
+
+
 def quant_matmul_dx(dy: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
     """dx bf16 [M, K] = dy bf16 [M, N] @ dequantize(packed) (the backward kernel, exposed)."""
     if not hasattr(dy, "ndim") or dy.ndim != 2:

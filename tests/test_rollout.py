@@ -1,5 +1,7 @@
 """The rollout engine vs transformers' generate, a naive forward loop and a full-forward recompute."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,6 +168,46 @@ def test_packed_weights_are_read_in_place_by_the_pallas_kernel(tiny_qwen2_dir):
     scanned = generate(config, params, ids, mask, jax.random.key(3), sampling, unroll_layers=False, **kw)
     np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
     np.testing.assert_array_equal(np.asarray(unrolled.logprobs), np.asarray(scanned.logprobs))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, backend):
+    """dense_weights=True dequantizes the packed linears once (by the backend's own
+    dequantization) instead of every step: the same tokens, and the same log-probs (exactly
+    on the XLA path; the Pallas path rounds its matmul outputs to bf16, the dense dot not)."""
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    split = sampler_module._split_layers(params, backend)
+    assert not split["packed"] and split["layers"][1]["base"]["q_proj"]["w"].dtype == jnp.bfloat16
+    assert sampler_module.dense_copy_bytes(params) == sum(
+        x.nbytes for layer in split["layers"] for p in layer["base"].values() for f, x in p.items() if f == "w"
+    )
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
+    kw = dict(group_size=2, backend=backend)
+    packed = generate(config, params, ids, mask, jax.random.key(5), sampling, dense_weights=False, **kw)
+    dense = generate(config, params, ids, mask, jax.random.key(5), sampling, dense_weights=True, **kw)
+    np.testing.assert_array_equal(np.asarray(dense.tokens), np.asarray(packed.tokens))
+    atol = 0.0 if backend == "xla" else 0.05
+    np.testing.assert_allclose(np.asarray(dense.logprobs), np.asarray(packed.logprobs), atol=atol)
+
+
+def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():
+    choose = functools.partial(sampler_module.use_dense_weights, None, dense_bytes=1, unroll_layers=True, fits=True)
+    assert choose(backend="xla", rows=1)  # the XLA path dequantizes every step at any batch
+    assert not choose(backend="pallas", rows=64)  # the kernels read packed weights up to M = 64
+    assert choose(backend="pallas", rows=sampler_module.DENSE_FROM_ROWS)
+    assert not sampler_module.use_dense_weights(
+        None, backend="pallas", rows=256, dense_bytes=1, unroll_layers=True, fits=False
+    )
+    assert not sampler_module.use_dense_weights(
+        None, backend="xla", rows=256, dense_bytes=0, unroll_layers=True, fits=True
+    )  # nothing packed
+    assert not sampler_module.use_dense_weights(
+        False, backend="xla", rows=256, dense_bytes=1, unroll_layers=True, fits=True
+    )
+    with pytest.raises(ValueError, match="unroll_layers"):
+        sampler_module.use_dense_weights(True, backend="xla", rows=1, dense_bytes=1, unroll_layers=False, fits=True)
 
 
 # ----------------------------------------------------------------------------- log-prob invariant

@@ -9,6 +9,7 @@ train = to_train_batch(batch)  # {input_ids, attention_mask, response_mask, old_
 from qerl_jax.rollout.sampler import (
     RolloutBatch,
     cache_bytes,
+    dense_copy_bytes,
     device_free_bytes,
     estimate_rollout_bytes,
     generate,
@@ -16,6 +17,7 @@ from qerl_jax.rollout.sampler import (
     prompt_bucket,
     rows_bucket,
     to_train_batch,
+    use_dense_weights,
 )
 from qerl_jax.rollout.sampling import SamplingConfig, processed_logits, sample, top_k_filter, top_p_filter
 
@@ -23,6 +25,7 @@ __all__ = [
     "RolloutBatch",
     "SamplingConfig",
     "cache_bytes",
+    "dense_copy_bytes",
     "device_free_bytes",
     "estimate_rollout_bytes",
     "generate",
@@ -34,4 +37,5 @@ __all__ = [
     "to_train_batch",
     "top_k_filter",
     "top_p_filter",
+    "use_dense_weights",
 ]

@@ -52,12 +52,17 @@ from qerl_jax.models.qwen2 import (
     rms_norm,
     variables,
 )
-from qerl_jax.quant.packed import is_packed
+from qerl_jax.quant.packed import dequantize, is_packed
 from qerl_jax.rollout.sampling import SamplingConfig, sample
 
 # The memory check asks for this multiple of `estimate_rollout_bytes`: on an H100 (Qwen2.5-7B,
 # 256 rows x 768 slots) the measured process peak exceeded weights + estimate by ~8 GB (~20%).
 MEMORY_MARGIN = 1.25
+
+# From this many decode rows the Pallas kernels dequantize packed weights to bf16 before a
+# cuBLAS dot (the autotune table's "dequant" mode, M > 64), every decode step. `generate`
+# then dequantizes once per call instead (`dense_weights`), when the copies fit.
+DENSE_FROM_ROWS = 65
 
 # How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
 TRACE_COUNTS: dict[str, int] = {"prefill": 0, "decode": 0}
@@ -200,8 +205,12 @@ def device_free_bytes(device: jax.Device | None = None) -> int | None:
 # ----------------------------------------------------------------------------- programs
 
 
-def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
+def _split_layers(params: dict[str, Any], dense_backend: str | None = None) -> dict[str, Any]:
     """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
+
+    dense_backend: "xla" | "pallas" to dequantize the packed weights into per-layer bf16
+    copies (by that backend's dequantization, so the values are those of its per-step path)
+    instead of reading them packed; None keeps them packed.
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
     before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
@@ -215,7 +224,49 @@ def _split_layers(params: dict[str, Any]) -> dict[str, Any]:
     top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
     if "lm_head" in params["base"]:
         top["lm_head"] = params["base"]["lm_head"]
-    return {"top": top, "packed": packed, "layers": _unstack_jit(copied)}
+    layers = _unstack_jit(copied)
+    if dense_backend is not None and packed:
+        dtype = jnp.dtype(params["base"]["embed"].dtype).name
+        for layer, dense in enumerate(_dense_layers_jit(packed, dense_backend, dtype)):
+            for name, w in dense.items():
+                layers[layer]["base"][name]["w"] = w
+        packed = {}
+    return {"top": top, "packed": packed, "layers": layers}
+
+
+def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
+    """Each stacked packed weight dequantized, one [N, K] array per layer: bf16 by the Pallas
+    dequantization kernel, or `dtype` (the activations') by `dequantize` for "xla"."""
+    num_layers = next(iter(packed.values())).codes.shape[0]
+    if backend == "pallas":
+        import pallas_kernels  # only needed on this path
+
+        deq = lambda stack, layer: pallas_kernels.dequantize_bf16(stack, layer=layer)  # noqa: E731
+    else:
+        deq = lambda stack, layer: dequantize(jax.tree.map(lambda a: a[layer], stack), dtype)  # noqa: E731
+    return [{name: deq(stack, layer) for name, stack in packed.items()} for layer in range(num_layers)]
+
+
+_dense_layers_jit = jax.jit(_dense_layers, static_argnums=(1, 2))
+
+
+def use_dense_weights(
+    requested: bool | None, *, backend: str, rows: int, dense_bytes: int, unroll_layers: bool, fits: bool
+) -> bool:
+    """`generate`'s choice of dense per-layer copies of the packed linears (see its docstring)."""
+    if requested and not unroll_layers:
+        raise ValueError("dense_weights=True needs unroll_layers=True (per-layer weight copies)")
+    if requested is not None:
+        return bool(requested) and dense_bytes > 0
+    per_step_dequant = backend == "xla" or rows >= DENSE_FROM_ROWS
+    return unroll_layers and dense_bytes > 0 and per_step_dequant and fits
+
+
+def dense_copy_bytes(params: dict[str, Any]) -> int:
+    """Bytes of bf16 copies of the packed linears (what `generate(dense_weights=True)` adds;
+    float32 activations double it on the XLA backend, which the estimate ignores)."""
+    packed, _ = _packed_and_copied(params)
+    return sum(4 * stack.codes.size for stack in packed.values())  # 2 weights per code byte, 2 bytes each
 
 
 def _packed_and_copied(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -510,6 +561,7 @@ def generate(
     timings: dict[str, float] | None = None,
     unroll_layers: bool = True,
     batch_sharding: jax.sharding.Sharding | None = None,
+    dense_weights: bool | None = None,
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
 
@@ -541,6 +593,11 @@ def generate(
         buckets rounded up to a multiple of its shard count) and jit propagates it to the KV
         cache and the samples. Place the params first (replicated, or `sharding.shard_params`).
         The samples equal those of one device (per-row keys).
+      dense_weights: dequantize the packed linears to bf16 once for this call and decode with
+        the dense copies (+2 bytes per weight in memory while it runs). None (default) does so
+        where the per-step path would dequantize anyway (backend "xla", or "pallas" with at
+        least DENSE_FROM_ROWS decode rows) and the copies fit in the memory budget; unrolled
+        layers only.
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
@@ -604,6 +661,17 @@ def generate(
         layer_copy_bytes=layer_copy_bytes(params) if unroll_layers else 0,
     )
     budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
+    dense_bytes = dense_copy_bytes(params)
+    dense_weights = use_dense_weights(
+        dense_weights,
+        backend=backend,
+        rows=rows_b,
+        dense_bytes=dense_bytes,
+        unroll_layers=unroll_layers,
+        fits=budget is None or (need + dense_bytes) * MEMORY_MARGIN <= budget,
+    )
+    if dense_weights:
+        need += dense_bytes
     if budget is not None and need * MEMORY_MARGIN > budget:
         raise MemoryError(
             f"rollout chunk of {rows_b} sequences x ({p_b} prompt + {static.new_slots} new) slots needs about "
@@ -611,10 +679,11 @@ def generate(
             f"max_batch (rollout chunk size, now {max_batch}), the group size ({group_size}), the prompt batch "
             f"({num_prompts}) or "
             f"max_new_tokens ({sampling.max_new_tokens})"
+            + (f", or pass dense_weights=False ({dense_bytes / 2**30:.2f} GiB of bf16 copies)" if dense_weights else "")
         )
 
     t0 = time.perf_counter()
-    run_params = _split_layers(params) if unroll_layers else params
+    run_params = _split_layers(params, backend if dense_weights else None) if unroll_layers else params
     if timings is not None:
         jax.block_until_ready(run_params)
         timings["unstack_s"] = timings.get("unstack_s", 0.0) + time.perf_counter() - t0
