@@ -222,6 +222,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 unroll_layers=True,
                 fits=True,
             )
+            dense_names = None if dense else (rollout.small_packed_names(params) if backend == "pallas" else ())
             row.update(
                 ttft_s=ttft,
                 decode_step_s=step_s,
@@ -232,7 +233,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 e2e_tokens_per_s=prompts * group * run["new_tokens"] / (ttft + (run["new_tokens"] - 1) * step_s),
                 finite_logprobs=bool(np.isfinite(np.asarray(b.logprobs)).all()),
                 peak_bytes=peak_bytes() if index == 0 else None,
-                dense_weights=dense,
+                dense_weights="all" if dense else list(dense_names),
                 # What generate's memory check predicts, for comparison with the measured peak.
                 estimated_peak_bytes=out["weight_bytes"]
                 + rollout.estimate_rollout_bytes(
@@ -243,7 +244,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                     num_prompts=rollout.rows_bucket(prompts),
                     layer_copy_bytes=tree_bytes([params["base"]["layers"], params["norms"]["layers"]]),
                 )
-                + (rollout.dense_copy_bytes(params) if dense else 0),
+                + (rollout.dense_copy_bytes(params, dense_names) if dense or dense_names else 0),
             )
             if args.no_sharing_row and group > 1 and index == 0:
                 for _ in range(2):  # compile, then time

@@ -163,7 +163,7 @@ def test_packed_weights_are_read_in_place_by_the_pallas_kernel(tiny_qwen2_dir):
     assert sampler_module.layer_copy_bytes(params) == all_bytes - packed_bytes
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, eos_ids=())
-    kw = dict(group_size=2, backend="pallas")
+    kw = dict(group_size=2, backend="pallas", dense_weights=False)
     unrolled = generate(config, params, ids, mask, jax.random.key(3), sampling, **kw)
     scanned = generate(config, params, ids, mask, jax.random.key(3), sampling, unroll_layers=False, **kw)
     np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
@@ -190,6 +190,31 @@ def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir,
     np.testing.assert_array_equal(np.asarray(dense.tokens), np.asarray(packed.tokens))
     atol = 0.0 if backend == "xla" else 0.05
     np.testing.assert_allclose(np.asarray(dense.logprobs), np.asarray(packed.logprobs), atol=atol)
+
+
+def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir, monkeypatch):
+    """Below DENSE_FROM_ROWS the default densifies only the packed matrices of at most
+    SMALL_DENSE_WEIGHTS weights (where the kernel loses to a bf16 dot); the others stay packed
+    and are read in place."""
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    sizes = {n: p["w"].codes.shape[-2] * 2 * p["w"].codes.shape[-1] for n, p in params["base"]["layers"].items()}
+    monkeypatch.setattr(sampler_module, "SMALL_DENSE_WEIGHTS", min(sizes.values()))
+    small = sampler_module.small_packed_names(params)
+    assert small and set(small) == {n for n, size in sizes.items() if size == min(sizes.values())}
+    seen = []
+    real_split = sampler_module._split_layers
+    monkeypatch.setattr(sampler_module, "_split_layers", lambda *a: seen.append(a[1:]) or real_split(*a))
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
+    auto = generate(config, params, ids, mask, jax.random.key(6), sampling, backend="pallas")
+    assert seen[-1] == ("pallas", small)
+    split = real_split(params, "pallas", small)
+    assert set(split["packed"]) == set(sizes) - set(small)
+    packed = generate(config, params, ids, mask, jax.random.key(6), sampling, backend="pallas", dense_weights=False)
+    assert seen[-1] == (None, None)
+    np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(packed.tokens))
+    np.testing.assert_allclose(np.asarray(auto.logprobs), np.asarray(packed.logprobs), atol=0.05)
 
 
 def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():

@@ -16,6 +16,7 @@ from qerl_jax.rollout.sampler import (
     new_tokens_bucket,
     prompt_bucket,
     rows_bucket,
+    small_packed_names,
     to_train_batch,
     use_dense_weights,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "prompt_bucket",
     "rows_bucket",
     "sample",
+    "small_packed_names",
     "to_train_batch",
     "top_k_filter",
     "top_p_filter",

@@ -63,6 +63,11 @@ MEMORY_MARGIN = 1.25
 # cuBLAS dot (the autotune table's "dequant" mode, M > 64), every decode step. `generate`
 # then dequantizes once per call instead (`dense_weights`), when the copies fit.
 DENSE_FROM_ROWS = 65
+# Below that, packed matrices of at most this many weights per layer also get bf16 copies:
+# there the W4A16 kernel loses to a bf16 dot (launch-bound; H100: Qwen2.5-7B k/v, 512 x 3584,
+# 0.48-0.65x and 32B k/v, 1024 x 5120, 0.71-0.77x at M <= 16, while 7B q/o, 3584 x 3584, is
+# 0.9-1.4x; benchmarks/RESULTS.md table A3), and their copies are small (7B: 0.2 GB).
+SMALL_DENSE_WEIGHTS = 6 * 2**20
 
 # How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
 TRACE_COUNTS: dict[str, int] = {"prefill": 0, "decode": 0}
@@ -205,12 +210,14 @@ def device_free_bytes(device: jax.Device | None = None) -> int | None:
 # ----------------------------------------------------------------------------- programs
 
 
-def _split_layers(params: dict[str, Any], dense_backend: str | None = None) -> dict[str, Any]:
+def _split_layers(
+    params: dict[str, Any], dense_backend: str | None = None, dense_names: tuple[str, ...] | None = None
+) -> dict[str, Any]:
     """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
 
-    dense_backend: "xla" | "pallas" to dequantize the packed weights into per-layer bf16
-    copies (by that backend's dequantization, so the values are those of its per-step path)
-    instead of reading them packed; None keeps them packed.
+    dense_backend: "xla" | "pallas" to dequantize packed weights into per-layer bf16 copies
+    (by that backend's dequantization, so the values are those of its per-step path) instead
+    of reading them packed: those of `dense_names` (default all); None keeps them packed.
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
     before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
@@ -225,12 +232,13 @@ def _split_layers(params: dict[str, Any], dense_backend: str | None = None) -> d
     if "lm_head" in params["base"]:
         top["lm_head"] = params["base"]["lm_head"]
     layers = _unstack_jit(copied)
-    if dense_backend is not None and packed:
+    to_dense = {n: w for n, w in packed.items() if dense_names is None or n in dense_names}
+    if dense_backend is not None and to_dense:
         dtype = jnp.dtype(params["base"]["embed"].dtype).name
-        for layer, dense in enumerate(_dense_layers_jit(packed, dense_backend, dtype)):
+        for layer, dense in enumerate(_dense_layers_jit(to_dense, dense_backend, dtype)):
             for name, w in dense.items():
                 layers[layer]["base"][name]["w"] = w
-        packed = {}
+        packed = {n: w for n, w in packed.items() if n not in to_dense}
     return {"top": top, "packed": packed, "layers": layers}
 
 
@@ -262,11 +270,21 @@ def use_dense_weights(
     return unroll_layers and dense_bytes > 0 and per_step_dequant and fits
 
 
-def dense_copy_bytes(params: dict[str, Any]) -> int:
-    """Bytes of bf16 copies of the packed linears (what `generate(dense_weights=True)` adds;
-    float32 activations double it on the XLA backend, which the estimate ignores)."""
+def dense_copy_bytes(params: dict[str, Any], names: tuple[str, ...] | None = None) -> int:
+    """Bytes of bf16 copies of the packed linears (of `names`, default all: what
+    `generate(dense_weights=True)` adds; float32 activations double it on the XLA backend,
+    which the estimate ignores)."""
     packed, _ = _packed_and_copied(params)
-    return sum(4 * stack.codes.size for stack in packed.values())  # 2 weights per code byte, 2 bytes each
+    # 2 weights per code byte, 2 bytes each
+    return sum(4 * stack.codes.size for n, stack in packed.items() if names is None or n in names)
+
+
+def small_packed_names(params: dict[str, Any]) -> tuple[str, ...]:
+    """The packed projections of at most SMALL_DENSE_WEIGHTS weights per layer."""
+    packed, _ = _packed_and_copied(params)
+    return tuple(
+        sorted(n for n, w in packed.items() if 2 * w.codes.shape[-2] * w.codes.shape[-1] <= SMALL_DENSE_WEIGHTS)
+    )
 
 
 def _packed_and_copied(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -596,8 +614,9 @@ def generate(
       dense_weights: dequantize the packed linears to bf16 once for this call and decode with
         the dense copies (+2 bytes per weight in memory while it runs). None (default) does so
         where the per-step path would dequantize anyway (backend "xla", or "pallas" with at
-        least DENSE_FROM_ROWS decode rows) and the copies fit in the memory budget; unrolled
-        layers only.
+        least DENSE_FROM_ROWS decode rows) and the copies fit in the memory budget; below
+        that, on "pallas", only for the small projections (SMALL_DENSE_WEIGHTS), where the
+        kernel is slower than a bf16 dot. Unrolled layers only.
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
@@ -662,6 +681,7 @@ def generate(
     )
     budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
     dense_bytes = dense_copy_bytes(params)
+    requested_dense = dense_weights
     dense_weights = use_dense_weights(
         dense_weights,
         backend=backend,
@@ -670,6 +690,12 @@ def generate(
         unroll_layers=unroll_layers,
         fits=budget is None or (need + dense_bytes) * MEMORY_MARGIN <= budget,
     )
+    dense_names = None  # all
+    if not dense_weights and requested_dense is None and backend == "pallas" and unroll_layers:
+        small = small_packed_names(params)
+        small_bytes = dense_copy_bytes(params, small)
+        if small and (budget is None or (need + small_bytes) * MEMORY_MARGIN <= budget):
+            dense_weights, dense_names, dense_bytes = True, small, small_bytes
     if dense_weights:
         need += dense_bytes
     if budget is not None and need * MEMORY_MARGIN > budget:
@@ -683,7 +709,10 @@ def generate(
         )
 
     t0 = time.perf_counter()
-    run_params = _split_layers(params, backend if dense_weights else None) if unroll_layers else params
+    if unroll_layers:
+        run_params = _split_layers(params, backend if dense_weights else None, dense_names)
+    else:
+        run_params = params
     if timings is not None:
         jax.block_until_ready(run_params)
         timings["unstack_s"] = timings.get("unstack_s", 0.0) + time.perf_counter() - t0
