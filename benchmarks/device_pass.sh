@@ -4,7 +4,10 @@
 #   STEPS="rollout grpo" bash benchmarks/device_pass.sh
 # Steps: rollout (benchmarks/rollout.py), grpo (grpo_step.py), scale (scale.py, 32B),
 # kernels256 (kernels.py sweep + bench at M = 128 / 256), nulldecode (kernels.py diagnostic),
-# dp (benchmarks/data_parallel.py: all local GPUs vs one).
+# persistent / stages (decode sweeps of those candidates), block (check + sweep of the nvfp4
+# block kernel against the table's entry + bench; BLOCK_MS, BLOCK_CANDS, BLOCK_BENCH_MS, BLOCK_MODELS),
+# stream (stream_probe.py: the load bound), ttir (ttir_ncu.py: timing and an Nsight Compute
+# profile of the decode kernel outside JAX), dp (benchmarks/data_parallel.py: all local GPUs vs one).
 set -u
 OUT=${OUT:-/tmp/qerl_bench}
 mkdir -p "$OUT"
