@@ -452,6 +452,35 @@ def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -
     return cfg, k_chunk
 
 
+def _launch(kernel, args: list, *, out_shape, grid, cfg, interpret: bool, poison: bool, name: str) -> jax.Array:
+    """pallas_call of `kernel` on `args`; `poison` passes a NaN-filled output buffer aliased to
+    the result, so that any element the kernel fails to write shows."""
+    aliases = {}
+    if poison:
+        args = [*args, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype)]
+        aliases = {len(args) - 1: 0}
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=_compiler_params(cfg),
+        name=name,
+    )(*args)
+
+
+def _launch_split_k(kernel, args: list, *, m: int, n: int, grid, cfg, interpret: bool, poison: bool, name: str):
+    """A forward launch writing y bf16 [M, N], or with cfg.split_k > 1 float32 partials
+    [split_k * M, N] that XLA sums into y."""
+    split = cfg.split_k > 1
+    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
+    y = _launch(kernel, args, out_shape=out_shape, grid=grid, cfg=cfg, interpret=interpret, poison=poison, name=name)
+    if split:
+        y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
+    return y
+
+
 def _forward(
     x,
     codes,
@@ -500,59 +529,44 @@ def _forward(
     num_tiles = pl.cdiv(m, cfg.bm) * pl.cdiv(n, cfg.bn)
     if cfg.persistent:
         num_tiles = pl.cdiv(num_tiles, cfg.persistent)
-    split = cfg.split_k > 1
-    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
     kernel = functools.partial(_fwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
     s_arg = _as_words(scales) if cfg.scale_words else _kernel_scales(scales)
     args = [x, codes, s_arg, jnp.reshape(gs.astype(jnp.float32), (1,)), row0, _table_input(fmt)]
-    aliases = {}
-    if poison:
-        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-        aliases = {len(args) - 1: 0}
-    y = pl.pallas_call(
+    return _launch_split_k(
         kernel,
-        out_shape=out_shape,
+        args,
+        m=m,
+        n=n,
         grid=(num_tiles, cfg.split_k),
-        input_output_aliases=aliases,
+        cfg=cfg,
         interpret=interpret,
-        compiler_params=_compiler_params(cfg),
+        poison=poison,
         name=f"w4a16_{fmt}_fwd",
-    )(*args)
-    if split:
-        y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
-    return y
+    )
 
 
 def _forward_block(x, codes, scales, gs, row0, *, n, cfg, k_chunk, interpret, decode, poison):
     """The launch of `_fwd_block_kernel` (nvfp4, M <= 256); split-K partials summed by XLA."""
     m, k = x.shape
-    rows = codes.shape[0]
-    split = cfg.split_k > 1
-    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
     kernel = functools.partial(_fwd_block_kernel, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
     args = [
         x,
-        codes.reshape(rows, k // 16, 8),  # a free view: 8 code bytes per 16-weight block
+        codes.reshape(codes.shape[0], k // 16, 8),  # a free view: 8 code bytes per 16-weight block
         _kernel_scales(scales),
         jnp.reshape(gs.astype(jnp.float32), (1,)),
         row0,
     ]
-    aliases = {}
-    if poison:
-        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-        aliases = {len(args) - 1: 0}
-    y = pl.pallas_call(
+    return _launch_split_k(
         kernel,
-        out_shape=out_shape,
+        args,
+        m=m,
+        n=n,
         grid=(pl.cdiv(n, cfg.bn), cfg.split_k),
-        input_output_aliases=aliases,
+        cfg=cfg,
         interpret=interpret,
-        compiler_params=_compiler_params(cfg),
+        poison=poison,
         name="w4a16_nvfp4_block_fwd",
-    )(*args)
-    if split:
-        y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
-    return y
+    )
 
 
 # ----------------------------------------------------------------------------- backward kernel
@@ -637,19 +651,16 @@ def _backward(
         jnp.reshape(gs.astype(jnp.float32), (1,)),
         _table_input(fmt),
     ]
-    aliases = {}
-    if poison:
-        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-        aliases = {len(args) - 1: 0}
-    return pl.pallas_call(
+    return _launch(
         kernel,
+        args,
         out_shape=out_shape,
         grid=(pl.cdiv(m, bm) * (k // bk),),
-        input_output_aliases=aliases,
+        cfg=cfg,
         interpret=interpret,
-        compiler_params=_compiler_params(cfg),
+        poison=poison,
         name=f"w4a16_{fmt}_bwd",
-    )(*args)
+    )
 
 
 # ----------------------------------------------------------------------------- dequantize kernel
