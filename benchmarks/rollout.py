@@ -213,16 +213,15 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             step_s = min(tm["decode_s"] for tm in reps) / max(steps - 1, 1)
             # Time to first token: the per-layer weight copies + prefill + first sample.
             ttft = min(tm["prefill_s"] + tm.get("unstack_s", 0.0) for tm in reps)
-            # generate's default: bf16 copies of the packed weights where every step would dequantize
-            dense = rollout.use_dense_weights(
+            # generate's default choice of bf16 copies (the memory check aside)
+            dense_names = rollout.dense_weight_names(
+                params,
                 None,
                 backend=backend,
                 rows=rollout.rows_bucket(prompts * group),
-                dense_bytes=rollout.dense_copy_bytes(params),
                 unroll_layers=True,
-                fits=True,
+                fits=lambda _bytes: True,
             )
-            dense_names = None if dense else (rollout.small_packed_names(params) if backend == "pallas" else ())
             row.update(
                 ttft_s=ttft,
                 decode_step_s=step_s,
@@ -233,7 +232,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 e2e_tokens_per_s=prompts * group * run["new_tokens"] / (ttft + (run["new_tokens"] - 1) * step_s),
                 finite_logprobs=bool(np.isfinite(np.asarray(b.logprobs)).all()),
                 peak_bytes=peak_bytes() if index == 0 else None,
-                dense_weights="all" if dense else list(dense_names),
+                dense_weights=list(dense_names),
                 # What generate's memory check predicts, for comparison with the measured peak.
                 estimated_peak_bytes=out["weight_bytes"]
                 + rollout.estimate_rollout_bytes(
@@ -244,7 +243,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                     num_prompts=rollout.rows_bucket(prompts),
                     layer_copy_bytes=tree_bytes([params["base"]["layers"], params["norms"]["layers"]]),
                 )
-                + (rollout.dense_copy_bytes(params, dense_names) if dense or dense_names else 0),
+                + rollout.dense_copy_bytes(params, dense_names),
             )
             if args.no_sharing_row and group > 1 and index == 0:
                 for _ in range(2):  # compile, then time

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -277,6 +278,29 @@ def dense_copy_bytes(params: dict[str, Any], names: tuple[str, ...] | None = Non
     packed, _ = _packed_and_copied(params)
     # 2 weights per code byte, 2 bytes each
     return sum(4 * stack.codes.size for n, stack in packed.items() if names is None or n in names)
+
+
+def dense_weight_names(
+    params: dict[str, Any],
+    requested: bool | None,
+    *,
+    backend: str,
+    rows: int,
+    unroll_layers: bool,
+    fits: Callable[[int], bool],
+) -> tuple[str, ...]:
+    """The packed projections `generate` decodes from bf16 copies (empty: none); `fits(bytes)`
+    says whether copies of that size fit the memory budget. See `generate`'s dense_weights."""
+    all_bytes = dense_copy_bytes(params)
+    if use_dense_weights(
+        requested, backend=backend, rows=rows, dense_bytes=all_bytes, unroll_layers=unroll_layers, fits=fits(all_bytes)
+    ):
+        return tuple(sorted(_packed_and_copied(params)[0]))
+    if requested is None and backend == "pallas" and unroll_layers:
+        small = small_packed_names(params)
+        if small and fits(dense_copy_bytes(params, small)):
+            return small
+    return ()
 
 
 def small_packed_names(params: dict[str, Any]) -> tuple[str, ...]:
@@ -680,24 +704,16 @@ def generate(
         layer_copy_bytes=layer_copy_bytes(params) if unroll_layers else 0,
     )
     budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
-    dense_bytes = dense_copy_bytes(params)
-    requested_dense = dense_weights
-    dense_weights = use_dense_weights(
+    dense_names = dense_weight_names(
+        params,
         dense_weights,
         backend=backend,
         rows=rows_b,
-        dense_bytes=dense_bytes,
         unroll_layers=unroll_layers,
-        fits=budget is None or (need + dense_bytes) * MEMORY_MARGIN <= budget,
+        fits=lambda extra: budget is None or (need + extra) * MEMORY_MARGIN <= budget,
     )
-    dense_names = None  # all
-    if not dense_weights and requested_dense is None and backend == "pallas" and unroll_layers:
-        small = small_packed_names(params)
-        small_bytes = dense_copy_bytes(params, small)
-        if small and (budget is None or (need + small_bytes) * MEMORY_MARGIN <= budget):
-            dense_weights, dense_names, dense_bytes = True, small, small_bytes
-    if dense_weights:
-        need += dense_bytes
+    dense_bytes = dense_copy_bytes(params, dense_names)
+    need += dense_bytes
     if budget is not None and need * MEMORY_MARGIN > budget:
         raise MemoryError(
             f"rollout chunk of {rows_b} sequences x ({p_b} prompt + {static.new_slots} new) slots needs about "
@@ -705,12 +721,12 @@ def generate(
             f"max_batch (rollout chunk size, now {max_batch}), the group size ({group_size}), the prompt batch "
             f"({num_prompts}) or "
             f"max_new_tokens ({sampling.max_new_tokens})"
-            + (f", or pass dense_weights=False ({dense_bytes / 2**30:.2f} GiB of bf16 copies)" if dense_weights else "")
+            + (f", or pass dense_weights=False ({dense_bytes / 2**30:.2f} GiB of bf16 copies)" if dense_names else "")
         )
 
     t0 = time.perf_counter()
     if unroll_layers:
-        run_params = _split_layers(params, backend if dense_weights else None, dense_names)
+        run_params = _split_layers(params, backend if dense_names else None, dense_names or None)
     else:
         run_params = params
     if timings is not None:
