@@ -220,6 +220,22 @@ def test_dequantize_kernel(fmt):
     np.testing.assert_allclose(np.asarray(w, np.float32), np.asarray(want), rtol=2.0**-6 if fmt == "nf4" else 2.0**-8)
 
 
+def test_public_dequantize_bf16_of_a_matrix_and_of_a_stacked_layer():
+    rng = _rng("deq_public")
+    layers = [rand_packed(rng, 40, 64, "nvfp4") for _ in range(3)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    w = pallas_kernels.dequantize_bf16(layers[1])
+    assert w.dtype == jnp.bfloat16 and w.shape == (40, 64)
+    np.testing.assert_array_equal(
+        np.asarray(w, np.float32), np.asarray(_dequantize(*_args(layers[1]), fmt="nvfp4", interpret=True), np.float32)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(pallas_kernels.dequantize_bf16(stack, layer=jnp.int32(1)), np.float32), np.asarray(w, np.float32)
+    )
+    with pytest.raises(ValueError, match="out of range"):
+        pallas_kernels.dequantize_bf16(stack, layer=3)
+
+
 def test_public_api_and_nvfp4_alias():
     rng = _rng("api")
     p = rand_packed(rng, 48, 64, "nvfp4")
