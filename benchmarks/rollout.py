@@ -168,7 +168,9 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     import qerl_jax.rollout as rollout
     from qerl_jax.models.qwen2 import ModelConfig
 
-    run = TINY_RUN if args.tiny else FULL_RUN
+    run = dict(TINY_RUN if args.tiny else FULL_RUN)
+    if args.batches:
+        run["batches"] = tuple(tuple(int(v) for v in b.split("x")) for b in args.batches.split(","))
     config = ModelConfig(**(TINY if args.tiny else QWEN25_7B))
     out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
     if backend == "pallas":
@@ -222,7 +224,33 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 unroll_layers=True,
                 fits=lambda _bytes: True,
             )
+            wgmma_names = rollout.wgmma_weight_names(
+                params,
+                None,
+                backend=backend,
+                rows=rollout.rows_bucket(prompts * group),
+                unroll_layers=True,
+                exclude=dense_names,
+            )
+            if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
+                tms = []
+                for r in range(args.reps + 1):  # the first compiles
+                    tm = {}
+                    rollout.generate(
+                        config,
+                        params,
+                        ids,
+                        mask,
+                        jax.random.key(2 + r),
+                        sampling,
+                        timings=tm,
+                        wgmma_weights=False,
+                        **kw,
+                    )
+                    tms.append(tm)
+                row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
+                wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
                 decode_step_s=step_s,
                 steps=steps,
@@ -343,7 +371,33 @@ def torch_worker(args) -> dict:
             )
             assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
             step_s = (full - ttft) / (run["steps"] - 1)
+            wgmma_names = rollout.wgmma_weight_names(
+                params,
+                None,
+                backend=backend,
+                rows=rollout.rows_bucket(prompts * group),
+                unroll_layers=True,
+                exclude=dense_names,
+            )
+            if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
+                tms = []
+                for r in range(args.reps + 1):  # the first compiles
+                    tm = {}
+                    rollout.generate(
+                        config,
+                        params,
+                        ids,
+                        mask,
+                        jax.random.key(2 + r),
+                        sampling,
+                        timings=tm,
+                        wgmma_weights=False,
+                        **kw,
+                    )
+                    tms.append(tm)
+                row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
+                wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
                 decode_step_s=step_s,
                 steps=run["steps"],
@@ -471,6 +525,10 @@ def main(argv=None) -> None:
     parser.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--measure-device", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-sharing-row", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--batches", default="", help="prompts x group list, e.g. 1x1,2x8 (default: the issue's)")
+    parser.add_argument(
+        "--compare-wgmma", action="store_true", help="also time NVFP4 rows without the wgmma kernel (Triton)"
+    )
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -508,6 +566,10 @@ def main(argv=None) -> None:
         ]
         if args.tiny:
             cmd.append("--tiny")
+        if args.batches:
+            cmd += ["--batches", args.batches]
+        if args.compare_wgmma:
+            cmd.append("--compare-wgmma")
         if i == 0:
             cmd.append("--measure-device")
         if name == "bf16:xla":

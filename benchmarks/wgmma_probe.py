@@ -55,8 +55,15 @@ def wg_op(splits, tk, stages, wgs=1):
 
 
 def check(args):
-    cases = [(128, 256, 1, 64, 1, 1), (128, 256, 16, 128, 2, 2), (192, 1024, 3, 256, 2, 1), (512, 3584, 64, 128, 4, 2),
-             (3584, 3584, 16, 128, 4, 2), (128, 512, 8, 64, 8, 1), (128, 512, 40, 64, 2, 2)]
+    cases = [
+        (128, 256, 1, 64, 1, 1),
+        (128, 256, 16, 128, 2, 2),
+        (192, 1024, 3, 256, 2, 1),
+        (512, 3584, 64, 128, 4, 2),
+        (3584, 3584, 16, 128, 4, 2),
+        (128, 512, 8, 64, 8, 1),
+        (128, 512, 40, 64, 2, 2),
+    ]
     for n, k, m, tk, splits, wgs in cases[: args.check_cases]:
         try:
             key = jax.random.PRNGKey(n + k + m)
@@ -177,14 +184,18 @@ def profile(args):
 
 
 def table():
-    print(f"{'model':5} {'N':>6} {'K':>6} {'M':>3} {'cfg':>12} {'bf16':>8} {'triton':>8} {'wgmma':>8} "
-          f"{'bf16/tri':>8} {'bf16/wg':>8} {'GB/s':>6}")
+    print(
+        f"{'model':5} {'N':>6} {'K':>6} {'M':>3} {'cfg':>12} {'bf16':>8} {'triton':>8} {'wgmma':>8} "
+        f"{'bf16/tri':>8} {'bf16/wg':>8} {'GB/s':>6}"
+    )
     for r in RES["bench"]:
         if "wgmma_us" not in r or "bf16_us" not in r:
             continue
         cfg = f"{r['tk']},{r['splits']},{r['stages']},{r['wgs']}"
-        print(f"{r['model']:5} {r['n']:6} {r['k']:6} {r['m']:3} {cfg:>12} {r['bf16_us']:8.1f} {r['triton_us']:8.1f} "
-              f"{r['wgmma_us']:8.1f} {r['bf16_over_triton']:8.2f} {r['bf16_over_wgmma']:8.2f} {r['wgmma_GBps']:6.0f}")
+        print(
+            f"{r['model']:5} {r['n']:6} {r['k']:6} {r['m']:3} {cfg:>12} {r['bf16_us']:8.1f} {r['triton_us']:8.1f} "
+            f"{r['wgmma_us']:8.1f} {r['bf16_over_triton']:8.2f} {r['bf16_over_wgmma']:8.2f} {r['wgmma_GBps']:6.0f}"
+        )
 
 
 def main():

@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 ROWS = 64  # rows of W per warpgroup (wgmma M)
 KBLOCK = 64  # columns per 128-bit code word of a thread
@@ -77,7 +78,7 @@ def repack(codes: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     if n % ROWS or k % KBLOCK:
         raise ValueError(f"wgmma nvfp4 layout needs N and K multiples of 64, got N={n}, K={k}")
     nib = jnp.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(n, k)
-    zero_block = (scales.astype(jnp.float32) == 0)
+    zero_block = scales.astype(jnp.float32) == 0
     nib = jnp.where(jnp.repeat(zero_block, 16, axis=1), 0, nib)
     tiles = nib.reshape(n // ROWS, ROWS, k // KBLOCK, KBLOCK).transpose(0, 2, 1, 3)  # [nt, kt, 64, 64]
     rows, cols = _thread_positions()
@@ -90,23 +91,123 @@ def repack(codes: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     return words, swords
 
 
-def dequantize_repacked(words: jax.Array, swords: jax.Array) -> jax.Array:
-    """Inverse of `repack` (codes x scales, global scale not applied): float32 [N, K]."""
-    from qerl_jax.quant.packed import CODE_TABLES
+@functools.cache
+def _inverse_positions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """thread, word, nibble int [64, 64]: where element (row, col) of a 64 x 64 tile lies."""
+    rows, cols = _thread_positions()
+    t_idx = np.zeros((ROWS, KBLOCK), np.int64)
+    b_idx = np.zeros((ROWS, KBLOCK), np.int64)
+    k_idx = np.zeros((ROWS, KBLOCK), np.int64)
+    for t in range(128):
+        for b in range(4):
+            for k in range(8):
+                r, c = rows[t, b, k], cols[t, b, k]
+                t_idx[r, c], b_idx[r, c], k_idx[r, c] = t, b, k
+    return t_idx, b_idx, k_idx
+
+
+def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, global_scale=None) -> jax.Array:
+    """Inverse of `repack`: codes x scales (/ global_scale, if given, as `dequantize` does), `dtype` [N, K]."""
+    from qerl_jax.quant.packed import CODE_TABLES, exact_div
 
     nt, kt = words.shape[:2]
-    nib = (words[..., None] >> (jnp.arange(8, dtype=jnp.uint32) * 4)) & 0xF  # [nt, kt, 128, 4, 8]
+    t_idx, b_idx, k_idx = _inverse_positions()
+    w_tile = words[:, :, t_idx, b_idx]  # [nt, kt, 64, 64]: the word holding each element
+    nib = (w_tile >> (jnp.asarray(k_idx, jnp.uint32) * 4)) & 0xF
     vals = jnp.asarray(CODE_TABLES["nvfp4"], jnp.float32)[nib.astype(jnp.int32)]
     sb = (swords[..., None] >> (jnp.arange(4, dtype=jnp.uint32) * 8)) & 0xFF  # [nt, kt, 64, 4]
-    scale_tile = decode_scales(sb.astype(jnp.uint8))
-    rows, cols = _thread_positions()
-    tile = jnp.zeros((nt, kt, ROWS, KBLOCK), jnp.float32).at[:, :, rows, cols].set(vals)
-    tile = tile * jnp.repeat(scale_tile, 16, axis=-1)
+    block_scale = decode_scales(sb.astype(jnp.uint8))  # [nt, kt, 64, 4]
+    if global_scale is not None:
+        block_scale = exact_div(block_scale, global_scale)
+    tile = (vals * jnp.repeat(block_scale, 16, axis=-1)).astype(dtype)
     return tile.transpose(0, 2, 1, 3).reshape(nt * ROWS, kt * KBLOCK)
 
 
+@struct.dataclass
+class WgmmaWeight:
+    """An NVFP4 linear weight [N, K] in the wgmma kernel's layout (see the module docstring).
+
+    Made from a `PackedWeight` with `from_packed` (once, e.g. per rollout); same values.
+    """
+
+    words: jax.Array  # uint32 [N/64, K/64, 128, 4]
+    swords: jax.Array  # uint32 [N/64, K/64, 64]
+    global_scale: jax.Array  # float32 []
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[0] * ROWS, self.words.shape[1] * KBLOCK
+
+
+def supports(packed) -> bool:
+    """Whether `from_packed` takes this weight: one NVFP4 matrix with N and K multiples of 64."""
+    shape = getattr(packed, "shape", None)
+    return (
+        getattr(packed, "fmt", None) == "nvfp4" and len(shape) == 2 and shape[0] % ROWS == 0 and shape[1] % KBLOCK == 0
+    )
+
+
+def from_packed(packed) -> WgmmaWeight:
+    """A `PackedWeight` (nvfp4, [N, K], N and K multiples of 64) -> `WgmmaWeight`."""
+    if not supports(packed):
+        raise ValueError(
+            f"the wgmma kernel takes one nvfp4 [N, K] matrix with N and K multiples of 64; got "
+            f"fmt={getattr(packed, 'fmt', None)!r}, shape={getattr(packed, 'shape', None)}"
+        )
+    words, swords = repack(packed.codes, packed.scales)
+    return WgmmaWeight(words, swords, packed.global_scale.astype(jnp.float32))
+
+
+def dequantize_wgmma(w: WgmmaWeight, dtype=jnp.float32) -> jax.Array:
+    """The weight's values [N, K] in `dtype` (global scale applied)."""
+    return dequantize_repacked(w.words, w.swords, dtype, w.global_scale)
+
+
+def available() -> bool:
+    """True on a Hopper GPU (sm_90) where Mosaic GPU kernels can run."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+MAX_ROWS = 64  # the kernel's regime; larger M goes through dequantize + dot
+TARGET_CTAS = 264  # split K until the grid has about two CTAs per SM of an H100
+
+
+def kernel_config(m: int, n: int, k: int) -> dict[str, int]:
+    """Tiling for [M, K] @ [N, K].T: 64-column code words, K steps of tk, split-K, warpgroups.
+
+    Measured on H100 (benchmarks/wgmma_probe.py, RESULTS.md): two compute warpgroups, tk = 128
+    and a grid of about two CTAs per SM are the best or within noise of it for the Qwen2.5-7B /
+    32B projections at M = 16; the ring is as deep as shared memory allows, up to 6 stages.
+    """
+    wgs = 2 if n % (2 * ROWS) == 0 else 1
+    tk = 128 if k % 128 == 0 else KBLOCK
+    steps = k // tk
+    splits = next((d for d in range(1, steps + 1) if steps % d == 0 and n // (ROWS * wgs) * d >= TARGET_CTAS), steps)
+    mp = max(8, -(-m // 8) * 8)
+    return dict(tk=tk, splits=splits, stages=fit_stages(mp, tk, wgs, 6), wgs=wgs)
+
+
+def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
+    """x [M, K] @ W.T -> float32 [M, N]: the kernel for M <= MAX_ROWS on Hopper (x in bf16), else
+    dequantize to x's dtype + XLA dot (prefill, or a machine without the kernel)."""
+    m, k = x_MxK.shape
+    n, k_w = w.shape
+    if k != k_w:
+        raise ValueError(f"x has K={k} but the weight is [{n}, {k_w}]")
+    if m <= MAX_ROWS and available():
+        cfg = kernel_config(m, n, k)
+        return wgmma_matmul(x_MxK.astype(jnp.bfloat16), w.words, w.swords, w.global_scale, **cfg).astype(jnp.float32)
+    w_NxK = dequantize_wgmma(w, x_MxK.dtype)
+    return jax.lax.dot_general(x_MxK, w_NxK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------
-# The kernel (GPU only: Mosaic GPU has no CPU lowering; `matmul_reference` is the CPU twin).
+# The kernel (GPU only: Mosaic GPU has no CPU lowering; `dequantize_wgmma` + dot is the CPU twin,
+# and tests/test_wgmma_nvfp4.py emulates the decode bit by bit).
 
 
 def _decode_fn(tk: int):
@@ -161,9 +262,7 @@ def _decode_fn(tk: int):
                     out = llvm.inline_asm(
                         i32,
                         [w, sreg[i % 2]],
-                        "{ .reg .b32 t, u; "
-                        + shl
-                        + " and.b32 u, t, 0x70007000; shr.b32 u, u, 6;"
+                        "{ .reg .b32 t, u; " + shl + " and.b32 u, t, 0x70007000; shr.b32 u, u, 6;"
                         " lop3.b32 u, t, 0x80008000, u, 0xEA; mul.rn.bf16x2 $0, u, $2; }",
                         "=r,r,r",
                     )

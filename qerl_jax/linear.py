@@ -38,8 +38,20 @@ def _dense_matmul(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
     )
 
 
+def _is_wgmma(w) -> bool:
+    return type(w).__name__ == "WgmmaWeight"  # pallas_kernels is only imported where it is used
+
+
 def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend: str = "xla") -> jax.Array:
-    """x [M, K] @ W.T for W [N, K] dense, packed or one layer of a stack (`LayerOf`); float32 [M, N]."""
+    """x [M, K] @ W.T for W [N, K] dense, packed or one layer of a stack (`LayerOf`); float32 [M, N].
+
+    W may also be a `pallas_kernels.wgmma_nvfp4.WgmmaWeight` (NVFP4 repacked for the Hopper
+    decode kernel, made by the rollout): its kernel on Hopper at small M, else dequantize + dot.
+    """
+    if _is_wgmma(w):
+        from pallas_kernels import wgmma_nvfp4
+
+        return wgmma_nvfp4.wgmma_linear(x_MxK, w)
     layer = None
     if isinstance(w, LayerOf):
         if is_packed(w.stack) and backend == "pallas":  # the kernel indexes the stack itself

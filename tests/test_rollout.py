@@ -208,13 +208,53 @@ def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir,
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     auto = generate(config, params, ids, mask, jax.random.key(6), sampling, backend="pallas")
-    assert seen[-1] == ("pallas", small)
+    assert seen[-1] == ("pallas", small, ())  # no wgmma copies off Hopper
     split = real_split(params, "pallas", small)
     assert set(split["packed"]) == set(sizes) - set(small)
     packed = generate(config, params, ids, mask, jax.random.key(6), sampling, backend="pallas", dense_weights=False)
-    assert seen[-1] == (None, None)
+    assert seen[-1] == (None, None, ())
     np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(auto.logprobs), np.asarray(packed.logprobs), atol=0.05)
+
+
+def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
+    """Repacked copies for the Hopper kernel: only on "pallas" with unrolled layers, the kernel
+    available, at most WGMMA_MAX_ROWS rows by default, fitting; NVFP4 [N, K] with N, K % 64 == 0
+    (the tiny model: q/o 64 x 64 qualify, k/v 32 x 64 and the MLP's 96 do not), minus dense ones."""
+    path, _ = tiny_qwen2_dir
+    _, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    names = functools.partial(sampler_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
+    assert names(None, rows=16, kernel_available=True) == ("o_proj", "q_proj")
+    assert names(None, rows=16, kernel_available=True, exclude=("q_proj",)) == ("o_proj",)
+    assert names(None, rows=17, kernel_available=True) == ()  # above WGMMA_MAX_ROWS: the Triton kernel
+    assert names(True, rows=64, kernel_available=True) == ("o_proj", "q_proj")
+    assert names(None, rows=1, kernel_available=False) == ()  # CPU, or a GPU other than Hopper
+    assert names(False, rows=1, kernel_available=True) == ()
+    assert names(None, rows=1, kernel_available=True, fits=lambda extra: False) == ()
+    assert sampler_module.wgmma_weight_names(params, None, backend="xla", rows=1, unroll_layers=True) == ()
+    q = params["base"]["layers"]["q_proj"]["w"]
+    assert sampler_module.wgmma_copy_bytes(params, ("q_proj",)) == q.codes.nbytes + q.scales.nbytes
+
+
+def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkeypatch):
+    """generate with the repacked copies (kernel availability faked; off Hopper their matmul is
+    dequantize + dot, the kernel's CPU twin) samples the tokens of the packed path."""
+    from pallas_kernels import wgmma_nvfp4
+
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
+    monkeypatch.setattr(wgmma_nvfp4, "MAX_ROWS", 0)  # the kernel itself needs the GPU
+    split = sampler_module._split_layers(params, wgmma_names=("o_proj", "q_proj"))
+    assert set(split["packed"]) == set(params["base"]["layers"]) - {"o_proj", "q_proj"}
+    assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
+    kw = dict(group_size=2, backend="pallas", dense_weights=False)
+    repacked = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=True, **kw)
+    packed = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=False, **kw)
+    np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
+    np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)
 
 
 def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():

@@ -98,3 +98,54 @@ def test_emulated_register_decode_matches_dequantization():
     # values are code x scale, exact in bf16 (2-bit x 4-bit mantissas) unless the product is tiny
     np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2.0**-20)
     np.testing.assert_array_equal(got[np.abs(want) > 2.0**-100], want[np.abs(want) > 2.0**-100])
+
+
+def test_wgmma_weight_matmul_equals_the_packed_weight_on_the_xla_path():
+    """Off Hopper (and for M > MAX_ROWS) a WgmmaWeight is dequantized and multiplied: the same
+    values as the PackedWeight it was made from, through the model's linear function."""
+    from qerl_jax.linear import base_matmul
+
+    p = _weights(128, 192, seed=4)
+    w = wn.from_packed(p)
+    assert w.shape == (128, 192)
+    x = jax.random.normal(jax.random.key(1), (5, 192), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(wn.dequantize_wgmma(w)), np.asarray(quantize_dequant(p)))
+    np.testing.assert_array_equal(np.asarray(base_matmul(x, w)), np.asarray(base_matmul(x, p)))
+    with pytest.raises(ValueError, match="K=100"):
+        wn.wgmma_linear(jnp.ones((2, 100)), w)
+
+
+def quantize_dequant(p):
+    from qerl_jax.quant.packed import dequantize
+
+    return dequantize(p, jnp.float32)
+
+
+def test_from_packed_rejects_other_formats_and_stacks():
+    w = jnp.ones((64, 64), jnp.float32)
+    assert wn.supports(quantize(w, "nvfp4")) and not wn.supports(quantize(w, "mxfp4"))
+    with pytest.raises(ValueError, match="fmt='nf4'"):
+        wn.from_packed(quantize(w, "nf4"))
+    with pytest.raises(ValueError, match=r"shape=\(2, 64, 64\)"):
+        wn.from_packed(quantize(jnp.ones((2, 64, 64), jnp.float32), "nvfp4"))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,want",
+    [
+        (16, 3584, 3584, dict(tk=128, splits=14, stages=6, wgs=2)),  # 28 x 14 = 392 CTAs
+        (1, 18944, 3584, dict(tk=128, splits=2, stages=6, wgs=2)),  # 148 x 2 = 296
+        (64, 5120, 27648, dict(tk=128, splits=8, stages=6, wgs=2)),  # 40 x 8 = 320; 186 KB of SMEM
+        (64, 5120, 5120, dict(tk=128, splits=8, stages=6, wgs=2)),
+        (8, 192, 448, dict(tk=64, splits=7, stages=6, wgs=1)),  # odd tiles: one warpgroup, 64-col steps
+    ],
+)
+def test_kernel_config(m, n, k, want):
+    cfg = wn.kernel_config(m, n, k)
+    assert cfg == want
+    assert wn.smem_bytes(max(8, -(-m // 8) * 8), cfg["tk"], cfg["wgs"], cfg["stages"]) <= wn.SMEM_BUDGET
+
+
+def test_fit_stages_shrinks_the_ring_to_shared_memory():
+    assert wn.smem_bytes(64, 256, 2, 4) > wn.SMEM_BUDGET >= wn.smem_bytes(64, 256, 2, 3)
+    assert wn.fit_stages(64, 256, 2, 6) == 3 and wn.fit_stages(16, 128, 2, 6) == 6

@@ -20,6 +20,8 @@ from qerl_jax.rollout.sampler import (
     small_packed_names,
     to_train_batch,
     use_dense_weights,
+    wgmma_copy_bytes,
+    wgmma_weight_names,
 )
 from qerl_jax.rollout.sampling import SamplingConfig, processed_logits, sample, top_k_filter, top_p_filter
 
@@ -42,4 +44,6 @@ __all__ = [
     "top_k_filter",
     "top_p_filter",
     "use_dense_weights",
+    "wgmma_copy_bytes",
+    "wgmma_weight_names",
 ]

@@ -70,6 +70,12 @@ DENSE_FROM_ROWS = 65
 # 0.9-1.4x; benchmarks/RESULTS.md table A3), and their copies are small (7B: 0.2 GB).
 SMALL_DENSE_WEIGHTS = 6 * 2**20
 
+# Up to this many decode rows, on a Hopper GPU with the "pallas" backend, the packed NVFP4
+# projections that are not dense copies are repacked once per `generate` call for the Mosaic
+# GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 1.4-1.9x a bf16 dot on the 7B / 32B
+# q/o and MLP shapes at M <= 16, against 1.1-1.3x for the Triton kernel; RESULTS.md).
+WGMMA_MAX_ROWS = 16
+
 # How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
 TRACE_COUNTS: dict[str, int] = {"prefill": 0, "decode": 0}
 
@@ -212,13 +218,18 @@ def device_free_bytes(device: jax.Device | None = None) -> int | None:
 
 
 def _split_layers(
-    params: dict[str, Any], dense_backend: str | None = None, dense_names: tuple[str, ...] | None = None
+    params: dict[str, Any],
+    dense_backend: str | None = None,
+    dense_names: tuple[str, ...] | None = None,
+    wgmma_names: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
 
     dense_backend: "xla" | "pallas" to dequantize packed weights into per-layer bf16 copies
     (by that backend's dequantization, so the values are those of its per-step path) instead
     of reading them packed: those of `dense_names` (default all); None keeps them packed.
+    wgmma_names: packed NVFP4 projections repacked per layer for the Hopper wgmma kernel
+    (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size).
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
     before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
@@ -240,7 +251,72 @@ def _split_layers(
             for name, w in dense.items():
                 layers[layer]["base"][name]["w"] = w
         packed = {n: w for n, w in packed.items() if n not in to_dense}
+    to_wgmma = {n: w for n, w in packed.items() if n in wgmma_names}
+    if to_wgmma:
+        for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
+            for name, w in repacked.items():
+                layers[layer]["base"][name]["w"] = w
+        packed = {n: w for n, w in packed.items() if n not in to_wgmma}
     return {"top": top, "packed": packed, "layers": layers}
+
+
+def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each stacked NVFP4 weight repacked for the wgmma kernel, one `WgmmaWeight` per layer."""
+    from pallas_kernels import wgmma_nvfp4
+
+    num_layers = next(iter(packed.values())).codes.shape[0]
+    return [
+        {name: wgmma_nvfp4.from_packed(jax.tree.map(lambda a: a[layer], stack)) for name, stack in packed.items()}
+        for layer in range(num_layers)
+    ]
+
+
+_wgmma_layers_jit = jax.jit(_wgmma_layers)
+
+
+def wgmma_weight_names(
+    params: dict[str, Any],
+    requested: bool | None,
+    *,
+    backend: str,
+    rows: int,
+    unroll_layers: bool,
+    exclude: tuple[str, ...] = (),
+    fits: Callable[[int], bool] = lambda extra: True,
+    kernel_available: bool | None = None,
+) -> tuple[str, ...]:
+    """The packed projections `generate` repacks for the Hopper wgmma kernel (empty: none).
+
+    requested None (auto): on backend "pallas" with unrolled layers, at most WGMMA_MAX_ROWS
+    decode rows, the kernel available (`wgmma_nvfp4.available()`, or `kernel_available`) and
+    the copies fitting `fits(bytes)`; True: wherever the kernel runs, whatever the rows; False:
+    never. Only NVFP4 projections with N and K multiples of 64, not in `exclude` (dense copies).
+    """
+    if requested is False or backend != "pallas" or not unroll_layers:
+        return ()
+    if kernel_available is None:
+        from pallas_kernels import wgmma_nvfp4
+
+        kernel_available = wgmma_nvfp4.available()
+    if not kernel_available or (requested is None and rows > WGMMA_MAX_ROWS):
+        return ()
+    packed, _ = _packed_and_copied(params)
+    names = tuple(
+        sorted(
+            n
+            for n, w in packed.items()
+            if n not in exclude and w.fmt == "nvfp4" and w.shape[-2] % 64 == 0 and w.shape[-1] % 64 == 0
+        )
+    )
+    if requested is None and not fits(wgmma_copy_bytes(params, names)):
+        return ()
+    return names
+
+
+def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
+    """Bytes of the repacked copies of `names` (as many as the packed codes and scales)."""
+    packed, _ = _packed_and_copied(params)
+    return sum(packed[n].codes.nbytes + packed[n].scales.nbytes for n in names)
 
 
 def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
@@ -604,6 +680,7 @@ def generate(
     unroll_layers: bool = True,
     batch_sharding: jax.sharding.Sharding | None = None,
     dense_weights: bool | None = None,
+    wgmma_weights: bool | None = None,
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
 
@@ -641,6 +718,10 @@ def generate(
         least DENSE_FROM_ROWS decode rows) and the copies fit in the memory budget; below
         that, on "pallas", only for the small projections (SMALL_DENSE_WEIGHTS), where the
         kernel is slower than a bf16 dot. Unrolled layers only.
+      wgmma_weights: repack the other NVFP4 projections once for this call for the Hopper
+        wgmma decode kernel (+4.5 bits per weight while it runs); None (default) does so on a
+        Hopper GPU with backend "pallas", unrolled layers and at most WGMMA_MAX_ROWS decode
+        rows, when the copies fit; False never (the Triton kernel reads them in place).
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
@@ -714,6 +795,16 @@ def generate(
     )
     dense_bytes = dense_copy_bytes(params, dense_names)
     need += dense_bytes
+    wgmma_names = wgmma_weight_names(
+        params,
+        wgmma_weights,
+        backend=backend,
+        rows=rows_b,
+        unroll_layers=unroll_layers,
+        exclude=dense_names,
+        fits=lambda extra: budget is None or (need + extra) * MEMORY_MARGIN <= budget,
+    )
+    need += wgmma_copy_bytes(params, wgmma_names)
     if budget is not None and need * MEMORY_MARGIN > budget:
         raise MemoryError(
             f"rollout chunk of {rows_b} sequences x ({p_b} prompt + {static.new_slots} new) slots needs about "
@@ -726,7 +817,7 @@ def generate(
 
     t0 = time.perf_counter()
     if unroll_layers:
-        run_params = _split_layers(params, backend if dense_names else None, dense_names or None)
+        run_params = _split_layers(params, backend if dense_names else None, dense_names or None, wgmma_names)
     else:
         run_params = params
     if timings is not None:
