@@ -266,7 +266,7 @@ def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
 
     num_layers = next(iter(packed.values())).codes.shape[0]
     return [
-        {name: wgmma_nvfp4.from_packed(jax.tree.map(lambda a: a[layer], stack)) for name, stack in packed.items()}
+        {name: wgmma_nvfp4.from_packed(jax.tree.map(lambda a, i=layer: a[i], stack)) for name, stack in packed.items()}
         for layer in range(num_layers)
     ]
 
@@ -421,7 +421,7 @@ def _layer_vars(params: dict[str, Any], layer: int) -> dict[str, Any]:
 
 def _unstack(stacked):
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    return [jax.tree.map(lambda x: x[layer], stacked) for layer in range(num_layers)]
+    return [jax.tree.map(lambda x, i=layer: x[i], stacked) for layer in range(num_layers)]
 
 
 _unstack_jit = jax.jit(_unstack)
