@@ -103,7 +103,7 @@ def time_wg(groups, splits, tk, stages, wgs):
 
 
 # (tk, target CTAs, stages, compute warpgroups per CTA)
-CANDS = [(256, 264, 3, 1), (256, 264, 4, 2), (128, 264, 6, 2), (256, 132, 4, 2), (128, 132, 6, 2), (512, 132, 3, 2)]
+CANDS = [(128, 264, 6, 1), (256, 264, 4, 1), (128, 264, 6, 2), (256, 264, 4, 2), (128, 132, 6, 2), (512, 132, 3, 2)]
 
 
 def sweep_and_bench(args):

@@ -1,4 +1,9 @@
-"""Pallas (Triton) W4A16 matmul kernels for packed 4-bit weights (NVFP4, MXFP4, NF4)."""
+"""Pallas W4A16 matmul kernels for packed 4-bit weights (NVFP4, MXFP4, NF4).
+
+`quant_matmul` & co. lower through Triton (any CUDA GPU; `interpret=True` on CPU).
+`pallas_kernels.wgmma_nvfp4` is the Hopper-only NVFP4 decode kernel (Mosaic GPU) that the
+rollout uses at small batch, on weights repacked with `wgmma_nvfp4.from_packed`.
+"""
 
 from pallas_kernels.quant_matmul import dequantize_bf16, nvfp4_matmul, quant_matmul, quant_matmul_dx
 
