@@ -28,6 +28,17 @@ class LayerOf:
     index: jax.Array  # int32 scalar (may be traced: one trace serves every layer)
 
 
+@struct.dataclass
+class ByRows:
+    """One weight in two layouts: `small` for matmuls of at most `max_rows` rows (e.g. the
+    rollout's decode steps through a kernel-specific repacking), `large` for the others (e.g.
+    the prefill, reading the original packed stack in place)."""
+
+    small: Any
+    large: Any
+    max_rows: int = struct.field(pytree_node=False)
+
+
 def _take_layer(w: LayerOf) -> jax.Array | PackedWeight:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, w.index, keepdims=False), w.stack)
 
@@ -48,6 +59,8 @@ def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend
     W may also be a `pallas_kernels.wgmma_nvfp4.WgmmaWeight` (NVFP4 repacked for the Hopper
     decode kernel, made by the rollout): its kernel on Hopper at small M, else dequantize + dot.
     """
+    if isinstance(w, ByRows):
+        return base_matmul(x_MxK, w.small if x_MxK.shape[0] <= w.max_rows else w.large, backend)
     if _is_wgmma(w):
         from pallas_kernels import wgmma_nvfp4
 

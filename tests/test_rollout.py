@@ -237,21 +237,32 @@ def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
 
 
 def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkeypatch):
-    """generate with the repacked copies (kernel availability faked; off Hopper their matmul is
-    dequantize + dot, the kernel's CPU twin) samples the tokens of the packed path."""
+    """generate with the repacked copies (kernel availability faked, the Mosaic kernel replaced
+    by its CPU twin: dequantize the repacked words + dot) samples the tokens of the packed path;
+    decode rows go through the copies, the prefill through the packed stack."""
     from pallas_kernels import wgmma_nvfp4
+    from qerl_jax.linear import ByRows, LayerOf
 
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    calls = []
+
+    def cpu_twin(x, words, swords, gs, **cfg):
+        calls.append((x.shape, cfg))
+        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32, gs)
+        return (x.astype(jnp.float32) @ w.T).astype(jnp.bfloat16)
+
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
-    monkeypatch.setattr(wgmma_nvfp4, "MAX_ROWS", 0)  # the kernel itself needs the GPU
+    monkeypatch.setattr(wgmma_nvfp4, "wgmma_matmul", cpu_twin)
     split = sampler_module._split_layers(params, wgmma_names=("o_proj", "q_proj"))
     assert set(split["packed"]) == set(params["base"]["layers"]) - {"o_proj", "q_proj"}
-    assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
+    w = split["layers"][1]["base"]["q_proj"]["w"]
+    assert isinstance(w, ByRows) and isinstance(w.small, wgmma_nvfp4.WgmmaWeight) and isinstance(w.large, LayerOf)
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     kw = dict(group_size=2, backend="pallas", dense_weights=False)
     repacked = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=True, **kw)
+    assert calls and all(shape[0] <= wgmma_nvfp4.MAX_ROWS for shape, _ in calls)  # decode steps only
     packed = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=False, **kw)
     np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)

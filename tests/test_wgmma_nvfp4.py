@@ -149,3 +149,15 @@ def test_kernel_config(m, n, k, want):
 def test_fit_stages_shrinks_the_ring_to_shared_memory():
     assert wn.smem_bytes(64, 256, 2, 4) > wn.SMEM_BUDGET >= wn.smem_bytes(64, 256, 2, 3)
     assert wn.fit_stages(64, 256, 2, 6) == 3 and wn.fit_stages(16, 128, 2, 6) == 6
+
+
+def test_by_rows_picks_the_layout_by_row_count():
+    from qerl_jax.linear import ByRows, base_matmul
+
+    p = _weights(64, 128, seed=5)
+    big = jnp.full((64, 128), 7.0, jnp.float32)  # a different weight, to see which one is used
+    w = ByRows(wn.from_packed(p), big, max_rows=4)
+    x = jax.random.normal(jax.random.key(2), (4, 128), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(base_matmul(x, w)), np.asarray(base_matmul(x, p)))
+    x5 = jnp.ones((5, 128), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(base_matmul(x5, w)), np.full((5, 64), 7.0 * 128))

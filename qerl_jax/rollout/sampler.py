@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qerl_jax.linear import LayerOf
+from qerl_jax.linear import ByRows, LayerOf
 from qerl_jax.models.qwen2 import (
     DecoderLayer,
     ForwardOptions,
@@ -253,9 +253,14 @@ def _split_layers(
         packed = {n: w for n, w in packed.items() if n not in to_dense}
     to_wgmma = {n: w for n, w in packed.items() if n in wgmma_names}
     if to_wgmma:
+        from pallas_kernels import wgmma_nvfp4
+
         for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
             for name, w in repacked.items():
-                layers[layer]["base"][name]["w"] = w
+                # decode rows use the copy; the prefill reads the packed stack in place
+                layers[layer]["base"][name]["w"] = ByRows(
+                    w, LayerOf(packed[name], jnp.int32(layer)), max_rows=wgmma_nvfp4.MAX_ROWS
+                )
         packed = {n: w for n, w in packed.items() if n not in to_wgmma}
     return {"top": top, "packed": packed, "layers": layers}
 
