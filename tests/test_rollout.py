@@ -255,8 +255,10 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
     monkeypatch.setattr(wgmma_nvfp4, "wgmma_matmul", cpu_twin)
     split = sampler_module._split_layers(params, wgmma_names=("o_proj", "q_proj"))
-    assert set(split["packed"]) == set(params["base"]["layers"]) - {"o_proj", "q_proj"}
-    w = split["layers"][1]["base"]["q_proj"]["w"]
+    assert set(split["packed"]) == set(params["base"]["layers"])  # the prefill reads the stacks
+    assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
+    assert "w" not in split["layers"][1]["base"]["k_proj"]
+    w = sampler_module._layer_vars(split, 1)["base"]["q_proj"]["w"]
     assert isinstance(w, ByRows) and isinstance(w.small, wgmma_nvfp4.WgmmaWeight) and isinstance(w.large, LayerOf)
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
