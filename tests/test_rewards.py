@@ -240,11 +240,11 @@ def test_submit_returns_future_in_order(pool):
 
 def test_timeout_kills_hung_worker_and_recovers(pool):
     # Each worker first imports this module to unpickle the reward fn: seconds on a loaded
-    # CI machine, which must not count against the 2 s per-item limit below.
+    # CI machine, which must not count against the per-item limit below.
     np.testing.assert_array_equal(pool.score(["a", "b"], ["a", "x"], _sleepy_reward, timeout_s=60.0), [1.0, 0.0])
     timeouts_before = pool.stats["timeouts"]
     t0 = time.monotonic()
-    got = pool.score(["hang", "a", "b", "c"], ["hang", "a", "x", "c"], _sleepy_reward, timeout_s=2.0)
+    got = pool.score(["hang", "a", "b", "c"], ["hang", "a", "x", "c"], _sleepy_reward, timeout_s=6.0)
     assert time.monotonic() - t0 < 60.0
     np.testing.assert_array_equal(got, [0.0, 1.0, 0.0, 1.0])
     assert pool.stats["timeouts"] == timeouts_before + 1
