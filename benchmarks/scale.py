@@ -319,6 +319,7 @@ def run_model(args, name: str) -> dict[str, Any]:
                     max_batch=max_batch,
                     cache_new_tokens=args.max_new_tokens,
                     timings=timings,
+                    wgmma_weights=None if args.wgmma == "auto" else False,
                 )
                 return jax.block_until_ready(out_), max_batch
             except MemoryError as e:  # the rollout engine's own estimate refused the chunk
@@ -599,6 +600,9 @@ def parse_args(argv=None):
         help="sampling steps run (KV cache still sized for max-new-tokens; 0: all); the full rollout time is extrapolated",
     )
     p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument(
+        "--wgmma", default="auto", choices=("auto", "off"), help="the Hopper wgmma decode kernel (generate's default)"
+    )
     p.add_argument("--micro-batch-size", type=int, default=0, help="0: chosen by memory.fit")
     p.add_argument("--rollout-chunk", type=int, default=0, help="0: chosen by memory.fit")
     p.add_argument("--logprob-chunk", type=int, default=256)
