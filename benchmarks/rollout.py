@@ -161,6 +161,14 @@ def _batches_largest_first(run: dict) -> list[tuple[int, int]]:
     return sorted(run["batches"], key=lambda b: -b[0] * b[1])
 
 
+def run_config(args) -> dict:
+    """The run's sizes: TINY_RUN or FULL_RUN, with --batches (prompts x group) if given."""
+    run = dict(TINY_RUN if args.tiny else FULL_RUN)
+    if args.batches:
+        run["batches"] = tuple(tuple(int(v) for v in b.split("x")) for b in args.batches.split(","))
+    return run
+
+
 def jax_worker(args, fmt: str, backend: str) -> dict:
     import jax
     import numpy as np
@@ -168,9 +176,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     import qerl_jax.rollout as rollout
     from qerl_jax.models.qwen2 import ModelConfig
 
-    run = dict(TINY_RUN if args.tiny else FULL_RUN)
-    if args.batches:
-        run["batches"] = tuple(tuple(int(v) for v in b.split("x")) for b in args.batches.split(","))
+    run = run_config(args)
     config = ModelConfig(**(TINY if args.tiny else QWEN25_7B))
     out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
     if backend == "pallas":
@@ -299,7 +305,7 @@ def torch_worker(args) -> dict:
     import torch
     import transformers
 
-    run = TINY_RUN if args.tiny else FULL_RUN
+    run = run_config(args)
     cfg_dict = TINY if args.tiny else QWEN25_7B
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {
@@ -371,33 +377,7 @@ def torch_worker(args) -> dict:
             )
             assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
             step_s = (full - ttft) / (run["steps"] - 1)
-            wgmma_names = rollout.wgmma_weight_names(
-                params,
-                None,
-                backend=backend,
-                rows=rollout.rows_bucket(prompts * group),
-                unroll_layers=True,
-                exclude=dense_names,
-            )
-            if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
-                tms = []
-                for r in range(args.reps + 1):  # the first compiles
-                    tm = {}
-                    rollout.generate(
-                        config,
-                        params,
-                        ids,
-                        mask,
-                        jax.random.key(2 + r),
-                        sampling,
-                        timings=tm,
-                        wgmma_weights=False,
-                        **kw,
-                    )
-                    tms.append(tm)
-                row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
-                wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
                 decode_step_s=step_s,
                 steps=run["steps"],
@@ -439,7 +419,7 @@ def physical_limit(cfg: dict, row: dict, weight_bytes: int, ceilings: dict, run:
 
 
 def report(results: list[dict], args) -> dict:
-    run = TINY_RUN if args.tiny else FULL_RUN
+    run = run_config(args)
     cfg = TINY if args.tiny else QWEN25_7B
     ceilings = next((r["device_ceilings"] for r in results if "device_ceilings" in r), None)
     rows = []
