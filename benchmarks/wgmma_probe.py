@@ -40,16 +40,6 @@ def err(where, e):
     RES["errors"].append({"where": where, "error": msg[:3000], "trace": traceback.format_exc()[-3000:]})
 
 
-def pick_splits(n: int, k: int, tk: int, target: int, wgs: int = 1) -> int:
-    """Smallest split count dividing K/tk with N/(64 wgs) * splits >= target CTAs."""
-    steps = k // tk
-    divs = [d for d in range(1, steps + 1) if steps % d == 0]
-    for d in divs:
-        if n // (64 * wgs) * d >= target:
-            return d
-    return divs[-1]
-
-
 def wg_op(splits, tk, stages, wgs=1):
     return lambda x, w, s, g: wn.wgmma_matmul(x, w, s, g, splits=splits, tk=tk, stages=stages, wgs=wgs)
 
@@ -121,7 +111,7 @@ def sweep_and_bench(args):
                 for tk, target, stages, wgs in CANDS:
                     if k % tk or n % (64 * wgs):
                         continue
-                    splits = pick_splits(n, k, tk, target, wgs)
+                    splits = wn.pick_splits(n, k, tk, wgs, target)
                     try:
                         us = time_wg(wgroups, splits, tk, stages, wgs)
                     except Exception as e:  # noqa: BLE001
@@ -171,12 +161,11 @@ def profile(args):
     p = kb.rand_packed(jax.random.PRNGKey(5), n, k, "nvfp4")
     x = kb.rand_x(jax.random.PRNGKey(6), m, k)
     words, swords = wn.repack(p.codes, p.scales)
-    xp = jnp.pad(x, ((0, 0), (0, 0)))
     for tk, splits, stages, wgs in [(256, 1, 3, 1), (128, 2, 6, 2)]:
         d = os.path.join(os.path.dirname(args.out), f"prof_{tk}_{splits}_{stages}_{wgs}")
         os.makedirs(d, exist_ok=True)
         try:
-            out = wn.wgmma_partials(xp, words, swords, n=n, splits=splits, tk=tk, stages=stages, wgs=wgs, profile_dir=d)
+            out = wn.wgmma_partials(x, words, swords, n=n, splits=splits, tk=tk, stages=stages, wgs=wgs, profile_dir=d)
             jax.block_until_ready(out)
             print("PROFILE", d, os.listdir(d), flush=True)
         except Exception as e:  # noqa: BLE001

@@ -185,10 +185,15 @@ def kernel_config(m: int, n: int, k: int) -> dict[str, int]:
     """
     wgs = 2 if n % (2 * ROWS) == 0 else 1
     tk = 128 if k % 128 == 0 else KBLOCK
-    steps = k // tk
-    splits = next((d for d in range(1, steps + 1) if steps % d == 0 and n // (ROWS * wgs) * d >= TARGET_CTAS), steps)
     mp = max(8, -(-m // 8) * 8)
-    return dict(tk=tk, splits=splits, stages=fit_stages(mp, tk, wgs, 6), wgs=wgs)
+    return dict(tk=tk, splits=pick_splits(n, k, tk, wgs), stages=fit_stages(mp, tk, wgs, 6), wgs=wgs)
+
+
+def pick_splits(n: int, k: int, tk: int, wgs: int, target: int = TARGET_CTAS) -> int:
+    """The smallest split-K count dividing K / tk that gives a grid of at least `target` CTAs
+    (N / (64 wgs) x splits), else one split per K step."""
+    steps = k // tk
+    return next((d for d in range(1, steps + 1) if steps % d == 0 and n // (ROWS * wgs) * d >= target), steps)
 
 
 def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
@@ -210,8 +215,9 @@ def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
 # and tests/test_wgmma_nvfp4.py emulates the decode bit by bit).
 
 
-def _decode_fn(tk: int):
-    """inline_mgpu decode: code words [J,128,4] + scale words [J,64] -> bf16 [64, tk] (WGMMA)."""
+def _decode_fn():
+    """inline_mgpu decode of one 64-column block: code words [1,128,4] + scale words [1,64] ->
+    bf16 [64, 64] in the wgmma A layout."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
     from jax.experimental import mosaic as _  # noqa: F401
@@ -219,57 +225,52 @@ def _decode_fn(tk: int):
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    nj = tk // KBLOCK
-
     @plgpu.inline_mgpu(
         arg_types=(
-            plgpu.Layout.WG_STRIDED((nj, 128, 4), vec_size=4),
+            plgpu.Layout.WG_STRIDED((1, 128, 4), vec_size=4),
             _row_layout(),
         ),
-        return_type=plgpu.ShapeDtypeStruct((ROWS, tk), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((ROWS, KBLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def decode(ctx, words, swords):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         layout = mgpu.WGMMA_LAYOUT
-        regs = np.empty(layout.registers_shape((ROWS, tk)), dtype=object)
+        regs = np.empty(layout.registers_shape((ROWS, KBLOCK)), dtype=object)
 
         def elem(vec, i):
             return llvm.extractelement(vec, mgpu_utils.c(i, i32))
 
-        for j in range(nj):
-            wv = words.registers.flat[j]
-            srow = [elem(swords.registers[j, 0, 0, h, 0, 0], 0) for h in range(2)]  # rows r0, r0 + 8
-            for b in range(4):
-                w = elem(wv, b)
-                sreg = []
-                for h in range(2):
-                    sw = srow[h]
-                    sel = 0x4040 | (b << 8) | b  # block b's byte into both bf16 halves
-                    sreg.append(
-                        llvm.inline_asm(
-                            i32,
-                            [sw],
-                            f"{{ .reg .b32 p; prmt.b32 p, $1, 0, {sel:#x}; "
-                            f"mad.lo.u32 $0, p, 16, {_SCALE_BF16_ADD * 0x10001:#x}; }}",
-                            "=r,r",
-                        )
-                    )
-                for i in range(4):
-                    shift = 4 * (3 - i)
-                    shl = f"shl.b32 t, $1, {shift};" if shift else "mov.b32 t, $1;"
-                    out = llvm.inline_asm(
+        wv = words.registers.flat[0]
+        srow = [elem(swords.registers[0, 0, 0, h, 0, 0], 0) for h in range(2)]  # rows r0, r0 + 8
+        for b in range(4):
+            w = elem(wv, b)
+            sreg = []
+            for h in range(2):
+                sel = 0x4040 | (b << 8) | b  # block b's byte into both bf16 halves
+                sreg.append(
+                    llvm.inline_asm(
                         i32,
-                        [w, sreg[i % 2]],
-                        "{ .reg .b32 t, u; " + shl + " and.b32 u, t, 0x70007000; shr.b32 u, u, 6;"
-                        " lop3.b32 u, t, 0x80008000, u, 0xEA; mul.rn.bf16x2 $0, u, $2; }",
-                        "=r,r,r",
+                        [srow[h]],
+                        f"{{ .reg .b32 p; prmt.b32 p, $1, 0, {sel:#x}; "
+                        f"mad.lo.u32 $0, p, 16, {_SCALE_BF16_ADD * 0x10001:#x}; }}",
+                        "=r,r",
                     )
-                    ct = 8 * j + 2 * b + i // 2
-                    idx = [0] * regs.ndim
-                    idx[1], idx[4] = ct, i % 2
-                    regs[tuple(idx)] = mgpu_utils.bitcast(out, bf16x2)
+                )
+            for i in range(4):
+                shift = 4 * (3 - i)
+                shl = f"shl.b32 t, $1, {shift};" if shift else "mov.b32 t, $1;"
+                out = llvm.inline_asm(
+                    i32,
+                    [w, sreg[i % 2]],
+                    "{ .reg .b32 t, u; " + shl + " and.b32 u, t, 0x70007000; shr.b32 u, u, 6;"
+                    " lop3.b32 u, t, 0x80008000, u, 0xEA; mul.rn.bf16x2 $0, u, $2; }",
+                    "=r,r,r",
+                )
+                idx = [0] * regs.ndim
+                idx[1], idx[4] = 2 * b + i // 2, i % 2  # column tile of 8, row half
+                regs[tuple(idx)] = mgpu_utils.bitcast(out, bf16x2)
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
     return decode
@@ -295,7 +296,7 @@ def wgmma_partials(
     if n % (ROWS * wgs):
         raise ValueError(f"N={n} must be a multiple of {ROWS * wgs} for {wgs} warpgroups")
     steps = steps_total // splits
-    decode = _decode_fn(KBLOCK)
+    decode = _decode_fn()
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
