@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python benchmarks/wgmma_probe.py --out $OUT/wgmma.json
 
-check: kernel vs float32 reference (random weights, plus E4M3-subnormal and zero block scales);
-sweep: configs (tk, target programs, stages) per Qwen2.5-7B / 32B shape at M = 16;
-bench: the best config per shape at every M, side by side with XLA bf16 `jnp.dot` and the
-Triton kernel (table config), same rotation of weight copies as benchmarks/kernels.py.
+check: kernel vs float32 reference (random weights, plus E4M3-subnormal and zero block scales),
+with one CTA per SM and with 7 CTAs (uneven stream-K ranges, dummy steps);
+bench: per Qwen2.5-7B / 32B shape and M, the library's config (`kernel_config`) and the other K
+step, side by side with XLA bf16 `jnp.dot` and the Triton kernel (table config), same rotation
+of weight copies as benchmarks/kernels.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import kernels as kb  # noqa: E402
 
 from pallas_kernels import wgmma_nvfp4 as wn  # noqa: E402
 
-RES: dict = {"check": [], "sweep": [], "bench": [], "errors": []}
+RES: dict = {"check": [], "bench": [], "errors": []}
 T0 = time.time()
 
 
@@ -40,21 +41,23 @@ def err(where, e):
     RES["errors"].append({"where": where, "error": msg[:3000], "trace": traceback.format_exc()[-3000:]})
 
 
-def wg_op(splits, tk, stages, wgs=1):
-    return lambda x, w, s, g: wn.wgmma_matmul(x, w, s, g, splits=splits, tk=tk, stages=stages, wgs=wgs)
+def wg_op(tk, stages, wgs, ctas=0):
+    return lambda x, w, s, g: wn.wgmma_matmul(x, w, s, g, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
 
 
 def check(args):
-    cases = [
-        (128, 256, 1, 64, 1, 1),
-        (128, 256, 16, 128, 2, 2),
-        (192, 1024, 3, 256, 2, 1),
-        (512, 3584, 64, 128, 4, 2),
-        (3584, 3584, 16, 128, 4, 2),
-        (128, 512, 8, 64, 8, 1),
-        (128, 512, 40, 64, 2, 2),
+    cases = [  # n, k, m, tk, wgs
+        (128, 256, 1, 64, 1),
+        (128, 256, 16, 128, 2),
+        (192, 1024, 3, 256, 1),
+        (512, 3584, 64, 128, 2),
+        (3584, 3584, 16, 128, 2),
+        (128, 512, 8, 64, 1),
+        (128, 512, 40, 64, 2),
+        (18944, 3584, 16, 256, 2),
     ]
-    for n, k, m, tk, splits, wgs in cases[: args.check_cases]:
+    for n, k, m, tk, wgs in cases[: args.check_cases]:
+        row = dict(n=n, k=k, m=m, tk=tk, wgs=wgs)
         try:
             key = jax.random.PRNGKey(n + k + m)
             p = kb.rand_packed(key, n, k, "nvfp4")
@@ -63,11 +66,13 @@ def check(args):
                 p = kb.P.PackedWeight(p.codes, sc.astype(jnp.float8_e4m3fn), p.global_scale, "nvfp4")
             x = kb.rand_x(jax.random.fold_in(key, 1), m, k)
             words, swords = wn.repack(p.codes, p.scales)
-            y = wn.wgmma_matmul(x, words, swords, p.global_scale, splits=splits, tk=tk, wgs=wgs)
-            row = dict(n=n, k=k, m=m, tk=tk, splits=splits, wgs=wgs, rel_err=kb.rel_err(y, kb.ref_fwd(x, p)))
+            ref = kb.ref_fwd(x, p)
+            for ctas in (0, 7):
+                y = wg_op(tk, 3, wgs, ctas)(x, words, swords, p.global_scale)
+                row[f"rel_err_ctas{ctas}"] = kb.rel_err(y, ref)
         except Exception as e:  # noqa: BLE001
             err(f"check {n}x{k} m={m}", e)
-            row = dict(n=n, k=k, m=m, tk=tk, splits=splits, error=True)
+            row["error"] = True
         RES["check"].append(row)
         print("CHECK", json.dumps(row), flush=True)
         save(args.out)
@@ -88,65 +93,34 @@ def wg_groups(key, m, n, k):
     return groups, out, items
 
 
-def time_wg(groups, splits, tk, stages, wgs):
-    return kb.time_ops(wg_op(splits, tk, stages, wgs), groups)["s"] * 1e6
-
-
-# (tk, target CTAs, stages, compute warpgroups per CTA)
-CANDS = [(128, 264, 6, 1), (256, 264, 4, 1), (128, 264, 6, 2), (256, 264, 4, 2), (128, 132, 6, 2), (512, 132, 3, 2)]
-
-
-def sweep_and_bench(args):
-    models = args.models.split(",")
-    ms = [int(v) for v in args.ms.split(",")]
-    for model in models:
+def bench(args):
+    """Per shape and M: the library config and the other K step vs Triton vs the bf16 dot."""
+    for model in args.models.split(","):
         for n, k in kb.unique_shapes(model):
-            if time.time() - T0 > args.deadline:
-                print("deadline", flush=True)
-                return
-            best = None
-            try:
-                key = jax.random.PRNGKey(n * 7 + k)
-                tgroups, wgroups, items = wg_groups(key, 16, n, k)
-                for tk, target, stages, wgs in CANDS:
-                    if k % tk or n % (64 * wgs):
-                        continue
-                    splits = wn.pick_splits(n, k, tk, wgs, target)
-                    try:
-                        us = time_wg(wgroups, splits, tk, stages, wgs)
-                    except Exception as e:  # noqa: BLE001
-                        err(f"sweep {model} {n}x{k} {tk},{splits},{stages},{wgs}", e)
-                        continue
-                    r = dict(model=model, n=n, k=k, m=16, tk=tk, splits=splits, stages=stages, wgs=wgs, us=us)
-                    RES["sweep"].append(r)
-                    print("SWEEP", json.dumps(r), flush=True)
-                    if best is None or us < best[0]:
-                        best = (us, tk, splits, stages, wgs)
-                del tgroups, wgroups, items
-            except Exception as e:  # noqa: BLE001
-                err(f"sweep {model} {n}x{k}", e)
-            if best is None:
-                continue
-            _, tk, splits, stages16, wgs = best
-            for m in ms:
-                stages = wn.fit_stages(max(8, -(-m // 8) * 8), tk, wgs, stages16)
-                row = dict(model=model, n=n, k=k, m=m, tk=tk, splits=splits, stages=stages, wgs=wgs)
+            for m in [int(v) for v in args.ms.split(",")]:
+                if time.time() - T0 > args.deadline:
+                    print("deadline", flush=True)
+                    return
+                cfg = wn.kernel_config(m, n, k)
+                row = dict(model=model, n=n, k=k, m=m, **cfg)
                 try:
                     key = jax.random.PRNGKey(m * 31 + n * 7 + k)
                     tgroups, wgroups, items = wg_groups(key, m, n, k)
-                    row["wgmma_us"] = time_wg(wgroups, splits, tk, stages, wgs)
+                    row["wgmma_us"] = kb.time_ops(wg_op(**cfg), wgroups)["s"] * 1e6
+                    alt = 384 - cfg["tk"] if cfg["tk"] in (128, 256) else None  # the other K step
+                    if alt and k % alt == 0:
+                        stages = wn.fit_stages(max(8, -(-m // 8) * 8), alt, cfg["wgs"], 6)
+                        row[f"wgmma_tk{alt}_us"] = kb.time_ops(wg_op(alt, stages, cfg["wgs"]), wgroups)["s"] * 1e6
                     row["triton_us"] = kb.time_ops(kb.fwd_op("nvfp4", None, "asm"), tgroups)["s"] * 1e6
                     w0 = kb.P.dequantize(items[0], jnp.bfloat16)
                     r = kb.n_copies(w0.size * 2)
-                    u = min(16, r)
                     ws = [w0] + [w0 + jnp.bfloat16(i * 1e-3) for i in range(1, r)]
                     xs = [g_[0] for g_ in tgroups[0]]
-                    bgroups = kb.make_groups([(xs[i % len(xs)], w) for i, w in enumerate(ws)], u)
+                    bgroups = kb.make_groups([(xs[i % len(xs)], w) for i, w in enumerate(ws)], min(16, r))
                     row["bf16_us"] = kb.time_ops(kb._dot_nt, bgroups)["s"] * 1e6
                     row["bf16_over_wgmma"] = row["bf16_us"] / row["wgmma_us"]
                     row["bf16_over_triton"] = row["bf16_us"] / row["triton_us"]
-                    pb = kb.packed_bytes(items[0])
-                    row["wgmma_GBps"] = pb / (row["wgmma_us"] * 1e-6) / 1e9
+                    row["wgmma_GBps"] = kb.packed_bytes(items[0]) / (row["wgmma_us"] * 1e-6) / 1e9
                     del ws, bgroups, tgroups, wgroups, items
                 except Exception as e:  # noqa: BLE001
                     err(f"bench {model} {n}x{k} m={m}", e)
@@ -155,35 +129,20 @@ def sweep_and_bench(args):
                 save(args.out)
 
 
-def profile(args):
-    """One call per config with Mosaic GPU's on-device profiler (Perfetto JSON per call)."""
-    n, k, m = 18944, 3584, 16
-    p = kb.rand_packed(jax.random.PRNGKey(5), n, k, "nvfp4")
-    x = kb.rand_x(jax.random.PRNGKey(6), m, k)
-    words, swords = wn.repack(p.codes, p.scales)
-    for tk, splits, stages, wgs in [(256, 1, 3, 1), (128, 2, 6, 2)]:
-        d = os.path.join(os.path.dirname(args.out), f"prof_{tk}_{splits}_{stages}_{wgs}")
-        os.makedirs(d, exist_ok=True)
-        try:
-            out = wn.wgmma_partials(x, words, swords, n=n, splits=splits, tk=tk, stages=stages, wgs=wgs, profile_dir=d)
-            jax.block_until_ready(out)
-            print("PROFILE", d, os.listdir(d), flush=True)
-        except Exception as e:  # noqa: BLE001
-            err(f"profile {tk},{splits},{stages},{wgs}", e)
-
-
 def table():
     print(
-        f"{'model':5} {'N':>6} {'K':>6} {'M':>3} {'cfg':>12} {'bf16':>8} {'triton':>8} {'wgmma':>8} "
+        f"{'model':5} {'N':>6} {'K':>6} {'M':>3} {'cfg':>8} {'bf16':>8} {'triton':>8} {'wgmma':>8} {'alt tk':>8} "
         f"{'bf16/tri':>8} {'bf16/wg':>8} {'GB/s':>6}"
     )
     for r in RES["bench"]:
         if "wgmma_us" not in r or "bf16_us" not in r:
             continue
-        cfg = f"{r['tk']},{r['splits']},{r['stages']},{r['wgs']}"
+        cfg = f"{r['tk']},{r['stages']},{r['wgs']}"
+        alt = next((v for key, v in r.items() if key.startswith("wgmma_tk")), float("nan"))
         print(
-            f"{r['model']:5} {r['n']:6} {r['k']:6} {r['m']:3} {cfg:>12} {r['bf16_us']:8.1f} {r['triton_us']:8.1f} "
-            f"{r['wgmma_us']:8.1f} {r['bf16_over_triton']:8.2f} {r['bf16_over_wgmma']:8.2f} {r['wgmma_GBps']:6.0f}"
+            f"{r['model']:5} {r['n']:6} {r['k']:6} {r['m']:3} {cfg:>8} {r['bf16_us']:8.1f} {r['triton_us']:8.1f} "
+            f"{r['wgmma_us']:8.1f} {alt:8.1f} {r['bf16_over_triton']:8.2f} {r['bf16_over_wgmma']:8.2f} "
+            f"{r['wgmma_GBps']:6.0f}"
         )
 
 
@@ -200,10 +159,8 @@ def main():
     print(RES["env"], flush=True)
     if "check" in args.sections:
         check(args)
-    if "profile" in args.sections:
-        profile(args)
     if "bench" in args.sections:
-        sweep_and_bench(args)
+        bench(args)
     save(args.out)
     table()
 

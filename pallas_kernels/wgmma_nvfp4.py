@@ -8,15 +8,18 @@ address arithmetic, an unfused zero accumulator); this one is written at the reg
 the K loop is the decode and the wgmma only (about 3 per weight).
 
 Load-time repacking (`repack`), done once per weight and value-preserving:
-- codes: each 64-row x 16-column block of nibbles is permuted so that warpgroup thread t finds
-  the 8 nibbles it holds in wgmma's A-operand layout in one uint32 word, in the order the
-  decode emits them; four 16-column blocks make one 128-bit word per thread and 64 columns.
-  Layout: uint32 [N/64, K/64, 128, 4].
+- codes: each 64-row x 16-column block of the weight gives warpgroup thread t the 8 codes it holds
+  in wgmma's A-operand layout (4 bf16x2 registers). Their 32 bits are packed into one uint32 word
+  so that each register decodes with one or two ALU ops plus integer shifts (`REGISTER_SHIFTS`):
+  register i = (rotl(word, a_i) & em mask) | ((word << b_i) & sign mask). Four 16-column blocks
+  make four words per thread and 64 columns, stored word-major so a TMA row is 128 threads' words
+  (512 bytes; thread-major rows of 16 bytes cut the TMA to ~1.4 TB/s). Layout: uint32 [N/64, K/64, 4, 128].
 - block scales: the E4M3 byte is re-encoded as an unsigned 5-bit exponent / 3-bit mantissa
   byte (value 2**(e-9) * (1 + m/8)) that becomes the bf16 scale x 2**118 with one integer
-  multiply-add, E4M3 subnormals included (zero scales keep zero codes). One uint32 per row and
-  64 columns (its four block scales), uint32 [N/64, K/64, 64]; a thread reads the words of its
-  two rows (wgmma's row layout: the four threads of a row share them).
+  multiply-add, E4M3 subnormals included (zero scales keep zero codes). A thread holds rows r0 and
+  r0 + 8 of wgmma's row layout; its two uint32 words (at rows r0 and r0 + 8 of a 64-row tile) hold
+  both rows' scales of blocks 0, 1 and of blocks 2, 3, so one byte permute yields both rows' scales
+  of a block, one per bf16 half. Layout: uint32 [N/64, K/64, 64].
 The decoded weight is code x 2**-126 (E2M1 bit pattern in a bf16), times scale x 2**118: the
 product is the value x 2**-8, undone with the global scale on the fp32 result.
 """
@@ -37,9 +40,17 @@ _SCALE_BF16_ADD = (245 - SCALE_EXP_BIAS) << 7  # exponent offset to reach scale 
 OUT_FACTOR = 2.0**8  # undoes 2**-126 (codes) x 2**118 (scales)
 
 
+# Register i of a 16-column block: (rotate for the exponent/mantissa bits, shift for the sign).
+# The 8 codes' bits tile the word exactly (tests/test_wgmma_nvfp4.py checks it and interprets the
+# emitted PTX); a == b takes one mask, a <= 6 needs no rotation (the masked bits do not wrap).
+REGISTER_SHIFTS = ((6, 6), (3, 3), (0, 4), (9, 5))
+EM_MASK = 0x01C001C0  # bf16 bits 6-8 of both halves: E2M1 mantissa + exponent, 2**-126 scaled
+SIGN_MASK = 0x80008000
+
+
 def _thread_positions() -> tuple[np.ndarray, np.ndarray]:
-    """rows, cols int [128, 4, 8]: the (row, column) of W, within a 64 x 64 tile, of nibble k
-    of code word b of thread t (column in 0..63)."""
+    """rows, cols int [128, 4, 8]: the (row, column) of W, within a 64 x 64 tile, of code
+    i + 4 v (register i, bf16 lane v) of code word b of thread t (column in 0..63)."""
     rows = np.zeros((128, 4, 8), np.int64)
     cols = np.zeros((128, 4, 8), np.int64)
     for t in range(128):
@@ -52,6 +63,20 @@ def _thread_positions() -> tuple[np.ndarray, np.ndarray]:
                 rows[t, b, i], cols[t, b, i] = row, col  # bf16 lane 0 (low half)
                 rows[t, b, i + 4], cols[t, b, i + 4] = row, col + 1  # bf16 lane 1 (high half)
     return rows, cols
+
+
+@functools.cache
+def code_bit_positions() -> np.ndarray:
+    """int [8, 4]: the word bit holding bit j (m, e0, e1, sign) of code i + 4 v (register i, lane v)."""
+    pos = np.zeros((8, 4), np.int64)
+    for i, (a, b) in enumerate(REGISTER_SHIFTS):
+        for v in range(2):
+            for j, out_bit in enumerate((6, 7, 8)):  # E2M1 m, e0, e1 -> bf16 bits 6..8 of lane v
+                pos[i + 4 * v, j] = (out_bit + 16 * v - a) % 32
+            pos[i + 4 * v, 3] = 15 + 16 * v - b
+    assert sorted(pos.ravel()) == list(range(32)), "REGISTER_SHIFTS must tile the word"
+    assert (np.diff(pos[:, :3], axis=1) == 1).all(), "repack moves a code's E2M1 bits as one field"
+    return pos
 
 
 def encode_scales(scales_e4m3: jax.Array) -> jax.Array:
@@ -71,7 +96,7 @@ def decode_scales(enc: jax.Array) -> jax.Array:
 
 
 def repack(codes: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """codes uint8 [N, K/2], scales e4m3 [N, K/16] -> (words uint32 [N/64, K/64, 128, 4],
+    """codes uint8 [N, K/2], scales e4m3 [N, K/16] -> (words uint32 [N/64, K/64, 4, 128],
     scale words uint32 [N/64, K/64, 64]). N and K must be multiples of 64."""
     n, half_k = codes.shape
     k = 2 * half_k
@@ -83,17 +108,38 @@ def repack(codes: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     tiles = nib.reshape(n // ROWS, ROWS, k // KBLOCK, KBLOCK).transpose(0, 2, 1, 3)  # [nt, kt, 64, 64]
     rows, cols = _thread_positions()
     gathered = tiles[:, :, rows, cols].astype(jnp.uint32)  # [nt, kt, 128, 4, 8]
-    shifts = jnp.arange(8, dtype=jnp.uint32) * 4
-    words = jnp.sum(gathered << shifts, axis=-1, dtype=jnp.uint32)  # disjoint bits: sum == or
+    pos = code_bit_positions()  # a code's 3 exponent / mantissa bits stay adjacent; its sign moves
+    em_pos, sign_pos = jnp.asarray(pos[:, 0], jnp.uint32), jnp.asarray(pos[:, 3], jnp.uint32)
+    fields = ((gathered & 7) << em_pos) | ((gathered >> 3) << sign_pos)  # [nt, kt, 128, 4, 8]
+    words = jnp.sum(fields, axis=-1, dtype=jnp.uint32)  # disjoint bits: sum == or
+    words = words.transpose(0, 1, 3, 2)  # [nt, kt, 4 words, 128 threads]
     enc = encode_scales(scales).astype(jnp.uint32)  # [N, K/16]
     etiles = enc.reshape(n // ROWS, ROWS, k // KBLOCK, 4).transpose(0, 2, 1, 3)  # [nt, kt, 64, 4]
-    swords = jnp.sum(etiles << (jnp.arange(4, dtype=jnp.uint32) * 8), axis=-1, dtype=jnp.uint32)
+    src_row, src_block = _scale_sources()
+    swords = jnp.sum(
+        etiles[:, :, src_row, src_block] << (jnp.arange(4, dtype=jnp.uint32) * 8), axis=-1, dtype=jnp.uint32
+    )
     return words, swords
 
 
 @functools.cache
+def _scale_sources() -> tuple[np.ndarray, np.ndarray]:
+    """row, block int [64, 4]: the (row, 16-column block) whose scale byte j of scale word r holds.
+
+    Word r0 (r0 % 16 < 8) = [s(0, r0), s(1, r0), s(0, r0 + 8), s(1, r0 + 8)] and word r0 + 8 the
+    same for blocks 2, 3: the two words of the thread that holds rows r0 and r0 + 8."""
+    row = np.zeros((ROWS, 4), np.int64)
+    block = np.zeros((ROWS, 4), np.int64)
+    for r in range(ROWS):
+        r0, hi = r - 8 * (r % 16 >= 8), r % 16 >= 8
+        for j in range(4):
+            row[r, j], block[r, j] = r0 + 8 * (j // 2), 2 * hi + j % 2
+    return row, block
+
+
+@functools.cache
 def _inverse_positions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """thread, word, nibble int [64, 64]: where element (row, col) of a 64 x 64 tile lies."""
+    """thread, word, code int [64, 64]: where element (row, col) of a 64 x 64 tile lies."""
     rows, cols = _thread_positions()
     t_idx = np.zeros((ROWS, KBLOCK), np.int64)
     b_idx = np.zeros((ROWS, KBLOCK), np.int64)
@@ -112,11 +158,14 @@ def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, 
 
     nt, kt = words.shape[:2]
     t_idx, b_idx, k_idx = _inverse_positions()
-    w_tile = words[:, :, t_idx, b_idx]  # [nt, kt, 64, 64]: the word holding each element
-    nib = (w_tile >> (jnp.asarray(k_idx, jnp.uint32) * 4)) & 0xF
+    w_tile = words[:, :, b_idx, t_idx]  # [nt, kt, 64, 64]: the word holding each element
+    pos = jnp.asarray(code_bit_positions()[k_idx], jnp.uint32)  # [64, 64, 4]
+    nib = jnp.sum(((w_tile[..., None] >> pos) & 1) << jnp.arange(4, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
     vals = jnp.asarray(CODE_TABLES["nvfp4"], jnp.float32)[nib.astype(jnp.int32)]
-    sb = (swords[..., None] >> (jnp.arange(4, dtype=jnp.uint32) * 8)) & 0xFF  # [nt, kt, 64, 4]
-    block_scale = decode_scales(sb.astype(jnp.uint8))  # [nt, kt, 64, 4]
+    sb = (swords[..., None] >> (jnp.arange(4, dtype=jnp.uint32) * 8)) & 0xFF  # [nt, kt, 64 words, 4 bytes]
+    src_row, src_block = _scale_sources()
+    enc = jnp.zeros(sb.shape, jnp.uint32).at[:, :, src_row, src_block].set(sb)  # [nt, kt, 64 rows, 4 blocks]
+    block_scale = decode_scales(enc.astype(jnp.uint8))  # [nt, kt, 64, 4]
     if global_scale is not None:
         block_scale = exact_div(block_scale, global_scale)
     tile = (vals * jnp.repeat(block_scale, 16, axis=-1)).astype(dtype)
@@ -130,7 +179,7 @@ class WgmmaWeight:
     Made from a `PackedWeight` with `from_packed` (once, e.g. per rollout); same values.
     """
 
-    words: jax.Array  # uint32 [N/64, K/64, 128, 4]
+    words: jax.Array  # uint32 [N/64, K/64, 4, 128]
     swords: jax.Array  # uint32 [N/64, K/64, 64]
     global_scale: jax.Array  # float32 []
 
@@ -173,27 +222,19 @@ def available() -> bool:
 
 
 MAX_ROWS = 64  # the kernel's regime; larger M goes through dequantize + dot
-TARGET_CTAS = 264  # split K until the grid has about two CTAs per SM of an H100
+LARGE_WEIGHT = 32 * 2**20  # N x K from which 256-column steps beat 128 (H100, RESULTS.md table A5)
 
 
 def kernel_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tiling for [M, K] @ [N, K].T: 64-column code words, K steps of tk, split-K, warpgroups.
+    """Tiling for [M, K] @ [N, K].T: K step tk, compute warpgroups (64 rows of W each), ring depth.
 
-    Measured on H100 (benchmarks/wgmma_probe.py, RESULTS.md): two compute warpgroups, tk = 128
-    and a grid of about two CTAs per SM are the best or within noise of it for the Qwen2.5-7B /
-    32B projections at M = 16; the ring is as deep as shared memory allows, up to 6 stages.
+    Measured on H100 (benchmarks/wgmma_probe.py, RESULTS.md table A5): two warpgroups; tk = 256
+    for the large MLP projections, 128 for q / o; the ring as deep as shared memory allows (<= 6).
     """
     wgs = 2 if n % (2 * ROWS) == 0 else 1
-    tk = 128 if k % 128 == 0 else KBLOCK
+    tk = 256 if k % 256 == 0 and n * k >= LARGE_WEIGHT else (128 if k % 128 == 0 else KBLOCK)
     mp = max(8, -(-m // 8) * 8)
-    return dict(tk=tk, splits=pick_splits(n, k, tk, wgs), stages=fit_stages(mp, tk, wgs, 6), wgs=wgs)
-
-
-def pick_splits(n: int, k: int, tk: int, wgs: int, target: int = TARGET_CTAS) -> int:
-    """The smallest split-K count dividing K / tk that gives a grid of at least `target` CTAs
-    (N / (64 wgs) x splits), else one split per K step."""
-    steps = k // tk
-    return next((d for d in range(1, steps + 1) if steps % d == 0 and n // (ROWS * wgs) * d >= target), steps)
+    return dict(tk=tk, stages=fit_stages(mp, tk, wgs, 6), wgs=wgs)
 
 
 def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
@@ -215,6 +256,29 @@ def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
 # and tests/test_wgmma_nvfp4.py emulates the decode bit by bit).
 
 
+def scale_asm(b: int) -> str:
+    """PTX: scale word $1 -> $0 = bf16 scales (x 2**118) of block b, row r0 in the low half and
+    r0 + 8 in the high half (prmt: the two rows' bytes into the halves; mad: x16 + exponent offset)."""
+    sel = 0x4240 + (b % 2) * 0x101
+    return f"{{ .reg .b32 p; prmt.b32 p, $1, 0, {sel:#x}; mad.lo.u32 $0, p, 16, {_SCALE_BF16_ADD * 0x10001:#x}; }}"
+
+
+def register_asm(i: int) -> str:
+    """PTX: code word $1, block scales $2 (from `scale_asm`) -> $0 = bf16x2 A-operand register i
+    (row half i % 2): the two codes' bits moved into bf16 bits 6-8 and 15, times the row's scale."""
+    a, b = REGISTER_SHIFTS[i]
+    if a == b:
+        bits = f"shl.b32 t, $1, {a}; and.b32 t, t, {EM_MASK | SIGN_MASK:#x};"
+    else:
+        em = "mov.b32 u, $1;" if a == 0 else (f"shl.b32 u, $1, {a};" if a <= 6 else f"shf.l.wrap.b32 u, $1, $1, {a};")
+        bits = f"{em} and.b32 u, u, {EM_MASK:#x}; shl.b32 t, $1, {b}; lop3.b32 t, u, t, {SIGN_MASK:#x}, 0xf8;"
+    half = "lo, lo" if i % 2 == 0 else "hi, hi"  # ptxas folds the broadcast into HMUL2's .H0_H0 / .H1_H1
+    return (
+        "{ .reg .b32 t, u, s; .reg .b16 lo, hi; " + bits + f" mov.b32 {{lo, hi}}, $2; mov.b32 s, {{{half}}};"
+        " mul.rn.bf16x2 $0, t, s; }"
+    )
+
+
 def _decode_fn():
     """inline_mgpu decode of one 64-column block: code words [1,128,4] + scale words [1,64] ->
     bf16 [64, 64] in the wgmma A layout."""
@@ -227,7 +291,7 @@ def _decode_fn():
 
     @plgpu.inline_mgpu(
         arg_types=(
-            plgpu.Layout.WG_STRIDED((1, 128, 4), vec_size=4),
+            _words_layout(),
             _row_layout(),
         ),
         return_type=plgpu.ShapeDtypeStruct((ROWS, KBLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
@@ -242,32 +306,12 @@ def _decode_fn():
         def elem(vec, i):
             return llvm.extractelement(vec, mgpu_utils.c(i, i32))
 
-        wv = words.registers.flat[0]
-        srow = [elem(swords.registers[0, 0, 0, h, 0, 0], 0) for h in range(2)]  # rows r0, r0 + 8
+        sword = [elem(swords.registers[0, 0, 0, h, 0, 0], 0) for h in range(2)]  # rows r0, r0 + 8
         for b in range(4):
-            w = elem(wv, b)
-            sreg = []
-            for h in range(2):
-                sel = 0x4040 | (b << 8) | b  # block b's byte into both bf16 halves
-                sreg.append(
-                    llvm.inline_asm(
-                        i32,
-                        [srow[h]],
-                        f"{{ .reg .b32 p; prmt.b32 p, $1, 0, {sel:#x}; "
-                        f"mad.lo.u32 $0, p, 16, {_SCALE_BF16_ADD * 0x10001:#x}; }}",
-                        "=r,r",
-                    )
-                )
+            w = elem(words.registers.flat[b], 0)  # thread t's word b
+            sreg = llvm.inline_asm(i32, [sword[b // 2]], scale_asm(b), "=r,r")
             for i in range(4):
-                shift = 4 * (3 - i)
-                shl = f"shl.b32 t, $1, {shift};" if shift else "mov.b32 t, $1;"
-                out = llvm.inline_asm(
-                    i32,
-                    [w, sreg[i % 2]],
-                    "{ .reg .b32 t, u; " + shl + " and.b32 u, t, 0x70007000; shr.b32 u, u, 6;"
-                    " lop3.b32 u, t, 0x80008000, u, 0xEA; mul.rn.bf16x2 $0, u, $2; }",
-                    "=r,r,r",
-                )
+                out = llvm.inline_asm(i32, [w, sreg], register_asm(i), "=r,r,r")
                 idx = [0] * regs.ndim
                 idx[1], idx[4] = 2 * b + i // 2, i % 2  # column tile of 8, row half
                 regs[tuple(idx)] = mgpu_utils.bitcast(out, bf16x2)
@@ -276,69 +320,104 @@ def _decode_fn():
     return decode
 
 
-@functools.partial(jax.jit, static_argnames=("n", "splits", "tk", "stages", "wgs", "profile_dir"))
-def wgmma_partials(
-    x_p, words, swords, *, n: int, splits: int, tk: int, stages: int, wgs: int = 1, profile_dir: str = ""
-):
-    """x_p bf16 [Mp, K] (Mp % 8 == 0) -> float32 [splits, N, Mp]: partial sums of y.T x 2**-8 x gs.
+def stream_plan(n: int, k: int, tk: int, wgs: int, ctas: int) -> tuple[int, int, np.ndarray]:
+    """Stream-K split of the flat (row group, K step) space over `ctas` persistent CTAs.
 
-    Grid (N / (64 wgs), splits); each CTA runs `wgs` compute warpgroups (64 rows of W each) fed by
-    a TMA warpgroup through a `stages`-deep SMEM ring of [Mp, tk] x and code / scale words.
+    Returns (ctas, segments per CTA J, group int [ctas, J]): the row group of each CTA's output
+    segment (the groups its contiguous range of steps touches, in order), or G (a dummy) where
+    a CTA has fewer than J segments."""
+    groups, steps = n // (ROWS * wgs), k // tk
+    flat = groups * steps
+    ctas = min(ctas, flat)
+    start = np.arange(ctas + 1) * flat // ctas
+    first, last = start[:-1] // steps, (start[1:] - 1) // steps
+    nseg = int((last - first).max()) + 1
+    seg_group = np.full((ctas, nseg), groups, np.int64)
+    for c in range(ctas):
+        seg_group[c, : last[c] - first[c] + 1] = np.arange(first[c], last[c] + 1)
+    return ctas, nseg, seg_group
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on an H100 SXM when unknown)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except RuntimeError:
+        return 132
+
+
+@functools.partial(jax.jit, static_argnames=("n", "tk", "stages", "wgs", "ctas"))
+def wgmma_partials(x_p, words, swords, *, n: int, tk: int, stages: int, wgs: int = 2, ctas: int = 132):
+    """The kernel: `ctas` persistent CTAs (stream-K), each streaming a contiguous range of the flat
+    (row group of 64 wgs rows, K step) space through one warp-specialized pipeline: a TMA
+    warpgroup fills a `stages`-deep SMEM ring of [Mp, tk] x and code / scale words, and `wgs`
+    compute warpgroups decode and multiply. A CTA writes its accumulator out (and restarts it)
+    when its range leaves a row group, so there is no per-tile prologue and no wave tail.
+
+    x_p bf16 [Mp, K] -> float32 [ctas, J, 64 wgs, Mp]: each CTA's partial sums of y.T x 2**-8 x gs,
+    one per row group its range touches (`stream_plan` says which; unused segments are unwritten).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     mp, k = x_p.shape
     nj = tk // KBLOCK
-    steps_total = k // tk
-    if k % tk or steps_total % splits:
-        raise ValueError(f"K={k} must split into {splits} x whole {tk}-column steps")
+    steps = k // tk
+    if k % tk:
+        raise ValueError(f"K={k} must split into whole {tk}-column steps")
     if n % (ROWS * wgs):
         raise ValueError(f"N={n} must be a multiple of {ROWS * wgs} for {wgs} warpgroups")
-    steps = steps_total // splits
+    ctas, nseg, _ = stream_plan(n, k, tk, wgs, ctas)
+    flat = (n // (ROWS * wgs)) * steps
+    max_len = -(-flat // ctas)
     decode = _decode_fn()
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
-        group = jax.lax.axis_index("n")
-        split = jax.lax.axis_index("s")
+    def wgmma_nvfp4_stream(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+        cta = jax.lax.axis_index("c")
+        start = cta * flat // ctas
+        length = (cta + 1) * flat // ctas - start
+        first_group = start // steps
+
+        def flat_step(i):  # dummy steps past a short range re-read its last step (never flushed)
+            return start + jnp.minimum(i, length - 1)
 
         def compute_context(eval_pipeline):
-            wg = jax.lax.axis_index("wg")
-
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, mp), jnp.float32))
             def _(acc_ref):
                 eval_pipeline(acc_ref)
-                o_smem.at[wg][...] = acc_ref[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[split, pl.ds((group * wgs + wg) * ROWS, ROWS)])
                 plgpu.wait_smem_to_gmem(0)
 
-        def body(_, x_smem, w_smem, s_smem, acc_ref):
+        def body(idx, x_smem, w_smem, s_smem, acc_ref):
             wg = jax.lax.axis_index("wg")
-            # 64-column chunks: chunk j's wgmma runs while chunk j + 1 decodes. Each chunk's A
-            # operand is a distinct value in straight-line code; across steps (a loop) the same
-            # PTX registers are rewritten, so every step ends with all its wgmmas complete.
             for j in range(nj):
-                with jax.named_scope("decode"):
-                    cw = plgpu.load(
-                        w_smem.at[wg, pl.ds(j, 1)], (), layout=plgpu.Layout.WG_STRIDED((1, 128, 4), vec_size=4)
-                    )
-                    sw = plgpu.load(s_smem.at[wg, pl.ds(j, 1)], (), layout=_row_layout(), optimized=False)
-                    a = decode(cw, sw)
-                plgpu.wgmma(acc_ref, a, _transpose(x_smem.at[:, pl.ds(j * KBLOCK, KBLOCK)]))
-            with jax.named_scope("wgmma_wait"):
-                plgpu.wgmma_wait(0)
+                cw = plgpu.load(w_smem.at[wg, pl.ds(j, 1)], (), layout=_words_layout())
+                sw = plgpu.load(s_smem.at[wg, pl.ds(j, 1)], (), layout=_row_layout(), optimized=False)
+                plgpu.wgmma(acc_ref, decode(cw, sw), _transpose(x_smem.at[:, pl.ds(j * KBLOCK, KBLOCK)]))
+            plgpu.wgmma_wait(0)
+            i = idx[0]
+            f = start + i
+            flush = (i < length) & ((f % steps == steps - 1) | (i == length - 1))
+
+            @pl.when(flush)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous flush has left o_smem
+                o_smem.at[wg][...] = acc_ref[...]
+                plgpu.commit_smem()
+                seg = f // steps - first_group
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[cta, seg, pl.ds(wg * ROWS, ROWS)])
+
+            acc_ref[...] = acc_ref[...] * jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
             return acc_ref
 
         plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(steps,),
+            grid=(max_len,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((mp, tk), lambda s: (0, split * steps + s), transforms=x_transforms),
-                plgpu.BlockSpec((wgs, nj, 128, 4), lambda s: (group, split * steps + s, 0, 0)),
-                plgpu.BlockSpec((wgs, nj, ROWS), lambda s: (group, split * steps + s, 0)),
+                plgpu.BlockSpec((mp, tk), lambda i: (0, flat_step(i) % steps), transforms=x_transforms),
+                plgpu.BlockSpec((wgs, nj, 4, 128), lambda i: (flat_step(i) // steps, flat_step(i) % steps, 0, 0)),
+                plgpu.BlockSpec((wgs, nj, ROWS), lambda i: (flat_step(i) // steps, flat_step(i) % steps, 0)),
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -347,18 +426,36 @@ def wgmma_partials(
         )(x_gmem, w_gmem, s_gmem)
 
     return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
+        wgmma_nvfp4_stream,
+        out_type=jax.ShapeDtypeStruct((ctas, nseg, wgs * ROWS, mp), jnp.float32),
         scratch_types=[plgpu.SMEM((wgs, ROWS, mp), jnp.float32)],
-        grid=(n // (ROWS * wgs), splits),
-        grid_names=("n", "s"),
+        grid=(ctas,),
+        grid_names=("c",),
         num_threads=wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Lane,
-            **(dict(profile_space=512, profile_dir=profile_dir) if profile_dir else {}),
-        ),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(x_p, words, swords)
+
+
+def wgmma_matmul(x, words, swords, global_scale, *, tk: int = 128, stages: int = 6, wgs: int = 2, ctas: int = 0):
+    """x bf16 [M, K] @ repacked NVFP4 W [N, K].T -> bf16 [M, N] (fp32 accumulation); `ctas`
+    persistent CTAs (0: one per SM)."""
+    m, k = x.shape
+    n = words.shape[0] * ROWS
+    mp = max(8, -(-m // 8) * 8)
+    ctas, _, seg_group = stream_plan(n, k, tk, wgs, ctas or num_sms())
+    x_p = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
+    parts = wgmma_partials(x_p, words, swords, n=n, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
+    y_t = combine_partials(parts, seg_group, n // (ROWS * wgs)) * (OUT_FACTOR / global_scale.astype(jnp.float32))
+    return y_t[:, :m].T.astype(jnp.bfloat16)
+
+
+def combine_partials(parts: jax.Array, seg_group: np.ndarray, groups: int) -> jax.Array:
+    """float32 [ctas, J, R, Mp] per-CTA segment sums (`wgmma_partials`) -> [groups R, Mp]: summed
+    per row group as `stream_plan`'s seg_group [ctas, J] says (entries == groups: unused)."""
+    _, _, rows, mp = parts.shape
+    sums = jnp.zeros((groups + 1, rows, mp), jnp.float32).at[seg_group.ravel()].add(parts.reshape(-1, rows, mp))
+    return sums[:groups].reshape(groups * rows, mp)
 
 
 SMEM_BUDGET = 220 * 1024  # H100: 227 KB per block, minus barriers and slack
@@ -377,6 +474,13 @@ def fit_stages(mp: int, tk: int, wgs: int, stages: int) -> int:
     return stages
 
 
+def _words_layout():
+    """One 64-column block of code words [1, 4, 128]: thread t holds words [0, b, t], b = 0..3."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.Layout.WG_STRIDED((1, 4, 128), vec_size=1)
+
+
 def _row_layout():
     """wgmma's row layout (thread holds rows r0 and r0 + 8; the 4 threads of a row share them)."""
     from jax.experimental.mosaic import gpu as mgpu
@@ -393,14 +497,3 @@ def _transpose(ref):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.transpose_ref(ref, (1, 0))
-
-
-def wgmma_matmul(x, words, swords, global_scale, *, splits: int = 1, tk: int = 128, stages: int = 4, wgs: int = 1):
-    """x bf16 [M, K] @ repacked NVFP4 W [N, K].T -> bf16 [M, N] (fp32 accumulation)."""
-    m, k = x.shape
-    n = words.shape[0] * ROWS
-    mp = max(8, -(-m // 8) * 8)
-    x_p = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
-    parts = wgmma_partials(x_p, words, swords, n=n, splits=splits, tk=tk, stages=stages, wgs=wgs)
-    y_t = jnp.sum(parts, axis=0) * (OUT_FACTOR / global_scale.astype(jnp.float32))  # W = codes x scales / gs
-    return y_t[:, :m].T.astype(jnp.bfloat16)

@@ -6,6 +6,8 @@ exact for every E4M3 value, and a numpy emulation of the kernel's PTX decode, pl
 wgmma A-operand register layout, reproduces the dequantized weights.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ def _weights(n, k, seed=0):
 def test_repack_round_trip(n, k):
     p = _weights(n, k)
     words, swords = wn.repack(p.codes, p.scales)
-    assert words.shape == (n // 64, k // 64, 128, 4) and words.dtype == jnp.uint32
+    assert words.shape == (n // 64, k // 64, 4, 128) and words.dtype == jnp.uint32
     assert swords.shape == (n // 64, k // 64, 64) and swords.dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(wn.dequantize_repacked(words, swords)), _dequant_np(p))
 
@@ -64,30 +66,108 @@ def _bf16_round(x):
     return _bf16_bits_to_f32(b.astype(np.uint16))
 
 
+def run_ptx(asm, *inputs):
+    """A numpy interpreter for the few PTX instructions the kernel's inline asm uses: $0 = output,
+    $1.. = inputs (uint32 arrays). Registers are uint32 (.b32) or uint16 (.b16) arrays."""
+    regs = {f"${i + 1}": np.asarray(x, np.uint32) for i, x in enumerate(inputs)}
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    for stmt in asm.strip().strip("{}").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        pack = re.match(r"\{(\w+), (\w+)\}, (.+)$", rest)  # mov.b32 {lo, hi}, q (unpack)
+        if op == "mov.b32" and pack:
+            q = val(pack.group(3))
+            regs[pack.group(1)], regs[pack.group(2)] = (q & 0xFFFF).astype(np.uint16), (q >> 16).astype(np.uint16)
+            continue
+        d, *args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
+        if op == "mov.b32" and args[0].startswith("{"):  # mov.b32 s, {lo, hi} (pack)
+            lo, hi = args[0].strip("{}").split(", ")
+            r = regs[lo].astype(np.uint32) | (regs[hi].astype(np.uint32) << 16)
+        elif op == "mov.b32":
+            r = val(args[0])
+        elif op == "and.b32":
+            r = val(args[0]) & val(args[1])
+        elif op == "shl.b32":
+            r = val(args[0]) << np.uint32(int(args[1]))
+        elif op == "shf.l.wrap.b32":  # funnel shift of (a:b) = rotate when a == b
+            n = int(args[2]) % 32
+            r = (val(args[1]) << np.uint32(n)) | (val(args[0]) >> np.uint32(32 - n))
+        elif op == "lop3.b32":
+            a, b, c, lut = val(args[0]), val(args[1]), val(args[2]), int(args[3], 0)
+            r = np.zeros(np.broadcast(a, b, c).shape, np.uint32)
+            for bit in range(8):  # LUT index = (a << 2) | (b << 1) | c, as lop3's 0xF0 / 0xCC / 0xAA
+                ma = a if bit & 4 else ~a
+                mb = b if bit & 2 else ~b
+                mc = c if bit & 1 else ~c
+                if lut >> bit & 1:
+                    r = r | (ma & mb & mc)
+        elif op == "prmt.b32":  # default mode: selector nibble k picks byte k of the result
+            src = [(val(args[0]) >> np.uint32(8 * j)) & 0xFF for j in range(4)]
+            src += [(val(args[1]) >> np.uint32(8 * j)) & 0xFF for j in range(4)]
+            sel = int(args[2], 0)
+            r = sum(src[(sel >> (4 * k)) & 7] << np.uint32(8 * k) for k in range(4))
+        elif op == "mad.lo.u32":
+            r = val(args[0]) * val(args[1]) + val(args[2])
+        elif op == "mul.rn.bf16x2":
+            halves = [
+                _bf16_round(
+                    _bf16_bits_to_f32((val(args[0]) >> s) & 0xFFFF) * _bf16_bits_to_f32((val(args[1]) >> s) & 0xFFFF)
+                )
+                for s in (np.uint32(0), np.uint32(16))
+            ]
+            r = (halves[0].view(np.uint32) >> 16) | (halves[1].view(np.uint32) & np.uint32(0xFFFF0000))
+        else:
+            raise NotImplementedError(op)
+        regs[d] = np.asarray(r).astype(np.uint32)
+    return regs["$0"]
+
+
 def emulate_decode(words, swords):
-    """numpy twin of the kernel's PTX: float32 [N, K] = decoded bf16 W (value x 2**-8)."""
+    """The kernel's decode: its inline PTX (`wn.scale_asm`, `wn.register_asm`) interpreted, the
+    registers placed by wgmma's A layout -> float32 [N, K] = decoded bf16 W (value x 2**-8)."""
     words = np.asarray(words).astype(np.uint32)
     swords = np.asarray(swords).astype(np.uint32)  # [nt, kt, 64 rows]
     nt, kt = words.shape[:2]
     out = np.zeros((nt, kt, 64, 64), np.float32)
     for t in range(128):
         warp, lane = divmod(t, 32)
+        sword = [swords[:, :, 16 * warp + 8 * h + lane // 4] for h in range(2)]  # rows r0, r0 + 8
         for b in range(4):
-            w = words[:, :, t, b]
-            sreg = []
-            for h in range(2):  # prmt (byte into both halves) + mad.lo (x16 + exponent offset)
-                byte = (swords[:, :, 16 * warp + 8 * h + lane // 4] >> (8 * b)) & 0xFF
-                sreg.append((byte * 16 + (wn._SCALE_BF16_ADD)).astype(np.uint16))
+            sreg = run_ptx(wn.scale_asm(b), sword[b // 2])
             for i in range(4):
-                tt = (w << np.uint32(4 * (3 - i))) & np.uint32(0xFFFFFFFF)
-                u = (tt & 0x80008000) | ((tt & 0x70007000) >> 6)
-                for v in range(2):  # the two bf16 lanes of the register, times the scale (bf16x2 mul)
-                    half = ((u >> (16 * v)) & 0xFFFF).astype(np.uint16)
-                    val = _bf16_round(_bf16_bits_to_f32(half) * _bf16_bits_to_f32(sreg[i % 2]))
+                reg = run_ptx(wn.register_asm(i), words[:, :, b, t], sreg)
+                for v in range(2):  # the two bf16 lanes of the register
                     row = 16 * warp + 8 * (i % 2) + lane // 4
                     col = 16 * b + 8 * (i // 2) + 2 * (lane % 4) + v
-                    out[:, :, row, col] = val
+                    out[:, :, row, col] = _bf16_bits_to_f32((reg >> np.uint32(16 * v)) & 0xFFFF)
     return out.transpose(0, 2, 1, 3).reshape(nt * 64, kt * 64)
+
+
+def test_ptx_interpreter_on_known_values():
+    """The interpreter itself, on hand-computed cases (so the decode test rests on it)."""
+    assert run_ptx("{ shf.l.wrap.b32 $0, $1, $1, 9; }", 0x80000001) == 0x300
+    assert run_ptx("{ lop3.b32 $0, $1, $2, 0xff00ff00, 0xf8; }", 0x0F, 0x1234_5678) == 0x1200_560F
+    assert run_ptx("{ prmt.b32 $0, $1, 0, 0x4341; }", 0xAABBCCDD) == 0x00AA00CC
+    assert run_ptx("{ mad.lo.u32 $0, $1, 16, 3; }", 5) == 83
+    one_two = 0x4000_3F80  # bf16x2 (1.0, 2.0)
+    assert (
+        run_ptx(
+            "{ .reg .b16 lo, hi; .reg .b32 s; mov.b32 {lo, hi}, $2; mov.b32 s, {hi, hi}; mul.rn.bf16x2 $0, $1, s; }",
+            one_two,
+            one_two,
+        )
+        == 0x4080_4000
+    )
+
+
+def test_code_bits_tile_the_word():
+    pos = wn.code_bit_positions()
+    assert sorted(pos.ravel()) == list(range(32))
 
 
 def test_emulated_register_decode_matches_dequantization():
@@ -133,17 +213,44 @@ def test_from_packed_rejects_other_formats_and_stacks():
 @pytest.mark.parametrize(
     "m,n,k,want",
     [
-        (16, 3584, 3584, dict(tk=128, splits=14, stages=6, wgs=2)),  # 28 x 14 = 392 CTAs
-        (1, 18944, 3584, dict(tk=128, splits=2, stages=6, wgs=2)),  # 148 x 2 = 296
-        (64, 5120, 27648, dict(tk=128, splits=8, stages=6, wgs=2)),  # 40 x 8 = 320; 186 KB of SMEM
-        (64, 5120, 5120, dict(tk=128, splits=8, stages=6, wgs=2)),
-        (8, 192, 448, dict(tk=64, splits=7, stages=6, wgs=1)),  # odd tiles: one warpgroup, 64-col steps
+        (16, 3584, 3584, dict(tk=128, stages=6, wgs=2)),  # q / o: 12.8M weights, 128-column steps
+        (1, 18944, 3584, dict(tk=256, stages=6, wgs=2)),  # gate / up: 68M weights, 256-column steps
+        (64, 5120, 27648, dict(tk=256, stages=3, wgs=2)),  # M = 64: the ring shrinks to shared memory
+        (8, 192, 448, dict(tk=64, stages=6, wgs=1)),  # odd tiles: one warpgroup, 64-column steps
     ],
 )
 def test_kernel_config(m, n, k, want):
     cfg = wn.kernel_config(m, n, k)
     assert cfg == want
     assert wn.smem_bytes(max(8, -(-m // 8) * 8), cfg["tk"], cfg["wgs"], cfg["stages"]) <= wn.SMEM_BUDGET
+
+
+@pytest.mark.parametrize("n,k,tk,wgs,ctas", [(256, 1024, 128, 2, 5), (3584, 18944, 256, 2, 132), (192, 448, 64, 1, 7)])
+def test_stream_plan_and_combine_equal_the_matmul(n, k, tk, wgs, ctas):
+    """Each CTA's contiguous range of (row group, K step) items, summed per segment as the kernel
+    does (emulated in numpy) and combined by `combine_partials`, gives x @ W.T."""
+    rng = np.random.default_rng(n + k)
+    mp, rows = 8, 64 * wgs
+    x = rng.standard_normal((mp, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    ctas_used, nseg, seg_group = wn.stream_plan(n, k, tk, wgs, ctas)
+    groups, steps = n // rows, k // tk
+    assert ctas_used == min(ctas, groups * steps)
+    parts = np.full((ctas_used, nseg, rows, mp), np.nan, np.float32)  # unwritten segments stay NaN
+    flat = groups * steps
+    for c in range(ctas_used):
+        lo, hi = c * flat // ctas_used, (c + 1) * flat // ctas_used
+        assert hi > lo  # every CTA has work
+        for f in range(lo, hi):
+            g, s = divmod(f, steps)
+            seg = g - lo // steps
+            assert seg_group[c, seg] == g
+            if np.isnan(parts[c, seg]).all():
+                parts[c, seg] = 0.0
+            cols = slice(s * tk, (s + 1) * tk)
+            parts[c, seg] += w[g * rows : (g + 1) * rows, cols] @ x[:, cols].T
+    got = np.asarray(wn.combine_partials(jnp.asarray(parts), seg_group, groups))
+    np.testing.assert_allclose(got, w @ x.T, rtol=1e-4, atol=1e-3)
 
 
 def test_fit_stages_shrinks_the_ring_to_shared_memory():
