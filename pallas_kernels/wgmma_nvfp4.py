@@ -245,8 +245,8 @@ def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
     if k != k_w:
         raise ValueError(f"x has K={k} but the weight is [{n}, {k_w}]")
     if m <= MAX_ROWS and available():
-        cfg = kernel_config(m, n, k)
-        return wgmma_matmul(x_MxK.astype(jnp.bfloat16), w.words, w.swords, w.global_scale, **cfg).astype(jnp.float32)
+        y_t = _wgmma_yt(x_MxK, w.words, w.swords, w.global_scale, **kernel_config(m, n, k))
+        return y_t[:, :m].T
     w_NxK = dequantize_wgmma(w, x_MxK.dtype)
     return jax.lax.dot_general(x_MxK, w_NxK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -440,22 +440,35 @@ def wgmma_partials(x_p, words, swords, *, n: int, tk: int, stages: int, wgs: int
 def wgmma_matmul(x, words, swords, global_scale, *, tk: int = 128, stages: int = 6, wgs: int = 2, ctas: int = 0):
     """x bf16 [M, K] @ repacked NVFP4 W [N, K].T -> bf16 [M, N] (fp32 accumulation); `ctas`
     persistent CTAs (0: one per SM)."""
+    y_t = _wgmma_yt(x, words, swords, global_scale, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
+    return y_t[:, : x.shape[0]].T.astype(jnp.bfloat16)
+
+
+def _wgmma_yt(x, words, swords, global_scale, *, tk: int, stages: int, wgs: int, ctas: int = 0) -> jax.Array:
+    """float32 y.T [N, Mp] (rows >= M are zero) of x [M, K] @ W.T through the kernel."""
     m, k = x.shape
     n = words.shape[0] * ROWS
     mp = max(8, -(-m // 8) * 8)
     ctas, _, seg_group = stream_plan(n, k, tk, wgs, ctas or num_sms())
     x_p = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
     parts = wgmma_partials(x_p, words, swords, n=n, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
-    y_t = combine_partials(parts, seg_group, n // (ROWS * wgs)) * (OUT_FACTOR / global_scale.astype(jnp.float32))
-    return y_t[:, :m].T.astype(jnp.bfloat16)
+    return combine_partials(parts, seg_group, n // (ROWS * wgs)) * (OUT_FACTOR / global_scale.astype(jnp.float32))
 
 
 def combine_partials(parts: jax.Array, seg_group: np.ndarray, groups: int) -> jax.Array:
     """float32 [ctas, J, R, Mp] per-CTA segment sums (`wgmma_partials`) -> [groups R, Mp]: summed
-    per row group as `stream_plan`'s seg_group [ctas, J] says (entries == groups: unused)."""
+    per row group as `stream_plan`'s seg_group [ctas, J] says (entries == groups: unused).
+
+    A static gather + sum (one XLA fusion with what follows), not a scatter-add."""
     _, _, rows, mp = parts.shape
-    sums = jnp.zeros((groups + 1, rows, mp), jnp.float32).at[seg_group.ravel()].add(parts.reshape(-1, rows, mp))
-    return sums[:groups].reshape(groups * rows, mp)
+    flat = seg_group.ravel()
+    sources = [np.flatnonzero(flat == g) for g in range(groups)]
+    width = max(len(src) for src in sources)
+    idx = np.full((groups, width), flat.size, np.int32)  # out of range: filled with zeros
+    for g, src in enumerate(sources):
+        idx[g, : len(src)] = src
+    gathered = parts.reshape(-1, rows, mp).at[idx].get(mode="fill", fill_value=0.0)  # [G, P, R, Mp]
+    return jnp.sum(gathered, axis=1).reshape(groups * rows, mp)
 
 
 SMEM_BUDGET = 220 * 1024  # H100: 227 KB per block, minus barriers and slack

@@ -238,7 +238,8 @@ def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
 
 def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkeypatch):
     """generate with the repacked copies (kernel availability faked, the Mosaic kernel replaced
-    by its CPU twin: dequantize the repacked words + dot) samples the tokens of the packed path;
+    by its CPU twin: per-CTA partial sums of the dequantized repacked words) samples the tokens
+    of the packed path;
     decode rows go through the copies, the prefill through the packed stack."""
     from pallas_kernels import wgmma_nvfp4
     from qerl_jax.linear import ByRows, LayerOf
@@ -247,13 +248,26 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
     calls = []
 
-    def cpu_twin(x, words, swords, gs, **cfg):
-        calls.append((x.shape, cfg))
-        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32, gs)
-        return (x.astype(jnp.float32) @ w.T).astype(jnp.bfloat16)
+    def cpu_twin(x_p, words, swords, *, n, tk, stages, wgs, ctas):
+        """The kernel's output, emulated: per CTA of the stream-K plan, per row group its range
+        touches, the partial sums of y.T x 2**-8 x global scale."""
+        calls.append((x_p.shape, dict(tk=tk, stages=stages, wgs=wgs, ctas=ctas)))
+        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
+        ctas, nseg, _ = wgmma_nvfp4.stream_plan(n, x_p.shape[1], tk, wgs, ctas)
+        rows, steps = 64 * wgs, x_p.shape[1] // tk
+        flat = (n // rows) * steps
+        parts = jnp.zeros((ctas, nseg, rows, x_p.shape[0]), jnp.float32)
+        for c in range(ctas):
+            lo, hi = c * flat // ctas, (c + 1) * flat // ctas
+            for f in range(lo, hi):
+                g, st = divmod(f, steps)
+                cols = slice(st * tk, (st + 1) * tk)
+                part = w[g * rows : (g + 1) * rows, cols] @ x_p[:, cols].astype(jnp.float32).T
+                parts = parts.at[c, g - lo // steps].add(part)
+        return parts
 
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
-    monkeypatch.setattr(wgmma_nvfp4, "wgmma_matmul", cpu_twin)
+    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
     split = sampler_module._split_layers(params, wgmma_names=("o_proj", "q_proj"))
     assert set(split["packed"]) == set(params["base"]["layers"])  # the prefill reads the stacks
     assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
