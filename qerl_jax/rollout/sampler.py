@@ -72,8 +72,8 @@ SMALL_DENSE_WEIGHTS = 6 * 2**20
 
 # Up to this many decode rows, on a Hopper GPU with the "pallas" backend, the packed NVFP4
 # projections that are not dense copies are repacked once per `generate` call for the Mosaic
-# GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 1.4-1.9x a bf16 dot on the 7B / 32B
-# q/o and MLP shapes at M <= 16, against 1.1-1.3x for the Triton kernel; RESULTS.md).
+# GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 1.7-2.8x a bf16 dot on the 7B / 32B
+# MLP shapes at M <= 16, 0.9-1.8x on q/o, against 1.1-1.3x for the Triton kernel; RESULTS.md).
 WGMMA_MAX_ROWS = 16
 
 # How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
