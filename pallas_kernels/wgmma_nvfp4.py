@@ -5,8 +5,9 @@ registers: y.T tile [64, Mp] += W tile [64, tk] (decoded, registers) @ x.T tile 
 
 Why a second kernel: the Triton block kernel spends ~7 SASS instructions per weight (staging,
 address arithmetic, an unfused zero accumulator); this one is written at the register level so
-the K loop is the decode and the wgmma only (about 1.5 instructions per weight). The grid is
-persistent (one CTA per SM, stream-K over (row group, K step) items; `stream_plan`).
+the K loop is the decode and the wgmma only (about 2.3 SASS instructions per weight, 1.1 of them
+on the ALU pipe). The grid is persistent (one CTA per SM, stream-K over (row group, K step)
+items; `stream_plan`).
 
 Load-time repacking (`repack`), done once per weight and value-preserving:
 - codes: each 64-row x 16-column block of the weight gives warpgroup thread t the 8 codes it holds
