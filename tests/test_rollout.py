@@ -224,9 +224,9 @@ def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
     path, _ = tiny_qwen2_dir
     _, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
     names = functools.partial(sampler_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
-    assert names(None, rows=16, kernel_available=True) == ("o_proj", "q_proj")
+    assert names(None, rows=64, kernel_available=True) == ("o_proj", "q_proj")
     assert names(None, rows=16, kernel_available=True, exclude=("q_proj",)) == ("o_proj",)
-    assert names(None, rows=17, kernel_available=True) == ()  # above WGMMA_MAX_ROWS: the Triton kernel
+    assert names(None, rows=65, kernel_available=True) == ()  # above WGMMA_MAX_ROWS: the Triton kernel
     assert names(True, rows=64, kernel_available=True) == ("o_proj", "q_proj")
     assert names(None, rows=1, kernel_available=False) == ()  # CPU, or a GPU other than Hopper
     assert names(False, rows=1, kernel_available=True) == ()

@@ -73,8 +73,9 @@ SMALL_DENSE_WEIGHTS = 6 * 2**20
 # Up to this many decode rows, on a Hopper GPU with the "pallas" backend, the packed NVFP4
 # projections that are not dense copies are repacked once per `generate` call for the Mosaic
 # GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 1.7-2.8x a bf16 dot on the 7B / 32B
-# MLP shapes at M <= 16, 0.9-1.8x on q/o, against 1.1-1.3x for the Triton kernel; RESULTS.md).
-WGMMA_MAX_ROWS = 16
+# MLP shapes at M <= 16 and 1.2-2.2x at M = 64, 0.7-1.8x on q/o, against 0.9-1.3x for the Triton
+# kernel; the 7B rollout step 1.4x bf16 at 64 rows with it, 0.96x without; RESULTS.md).
+WGMMA_MAX_ROWS = 64
 
 # How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
 TRACE_COUNTS: dict[str, int] = {"prefill": 0, "decode": 0}
