@@ -36,7 +36,7 @@ import numpy as np
 from flax import struct
 
 ROWS = 64  # rows of W per warpgroup (wgmma M)
-KBLOCK = 64  # columns per 128-bit code word of a thread
+KBLOCK = 64  # columns per block of a thread's four code words
 SCALE_EXP_BIAS = 9  # re-encoded scale: 2**(e - 9) * (1 + m / 8); e in [0, 17]
 _SCALE_BF16_ADD = (245 - SCALE_EXP_BIAS) << 7  # exponent offset to reach scale * 2**118
 OUT_FACTOR = 2.0**8  # undoes 2**-126 (codes) x 2**118 (scales)
@@ -161,8 +161,9 @@ def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, 
     nt, kt = words.shape[:2]
     t_idx, b_idx, k_idx = _inverse_positions()
     w_tile = words[:, :, b_idx, t_idx]  # [nt, kt, 64, 64]: the word holding each element
-    pos = jnp.asarray(code_bit_positions()[k_idx], jnp.uint32)  # [64, 64, 4]
-    nib = jnp.sum(((w_tile[..., None] >> pos) & 1) << jnp.arange(4, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    pos = code_bit_positions()[k_idx]  # [64, 64, 4]: each element's bit positions in its word
+    em_pos, sign_pos = jnp.asarray(pos[..., 0], jnp.uint32), jnp.asarray(pos[..., 3], jnp.uint32)
+    nib = ((w_tile >> em_pos) & 7) | (((w_tile >> sign_pos) & 1) << 3)  # as `repack` placed the fields
     vals = jnp.asarray(CODE_TABLES["nvfp4"], jnp.float32)[nib.astype(jnp.int32)]
     sb = (swords[..., None] >> (jnp.arange(4, dtype=jnp.uint32) * 8)) & 0xFF  # [nt, kt, 64 words, 4 bytes]
     src_row, src_block = _scale_sources()
@@ -190,12 +191,16 @@ class WgmmaWeight:
         return self.words.shape[0] * ROWS, self.words.shape[1] * KBLOCK
 
 
+def layout_fits(fmt: str | None, shape: tuple[int, ...]) -> bool:
+    """Whether NVFP4 weights of this format and [..., N, K] shape have the kernel's layout
+    (N and K multiples of 64)."""
+    return fmt == "nvfp4" and len(shape) >= 2 and shape[-2] % ROWS == 0 and shape[-1] % KBLOCK == 0
+
+
 def supports(packed) -> bool:
     """Whether `from_packed` takes this weight: one NVFP4 matrix with N and K multiples of 64."""
-    shape = getattr(packed, "shape", None)
-    return (
-        getattr(packed, "fmt", None) == "nvfp4" and len(shape) == 2 and shape[0] % ROWS == 0 and shape[1] % KBLOCK == 0
-    )
+    shape = getattr(packed, "shape", ())
+    return len(shape) == 2 and layout_fits(getattr(packed, "fmt", None), shape)
 
 
 def from_packed(packed) -> WgmmaWeight:

@@ -267,11 +267,7 @@ def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
     """Each stacked NVFP4 weight repacked for the wgmma kernel, one `WgmmaWeight` per layer."""
     from pallas_kernels import wgmma_nvfp4
 
-    num_layers = next(iter(packed.values())).codes.shape[0]
-    return [
-        {name: wgmma_nvfp4.from_packed(jax.tree.map(lambda a, i=layer: a[i], stack)) for name, stack in packed.items()}
-        for layer in range(num_layers)
-    ]
+    return [{name: wgmma_nvfp4.from_packed(w) for name, w in layer.items()} for layer in _unstack(packed)]
 
 
 _wgmma_layers_jit = jax.jit(_wgmma_layers)
@@ -297,20 +293,14 @@ def wgmma_weight_names(
     """
     if requested is False or backend != "pallas" or not unroll_layers:
         return ()
-    if kernel_available is None:
-        from pallas_kernels import wgmma_nvfp4
+    from pallas_kernels import wgmma_nvfp4
 
+    if kernel_available is None:
         kernel_available = wgmma_nvfp4.available()
     if not kernel_available or (requested is None and rows > WGMMA_MAX_ROWS):
         return ()
     packed, _ = _packed_and_copied(params)
-    names = tuple(
-        sorted(
-            n
-            for n, w in packed.items()
-            if n not in exclude and w.fmt == "nvfp4" and w.shape[-2] % 64 == 0 and w.shape[-1] % 64 == 0
-        )
-    )
+    names = tuple(sorted(n for n, w in packed.items() if n not in exclude and wgmma_nvfp4.layout_fits(w.fmt, w.shape)))
     if requested is None and not fits(wgmma_copy_bytes(params, names)):
         return ()
     return names
