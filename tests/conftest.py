@@ -75,3 +75,32 @@ def tiny_model_dir(tmp_path_factory):
     from qerl_jax import tiny
 
     return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))
+
+
+def stream_k_partials(w_NxK, x_MpxK, *, tk: int, wgs: int, ctas: int):
+    """The wgmma kernel's output, emulated (jnp, so it also runs traced): per CTA of
+    `stream_plan`'s contiguous ranges of (row group, K step) items, per row group its range
+    touches, the partial sums of W @ x.T. Unwritten segments stay NaN.
+
+    Returns (parts float32 [ctas, J, 64 wgs, Mp], seg_group [ctas, J], groups)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import wgmma_nvfp4
+
+    n, k = w_NxK.shape
+    ctas, nseg, seg_group = wgmma_nvfp4.stream_plan(n, k, tk, wgs, ctas)
+    rows, steps = 64 * wgs, k // tk
+    flat = (n // rows) * steps
+    parts = jnp.full((ctas, nseg, rows, x_MpxK.shape[0]), jnp.nan, jnp.float32)
+    for c in range(ctas):
+        lo, hi = c * flat // ctas, (c + 1) * flat // ctas
+        assert hi > lo  # every CTA has work
+        for f in range(lo, hi):
+            g, st = divmod(f, steps)
+            seg = g - lo // steps
+            assert seg_group[c, seg] == g
+            cols = slice(st * tk, (st + 1) * tk)
+            part = w_NxK[g * rows : (g + 1) * rows, cols] @ x_MpxK[:, cols].astype(jnp.float32).T
+            first = f == lo or st == 0  # the segment's first item: the kernel starts from zero
+            parts = parts.at[c, seg].set(part) if first else parts.at[c, seg].add(part)
+    return parts, seg_group, n // rows

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import stream_k_partials
 
 import qerl_jax
 from qerl_jax.models.qwen2 import PROJECTIONS
@@ -249,22 +250,10 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     calls = []
 
     def cpu_twin(x_p, words, swords, *, n, tk, stages, wgs, ctas):
-        """The kernel's output, emulated: per CTA of the stream-K plan, per row group its range
-        touches, the partial sums of y.T x 2**-8 x global scale."""
+        """The kernel's output, emulated: per-CTA partial sums of y.T x 2**-8 x global scale."""
         calls.append((x_p.shape, dict(tk=tk, stages=stages, wgs=wgs, ctas=ctas)))
         w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
-        ctas, nseg, _ = wgmma_nvfp4.stream_plan(n, x_p.shape[1], tk, wgs, ctas)
-        rows, steps = 64 * wgs, x_p.shape[1] // tk
-        flat = (n // rows) * steps
-        parts = jnp.zeros((ctas, nseg, rows, x_p.shape[0]), jnp.float32)
-        for c in range(ctas):
-            lo, hi = c * flat // ctas, (c + 1) * flat // ctas
-            for f in range(lo, hi):
-                g, st = divmod(f, steps)
-                cols = slice(st * tk, (st + 1) * tk)
-                part = w[g * rows : (g + 1) * rows, cols] @ x_p[:, cols].astype(jnp.float32).T
-                parts = parts.at[c, g - lo // steps].add(part)
-        return parts
+        return stream_k_partials(w, x_p, tk=tk, wgs=wgs, ctas=ctas)[0]
 
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
     monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import stream_k_partials
 
 from pallas_kernels import wgmma_nvfp4 as wn
 from qerl_jax.quant import quantize
@@ -228,28 +229,13 @@ def test_kernel_config(m, n, k, want):
 @pytest.mark.parametrize("n,k,tk,wgs,ctas", [(256, 1024, 128, 2, 5), (3584, 18944, 256, 2, 132), (192, 448, 64, 1, 7)])
 def test_stream_plan_and_combine_equal_the_matmul(n, k, tk, wgs, ctas):
     """Each CTA's contiguous range of (row group, K step) items, summed per segment as the kernel
-    does (emulated in numpy) and combined by `combine_partials`, gives x @ W.T."""
+    does (emulated) and combined by `combine_partials`, gives x @ W.T."""
     rng = np.random.default_rng(n + k)
-    mp, rows = 8, 64 * wgs
-    x = rng.standard_normal((mp, k)).astype(np.float32)
+    x = rng.standard_normal((8, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    ctas_used, nseg, seg_group = wn.stream_plan(n, k, tk, wgs, ctas)
-    groups, steps = n // rows, k // tk
-    assert ctas_used == min(ctas, groups * steps)
-    parts = np.full((ctas_used, nseg, rows, mp), np.nan, np.float32)  # unwritten segments stay NaN
-    flat = groups * steps
-    for c in range(ctas_used):
-        lo, hi = c * flat // ctas_used, (c + 1) * flat // ctas_used
-        assert hi > lo  # every CTA has work
-        for f in range(lo, hi):
-            g, s = divmod(f, steps)
-            seg = g - lo // steps
-            assert seg_group[c, seg] == g
-            if np.isnan(parts[c, seg]).all():
-                parts[c, seg] = 0.0
-            cols = slice(s * tk, (s + 1) * tk)
-            parts[c, seg] += w[g * rows : (g + 1) * rows, cols] @ x[:, cols].T
-    got = np.asarray(wn.combine_partials(jnp.asarray(parts), seg_group, groups))
+    parts, seg_group, groups = stream_k_partials(jnp.asarray(w), jnp.asarray(x), tk=tk, wgs=wgs, ctas=ctas)
+    assert parts.shape[0] == min(ctas, groups * (k // tk))
+    got = np.asarray(wn.combine_partials(parts, seg_group, groups))
     np.testing.assert_allclose(got, w @ x.T, rtol=1e-4, atol=1e-3)
 
 
