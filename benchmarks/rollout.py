@@ -206,15 +206,22 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
         row = {"format": fmt, "backend": backend, "prompts": prompts, "group": group, "batch": prompts * group}
         try:
             kw = dict(group_size=group, backend=backend, cache_new_tokens=run["new_tokens"])
+
+            def timed(seed, ids=ids, mask=mask, kw=kw, **extra):
+                """One generate call on this batch -> (its output, its timings)."""
+                tm = {}
+                out_ = rollout.generate(
+                    config, params, ids, mask, jax.random.key(seed), sampling, timings=tm, **kw, **extra
+                )
+                return out_, tm
+
             t = time.perf_counter()
-            warm = {}
-            b = rollout.generate(config, params, ids, mask, jax.random.key(1), sampling, timings=warm, **kw)
+            b, _ = timed(1)
             jax.block_until_ready(b.tokens)
             first_call = time.perf_counter() - t
             reps = []
             for r in range(args.reps):
-                tm = {}
-                b = rollout.generate(config, params, ids, mask, jax.random.key(2 + r), sampling, timings=tm, **kw)
+                b, tm = timed(2 + r)
                 reps.append(tm)
             best = min(reps, key=lambda tm: tm["prefill_s"] + tm["decode_s"])
             steps = best["steps"]
@@ -222,38 +229,11 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             # Time to first token: the per-layer weight copies + prefill + first sample.
             ttft = min(tm["prefill_s"] + tm.get("unstack_s", 0.0) for tm in reps)
             # generate's default choice of bf16 copies (the memory check aside)
-            dense_names = rollout.dense_weight_names(
-                params,
-                None,
-                backend=backend,
-                rows=rollout.rows_bucket(prompts * group),
-                unroll_layers=True,
-                fits=lambda _bytes: True,
-            )
-            wgmma_names = rollout.wgmma_weight_names(
-                params,
-                None,
-                backend=backend,
-                rows=rollout.rows_bucket(prompts * group),
-                unroll_layers=True,
-                exclude=dense_names,
-            )
+            choice = dict(backend=backend, rows=rollout.rows_bucket(prompts * group), unroll_layers=True)
+            dense_names = rollout.dense_weight_names(params, None, fits=lambda _bytes: True, **choice)
+            wgmma_names = rollout.wgmma_weight_names(params, None, exclude=dense_names, **choice)
             if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
-                tms = []
-                for r in range(args.reps + 1):  # the first compiles
-                    tm = {}
-                    rollout.generate(
-                        config,
-                        params,
-                        ids,
-                        mask,
-                        jax.random.key(2 + r),
-                        sampling,
-                        timings=tm,
-                        wgmma_weights=False,
-                        **kw,
-                    )
-                    tms.append(tm)
+                tms = [timed(2 + r, wgmma_weights=False)[1] for r in range(args.reps + 1)]  # the first compiles
                 row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
                 wgmma_weights=list(wgmma_names),
@@ -277,14 +257,12 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                     num_prompts=rollout.rows_bucket(prompts),
                     layer_copy_bytes=tree_bytes([params["base"]["layers"], params["norms"]["layers"]]),
                 )
-                + rollout.dense_copy_bytes(params, dense_names),
+                + rollout.dense_copy_bytes(params, dense_names)
+                + rollout.wgmma_copy_bytes(params, wgmma_names),
             )
             if args.no_sharing_row and group > 1 and index == 0:
                 for _ in range(2):  # compile, then time
-                    tm = {}
-                    rollout.generate(
-                        config, params, ids, mask, jax.random.key(1), sampling, share_prefill=False, timings=tm, **kw
-                    )
+                    _, tm = timed(1, share_prefill=False)
                 row["ttft_no_sharing_s"] = tm["prefill_s"] + tm.get("unstack_s", 0.0)
         except Exception as e:  # noqa: BLE001 (report and go on with the next variant)
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
