@@ -346,6 +346,15 @@ def fwd_op(fmt, cfg, decode):
     return lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, cfg=cfg)
 
 
+def bf16_copy_groups(packed, xs: list, u_cap: int = 16) -> list[list]:
+    """(x, W) groups for the bf16 baseline: `packed`'s values in bf16 plus slightly shifted copies,
+    rotated like the packed weights (n_copies), the xs reused in turn."""
+    w0 = P.dequantize(packed, jnp.bfloat16)
+    r = n_copies(w0.size * 2)
+    ws = [w0] + [w0 + jnp.bfloat16(i * 1e-3) for i in range(1, r)]
+    return make_groups([(xs[i % len(xs)], w) for i, w in enumerate(ws)], min(u_cap, r))
+
+
 def packed_groups(key, m, n, k, fmt, u_cap=16):
     """Rotating argument groups for ops on packed weights: [[(x, codes, scales, gs), ...], ...]."""
     p0 = rand_packed(key, n, k, fmt)
@@ -555,19 +564,14 @@ def bench_fwd(args, decode: str, ms: list[int]):
                     if read_bw:
                         row["pct_read_bw"] = 100 * row["ours_GBps"] / read_bw
                     # bf16 weights: the dequantized values, rotated the same way
-                    w0 = P.dequantize(items[0], jnp.bfloat16)
-                    r = n_copies(w0.size * 2)
-                    u = min(16, r)
-                    ws = [w0] + [w0 + jnp.bfloat16(i * 1e-3) for i in range(1, r)]
-                    xs = [g_[0] for g_ in groups[0]]
-                    bgroups = make_groups([(xs[i % len(xs)], w) for i, w in enumerate(ws)], u)
+                    bgroups = bf16_copy_groups(items[0], [g_[0] for g_ in groups[0]])
                     del items, groups
                     row["bf16_us"] = time_ops(_dot_nt, bgroups)["s"] * 1e6
                     row["speedup_vs_bf16"] = row["bf16_us"] / row["ours_us"]
                     row["speedup_vs_xla_dequant"] = row["xla_dequant_us"] / row["ours_us"]
                     row["bf16_TFLOPs"] = 2 * m * n * k / (row["bf16_us"] * 1e-6) / 1e12
                     row["ours_TFLOPs"] = 2 * m * n * k / (row["ours_us"] * 1e-6) / 1e12
-                    del ws, bgroups
+                    del bgroups
                 except Exception as e:  # noqa: BLE001
                     log_error(f"bench {model} {m}x{n}x{k}", e)
                 RESULTS["bench"].append(row)
@@ -601,18 +605,14 @@ def bench_bwd(args, decode: str, ms: list[int]):
                         preferred_element_type=jnp.float32,
                     ).astype(jnp.bfloat16)
                     row["xla_dequant_us"] = time_ops(deq, groups)["s"] * 1e6
-                    w0 = P.dequantize(items[0], jnp.bfloat16)
-                    r = n_copies(w0.size * 2)
-                    ws = [w0] + [w0 + jnp.bfloat16(i * 1e-3) for i in range(1, r)]
-                    dys = [a[0] for a in groups[0]]
-                    bgroups = make_groups([(dys[i % len(dys)], w) for i, w in enumerate(ws)], min(4, r))
+                    bgroups = bf16_copy_groups(items[0], [a[0] for a in groups[0]], u_cap=4)
                     del items, groups
                     bf = lambda d, w: jax.lax.dot_general(
                         d, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
                     ).astype(jnp.bfloat16)
                     row["bf16_us"] = time_ops(bf, bgroups)["s"] * 1e6
                     row["speedup_vs_bf16"] = row["bf16_us"] / row["ours_us"]
-                    del ws, bgroups
+                    del bgroups
                 except Exception as e:  # noqa: BLE001
                     log_error(f"bwd {model} {m}x{n}x{k}", e)
                 RESULTS["bwd"].append(row)

@@ -112,16 +112,12 @@ def bench(args):
                         stages = wn.fit_stages(max(8, -(-m // 8) * 8), alt, cfg["wgs"], 6)
                         row[f"wgmma_tk{alt}_us"] = kb.time_ops(wg_op(alt, stages, cfg["wgs"]), wgroups)["s"] * 1e6
                     row["triton_us"] = kb.time_ops(kb.fwd_op("nvfp4", None, "asm"), tgroups)["s"] * 1e6
-                    w0 = kb.P.dequantize(items[0], jnp.bfloat16)
-                    r = kb.n_copies(w0.size * 2)
-                    ws = [w0] + [w0 + jnp.bfloat16(i * 1e-3) for i in range(1, r)]
-                    xs = [g_[0] for g_ in tgroups[0]]
-                    bgroups = kb.make_groups([(xs[i % len(xs)], w) for i, w in enumerate(ws)], min(16, r))
+                    bgroups = kb.bf16_copy_groups(items[0], [g_[0] for g_ in tgroups[0]])
                     row["bf16_us"] = kb.time_ops(kb._dot_nt, bgroups)["s"] * 1e6
                     row["bf16_over_wgmma"] = row["bf16_us"] / row["wgmma_us"]
                     row["bf16_over_triton"] = row["bf16_us"] / row["triton_us"]
                     row["wgmma_GBps"] = kb.packed_bytes(items[0]) / (row["wgmma_us"] * 1e-6) / 1e9
-                    del ws, bgroups, tgroups, wgroups, items
+                    del bgroups, tgroups, wgroups, items
                 except Exception as e:  # noqa: BLE001
                     err(f"bench {model} {n}x{k} m={m}", e)
                 RES["bench"].append(row)
