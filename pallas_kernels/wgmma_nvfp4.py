@@ -155,7 +155,8 @@ def _inverse_positions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, global_scale=None) -> jax.Array:
-    """Inverse of `repack`: codes x scales (/ global_scale, if given, as `dequantize` does), `dtype` [N, K]."""
+    """Inverse of `repack`: codes x scales (/ global_scale, if given: float32 [] or per row [N], as
+    `dequantize` does), `dtype` [N, K]."""
     from qerl_jax.quant.packed import CODE_TABLES, exact_div
 
     nt, kt = words.shape[:2]
@@ -170,7 +171,8 @@ def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, 
     enc = jnp.zeros(sb.shape, jnp.uint32).at[:, :, src_row, src_block].set(sb)  # [nt, kt, 64 rows, 4 blocks]
     block_scale = decode_scales(enc.astype(jnp.uint8))  # [nt, kt, 64, 4]
     if global_scale is not None:
-        block_scale = exact_div(block_scale, global_scale)
+        gs = jnp.asarray(global_scale, jnp.float32)
+        block_scale = exact_div(block_scale, gs.reshape(nt, 1, ROWS, 1) if gs.ndim else gs)
     tile = (vals * jnp.repeat(block_scale, 16, axis=-1)).astype(dtype)
     return tile.transpose(0, 2, 1, 3).reshape(nt * ROWS, kt * KBLOCK)
 
@@ -179,12 +181,13 @@ def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, 
 class WgmmaWeight:
     """An NVFP4 linear weight [N, K] in the wgmma kernel's layout (see the module docstring).
 
-    Made from a `PackedWeight` with `from_packed` (once, e.g. per rollout); same values.
+    Made from a `PackedWeight` with `from_packed` (once, e.g. per rollout); same values. Several
+    weights of one K stack along N into one (`concat`), each keeping its global scale per row.
     """
 
     words: jax.Array  # uint32 [N/64, K/64, 4, 128]
     swords: jax.Array  # uint32 [N/64, K/64, 64]
-    global_scale: jax.Array  # float32 []
+    global_scale: jax.Array  # float32 [] or [N] (one per row: a `concat` of weights)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -212,6 +215,20 @@ def from_packed(packed) -> WgmmaWeight:
         )
     words, swords = repack(packed.codes, packed.scales)
     return WgmmaWeight(words, swords, packed.global_scale.astype(jnp.float32))
+
+
+def concat(weights: list[WgmmaWeight]) -> WgmmaWeight:
+    """Weights [N_i, K] -> one [sum N_i, K] (rows in order; per-row global scales), so that
+    projections of one input (q/k/v, gate/up) run as one kernel call."""
+    ks = {w.shape[1] for w in weights}
+    if len(ks) != 1:
+        raise ValueError(f"concat needs weights of one K; got shapes {[w.shape for w in weights]}")
+    scales = [jnp.broadcast_to(w.global_scale.astype(jnp.float32), (w.shape[0],)) for w in weights]
+    return WgmmaWeight(
+        jnp.concatenate([w.words for w in weights]),
+        jnp.concatenate([w.swords for w in weights]),
+        jnp.concatenate(scales),
+    )
 
 
 def dequantize_wgmma(w: WgmmaWeight, dtype=jnp.float32) -> jax.Array:
@@ -253,7 +270,7 @@ def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
         raise ValueError(f"x has K={k} but the weight is [{n}, {k_w}]")
     if m <= MAX_ROWS and available():
         y_t = _wgmma_yt(x_MxK, w.words, w.swords, w.global_scale, **kernel_config(m, n, k))
-        return y_t[:, :m].T
+        return y_t.T
     w_NxK = dequantize_wgmma(w, x_MxK.dtype)
     return jax.lax.dot_general(x_MxK, w_NxK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -354,20 +371,23 @@ def num_sms() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("n", "tk", "stages", "wgs", "ctas"))
-def wgmma_partials(x_p, words, swords, *, n: int, tk: int, stages: int, wgs: int = 2, ctas: int = 132):
+def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int = 2, ctas: int = 132):
     """The kernel: `ctas` persistent CTAs (stream-K), each streaming a contiguous range of the flat
     (row group of 64 wgs rows, K step) space through one warp-specialized pipeline: a TMA
     warpgroup fills a `stages`-deep SMEM ring of [Mp, tk] x and code / scale words, and `wgs`
     compute warpgroups decode and multiply. A CTA writes its accumulator out (and restarts it)
     when its range leaves a row group, so there is no per-tile prologue and no wave tail.
 
-    x_p bf16 [Mp, K] -> float32 [ctas, J, 64 wgs, Mp]: each CTA's partial sums of y.T x 2**-8 x gs,
-    one per row group its range touches (`stream_plan` says which; unused segments are unwritten).
+    x bf16 [M, K] -> float32 [ctas, J, 64 wgs, Mp] (Mp: M rounded up to 8; TMA reads the missing
+    rows of x as zeros, and output columns >= M are not meaningful): each CTA's partial sums of
+    y.T x 2**-8 x gs, one per row group its range touches (`stream_plan` says which; unused
+    segments are unwritten).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    mp, k = x_p.shape
+    m, k = x.shape
+    mp = max(8, -(-m // 8) * 8)
     nj = tk // KBLOCK
     steps = k // tk
     if k % tk:
@@ -441,25 +461,25 @@ def wgmma_partials(x_p, words, swords, *, n: int, tk: int, stages: int, wgs: int
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(x_p, words, swords)
+    )(x, words, swords)
 
 
 def wgmma_matmul(x, words, swords, global_scale, *, tk: int = 128, stages: int = 6, wgs: int = 2, ctas: int = 0):
     """x bf16 [M, K] @ repacked NVFP4 W [N, K].T -> bf16 [M, N] (fp32 accumulation); `ctas`
     persistent CTAs (0: one per SM)."""
     y_t = _wgmma_yt(x, words, swords, global_scale, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
-    return y_t[:, : x.shape[0]].T.astype(jnp.bfloat16)
+    return y_t.T.astype(jnp.bfloat16)
 
 
 def _wgmma_yt(x, words, swords, global_scale, *, tk: int, stages: int, wgs: int, ctas: int = 0) -> jax.Array:
-    """float32 y.T [N, Mp] (rows >= M are zero) of x [M, K] @ W.T through the kernel."""
+    """float32 y.T [N, M] of x [M, K] @ W.T through the kernel (global scale [] or per row [N])."""
     m, k = x.shape
     n = words.shape[0] * ROWS
-    mp = max(8, -(-m // 8) * 8)
     ctas, _, seg_group = stream_plan(n, k, tk, wgs, ctas or num_sms())
-    x_p = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
-    parts = wgmma_partials(x_p, words, swords, n=n, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
-    return combine_partials(parts, seg_group, n // (ROWS * wgs)) * (OUT_FACTOR / global_scale.astype(jnp.float32))
+    parts = wgmma_partials(x.astype(jnp.bfloat16), words, swords, n=n, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
+    gs = global_scale.astype(jnp.float32)
+    y_t = combine_partials(parts[..., :m], seg_group, n // (ROWS * wgs))
+    return y_t * (OUT_FACTOR / (gs[:, None] if gs.ndim else gs))
 
 
 def combine_partials(parts: jax.Array, seg_group: np.ndarray, groups: int) -> jax.Array:

@@ -77,16 +77,19 @@ def tiny_model_dir(tmp_path_factory):
     return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))
 
 
-def stream_k_partials(w_NxK, x_MpxK, *, tk: int, wgs: int, ctas: int):
+def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
     """The wgmma kernel's output, emulated (jnp, so it also runs traced): per CTA of
     `stream_plan`'s contiguous ranges of (row group, K step) items, per row group its range
-    touches, the partial sums of W @ x.T. Unwritten segments stay NaN.
+    touches, the partial sums of W @ x.T. Unwritten segments, and the columns past M (x's tile
+    has Mp = M rounded up to 8 rows), are NaN.
 
     Returns (parts float32 [ctas, J, 64 wgs, Mp], seg_group [ctas, J], groups)."""
     import jax.numpy as jnp
 
     from pallas_kernels import wgmma_nvfp4
 
+    m = x_MxK.shape[0]
+    x_MpxK = jnp.pad(x_MxK.astype(jnp.float32), ((0, max(8, -(-m // 8) * 8) - m), (0, 0)), constant_values=jnp.nan)
     n, k = w_NxK.shape
     ctas, nseg, seg_group = wgmma_nvfp4.stream_plan(n, k, tk, wgs, ctas)
     rows, steps = 64 * wgs, k // tk
@@ -100,7 +103,7 @@ def stream_k_partials(w_NxK, x_MpxK, *, tk: int, wgs: int, ctas: int):
             seg = g - lo // steps
             assert seg_group[c, seg] == g
             cols = slice(st * tk, (st + 1) * tk)
-            part = w_NxK[g * rows : (g + 1) * rows, cols] @ x_MpxK[:, cols].astype(jnp.float32).T
+            part = w_NxK[g * rows : (g + 1) * rows, cols] @ x_MpxK[:, cols].T
             first = f == lo or st == 0  # the segment's first item: the kernel starts from zero
             parts = parts.at[c, seg].set(part) if first else parts.at[c, seg].add(part)
     return parts, seg_group, n // rows

@@ -196,6 +196,40 @@ def test_wgmma_weight_matmul_equals_the_packed_weight_on_the_xla_path():
         wn.wgmma_linear(jnp.ones((2, 100)), w)
 
 
+def test_concat_keeps_each_weights_global_scale():
+    """q/k/v-style weights of one K (different global scales) as one: the rows of each, exactly."""
+    parts = [_weights(128, 192, seed=1), _weights(64, 192, seed=2), _weights(64, 192, seed=3)]
+    parts[1] = parts[1].replace(global_scale=parts[1].global_scale * 3.0)  # another tensor scale
+    fused = wn.concat([wn.from_packed(p) for p in parts])
+    assert fused.shape == (256, 192) and fused.global_scale.shape == (256,)
+    want = np.concatenate([np.asarray(quantize_dequant(p)) for p in parts])
+    np.testing.assert_array_equal(np.asarray(wn.dequantize_wgmma(fused)), want)
+    with pytest.raises(ValueError, match="one K"):
+        wn.concat([wn.from_packed(parts[0]), wn.from_packed(_weights(64, 128))])
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_kernel_path_equals_the_matmul(monkeypatch, m):
+    """wgmma_linear's kernel path (the Mosaic kernel replaced by its per-CTA emulation, which leaves
+    NaN in the columns past M and in unwritten segments): stream-K combine, the slice to M rows and
+    the per-row global scales of a concatenated weight give x @ W.T."""
+
+    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
+        w = wn.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
+        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
+
+    monkeypatch.setattr(wn, "available", lambda: True)
+    monkeypatch.setattr(wn, "wgmma_partials", cpu_twin)
+    parts = [_weights(128, 256, seed=6), _weights(256, 256, seed=7)]
+    parts[0] = parts[0].replace(global_scale=parts[0].global_scale * 0.5)
+    fused = wn.concat([wn.from_packed(p) for p in parts])
+    x = jax.random.normal(jax.random.key(m), (m, 256), jnp.float32).astype(jnp.bfloat16)
+    got = np.asarray(wn.wgmma_linear(x, fused))
+    want = np.asarray(x, np.float32) @ np.asarray(wn.dequantize_wgmma(fused)).T
+    assert got.shape == (m, 384)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def quantize_dequant(p):
     from qerl_jax.quant.packed import dequantize
 
@@ -231,11 +265,11 @@ def test_stream_plan_and_combine_equal_the_matmul(n, k, tk, wgs, ctas):
     """Each CTA's contiguous range of (row group, K step) items, summed per segment as the kernel
     does (emulated) and combined by `combine_partials`, gives x @ W.T."""
     rng = np.random.default_rng(n + k)
-    x = rng.standard_normal((8, k)).astype(np.float32)
+    x = rng.standard_normal((5, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     parts, seg_group, groups = stream_k_partials(jnp.asarray(w), jnp.asarray(x), tk=tk, wgs=wgs, ctas=ctas)
-    assert parts.shape[0] == min(ctas, groups * (k // tk))
-    got = np.asarray(wn.combine_partials(parts, seg_group, groups))
+    assert parts.shape[0] == min(ctas, groups * (k // tk)) and parts.shape[-1] == 8
+    got = np.asarray(wn.combine_partials(parts[..., :5], seg_group, groups))
     np.testing.assert_allclose(got, w @ x.T, rtol=1e-4, atol=1e-3)
 
 
