@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed
@@ -36,6 +37,17 @@ class ByRows:
 
     small: Any
     large: Any
+    max_rows: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class Fused:
+    """Projections of one input stacked along N into one weight `w` ([sum(sizes), K], rows in the
+    order of the projections), for matmuls of at most `max_rows` rows: one kernel call instead of
+    several (e.g. q/k/v and gate/up in the rollout's decode steps). See `fused_linear`."""
+
+    w: Any
+    sizes: tuple[int, ...] = struct.field(pytree_node=False)
     max_rows: int = struct.field(pytree_node=False)
 
 
@@ -96,12 +108,39 @@ def linear(
     W is [N, K] (HF layout), dense or a `PackedWeight`; lora is {"a": [r, K], "b": [N, r]}.
     Accumulation is float32.
     """
-    *lead, k = x.shape
-    x_MxK = x.reshape(-1, k)
-    y_MxN = base_matmul(x_MxK, w, backend)
+    x_MxK = x.reshape(-1, x.shape[-1])
+    return _finish(x, x_MxK, base_matmul(x_MxK, w, backend), bias, lora, lora_scale)
+
+
+def fused_linear(
+    x: jax.Array,
+    fused: Fused,
+    *,
+    biases: list[jax.Array | None],
+    loras: list[dict[str, Any] | None],
+    lora_scale: float = 1.0,
+    backend: str = "xla",
+) -> list[jax.Array]:
+    """[`linear`(x, W_i, bias=biases[i], lora=loras[i]) for each projection i of `fused`], with
+    one matmul for the base weights (x [..., K] with at most fused.max_rows rows of K)."""
+    x_MxK = x.reshape(-1, x.shape[-1])
+    if x_MxK.shape[0] > fused.max_rows:
+        raise ValueError(f"this fused weight serves at most {fused.max_rows} rows; got {x_MxK.shape[0]}")
+    if not len(biases) == len(loras) == len(fused.sizes):
+        raise ValueError(f"{len(fused.sizes)} projections need as many biases and loras")
+    y_MxN = base_matmul(x_MxK, fused.w, backend)
+    splits = np.cumsum(fused.sizes)[:-1].tolist()
+    return [
+        _finish(x, x_MxK, y_i, bias, lora, lora_scale)
+        for y_i, bias, lora in zip(jnp.split(y_MxN, splits, axis=1), biases, loras, strict=True)
+    ]
+
+
+def _finish(x, x_MxK, y_MxN, bias, lora, lora_scale) -> jax.Array:
+    """float32 x @ W.T [M, N] (+ bias) (+ LoRA delta) -> x.dtype [..., N]."""
     if bias is not None:
         y_MxN = y_MxN + bias.astype(jnp.float32)
     if lora is not None:
         h_MxR = _dense_matmul(x_MxK, lora["a"])
         y_MxN = y_MxN + lora_scale * _dense_matmul(h_MxR.astype(x.dtype), lora["b"])
-    return y_MxN.astype(x.dtype).reshape(*lead, y_MxN.shape[-1])
+    return y_MxN.astype(x.dtype).reshape(*x.shape[:-1], y_MxN.shape[-1])

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qerl_jax.linear import linear
+from qerl_jax.linear import fused_linear, linear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = PROJECTIONS[:4]
@@ -134,6 +134,16 @@ def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, 
     return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
+# Projections of one input that may be stored fused (`qerl_jax.linear.Fused`) under
+# `fused_name(group)` in a layer's base variables.
+FUSABLE_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fused_name(group: tuple[str, ...]) -> str:
+    """The base-variable name of a fused group, e.g. "q_proj+k_proj+v_proj"."""
+    return "+".join(group)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block: attention then SwiGLU MLP, each with a residual."""
 
@@ -142,10 +152,34 @@ class DecoderLayer(nn.Module):
 
     def _proj(self, name: str, x: jax.Array) -> jax.Array:
         p = self.get_variable("base", name)
-        lora = self.get_variable("lora", name) if self.has_variable("lora", name) else None
         return linear(
-            x, p["w"], bias=p.get("b"), lora=lora, lora_scale=self.options.lora_scale, backend=self.options.backend
+            x,
+            p["w"],
+            bias=p.get("b"),
+            lora=self._lora(name),
+            lora_scale=self.options.lora_scale,
+            backend=self.options.backend,
         )
+
+    def _lora(self, name: str) -> dict[str, jax.Array] | None:
+        return self.get_variable("lora", name) if self.has_variable("lora", name) else None
+
+    def _projs(self, names: tuple[str, ...], x: jax.Array) -> list[jax.Array]:
+        """The projections `names` of x: one matmul where the base variables hold them fused
+        (`fused_name(names)`: a `Fused` weight, e.g. the rollout's decode copies), else one each."""
+        group = fused_name(names)
+        if self.has_variable("base", group):
+            fused = self.get_variable("base", group)["w"]
+            if x.size // x.shape[-1] <= fused.max_rows:
+                return fused_linear(
+                    x,
+                    fused,
+                    biases=[self.get_variable("base", n).get("b") for n in names],
+                    loras=[self._lora(n) for n in names],
+                    lora_scale=self.options.lora_scale,
+                    backend=self.options.backend,
+                )
+        return [self._proj(n, x) for n in names]
 
     @nn.compact
     def __call__(self, h_BxTxD, cache_kv, positions_BxT, kv_valid_BxS, cache_index):
@@ -153,9 +187,10 @@ class DecoderLayer(nn.Module):
         b, t, _ = h_BxTxD.shape
         x = rms_norm(h_BxTxD, self.get_variable("norms", "input_layernorm"), cfg.rms_norm_eps)
         inv_freq = rope_inv_freq(cfg)
-        q = self._proj("q_proj", x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = self._proj("k_proj", x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = self._proj("v_proj", x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q, k, v = self._projs(FUSABLE_PROJECTIONS[0], x)
+        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
 
@@ -174,7 +209,8 @@ class DecoderLayer(nn.Module):
         h_BxTxD = h_BxTxD + self._proj("o_proj", attn.reshape(b, t, -1))
 
         x = rms_norm(h_BxTxD, self.get_variable("norms", "post_attention_layernorm"), cfg.rms_norm_eps)
-        gated = jax.nn.silu(self._proj("gate_proj", x)) * self._proj("up_proj", x)
+        gate, up = self._projs(FUSABLE_PROJECTIONS[1], x)
+        gated = jax.nn.silu(gate) * up
         h_BxTxD = h_BxTxD + self._proj("down_proj", gated)
         return h_BxTxD, new_cache
 
