@@ -249,11 +249,11 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
     calls = []
 
-    def cpu_twin(x_p, words, swords, *, n, tk, stages, wgs, ctas):
+    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
         """The kernel's output, emulated: per-CTA partial sums of y.T x 2**-8 x global scale."""
-        calls.append((x_p.shape, dict(tk=tk, stages=stages, wgs=wgs, ctas=ctas)))
+        calls.append((x.shape, dict(tk=tk, stages=stages, wgs=wgs, ctas=ctas)))
         w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
-        return stream_k_partials(w, x_p, tk=tk, wgs=wgs, ctas=ctas)[0]
+        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
 
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
     monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
@@ -268,6 +268,69 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     kw = dict(group_size=2, backend="pallas", dense_weights=False)
     repacked = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=True, **kw)
     assert calls and all(shape[0] <= wgmma_nvfp4.MAX_ROWS for shape, _ in calls)  # decode steps only
+    packed = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=False, **kw)
+    np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
+    np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def fusable_nvfp4_model(tmp_path_factory):
+    """A tiny Qwen2 whose projections all have N, K multiples of 64 (k/v: 2 heads x 32), NVFP4."""
+    from conftest import make_hf_model, save_hf_model
+
+    model = make_hf_model(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    path = save_hf_model(model, tmp_path_factory.mktemp("tiny_fusable"))
+    return qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+
+
+def test_wgmma_weight_names_take_fusable_groups_whole(fusable_nvfp4_model):
+    """The small k/v (dense copies by default) join q in the kernel: one fused q/k/v call."""
+    _, params = fusable_nvfp4_model
+    names = functools.partial(sampler_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
+    every = tuple(sorted(PROJECTIONS))
+    assert names(None, rows=16, kernel_available=True, exclude=("k_proj", "v_proj")) == every
+    assert names(None, rows=16, kernel_available=True, exclude=("gate_proj", "q_proj")) == every
+    assert names(None, rows=16, kernel_available=True, exclude=every) == ()
+    assert sampler_module.fused_groups(every) == (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    assert sampler_module.fused_groups(("q_proj", "k_proj", "up_proj")) == ()
+    with pytest.MonkeyPatch.context() as mp:  # generate's choice: k/v small (dense), then fused
+        mp.setattr(sampler_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
+        mp.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
+        choice = dict(backend="pallas", rows=16, unroll_layers=True)
+        assert sampler_module.decode_weight_names(params, None, None, **choice) == ((), every)
+        assert sampler_module.decode_weight_names(params, None, False, **choice) == (("k_proj", "v_proj"), ())
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_model, monkeypatch, with_lora):
+    """Decode steps run q/k/v and gate/up as one kernel call each (the Mosaic kernel replaced by
+    its CPU twin) over concatenated copies with per-row global scales; biases and LoRA deltas are
+    added per projection. The same tokens as the packed path, which runs them one by one."""
+    from pallas_kernels import wgmma_nvfp4
+    from qerl_jax.linear import Fused
+
+    config, params = fusable_nvfp4_model
+    if with_lora:
+        params = {**params, "lora": _random_lora(config, scale=0.1)}
+    widths = []
+
+    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
+        widths.append(n)
+        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
+        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
+
+    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
+    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
+    monkeypatch.setattr(sampler_module, "SMALL_DENSE_WEIGHTS", 64 * 128)  # k/v small, as on 7B / 32B
+    split = sampler_module._split_layers(params, wgmma_names=tuple(PROJECTIONS))
+    fused = split["layers"][1]["base"]["q_proj+k_proj+v_proj"]["w"]
+    assert isinstance(fused, Fused) and fused.sizes == (128, 64, 64) and fused.w.global_scale.shape == (256,)
+    assert "w" not in split["layers"][1]["base"]["k_proj"]  # the prefill reads the packed stack
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
+    kw = dict(group_size=2, backend="pallas", lora_scale=0.5)
+    repacked = generate(config, params, ids, mask, jax.random.key(8), sampling, **kw)  # auto: k/v fused too
+    assert sorted(set(widths)) == [128, 256]  # o and down alone; q/k/v and gate/up fused
     packed = generate(config, params, ids, mask, jax.random.key(8), sampling, wgmma_weights=False, **kw)
     np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)

@@ -9,6 +9,7 @@ train = to_train_batch(batch)  # {input_ids, attention_mask, response_mask, old_
 from qerl_jax.rollout.sampler import (
     RolloutBatch,
     cache_bytes,
+    decode_weight_names,
     dense_copy_bytes,
     dense_weight_names,
     device_free_bytes,
@@ -29,6 +30,7 @@ __all__ = [
     "RolloutBatch",
     "SamplingConfig",
     "cache_bytes",
+    "decode_weight_names",
     "dense_copy_bytes",
     "dense_weight_names",
     "device_free_bytes",

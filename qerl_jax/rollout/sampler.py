@@ -43,12 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qerl_jax.linear import ByRows, LayerOf
+from qerl_jax.linear import ByRows, Fused, LayerOf
 from qerl_jax.models.qwen2 import (
+    FUSABLE_PROJECTIONS,
     DecoderLayer,
     ForwardOptions,
     ModelConfig,
     Qwen2,
+    fused_name,
     positions_from_mask,
     rms_norm,
     variables,
@@ -230,7 +232,8 @@ def _split_layers(
     (by that backend's dequantization, so the values are those of its per-step path) instead
     of reading them packed: those of `dense_names` (default all); None keeps them packed.
     wgmma_names: packed NVFP4 projections repacked per layer for the Hopper wgmma kernel
-    (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size).
+    (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size); those that complete a
+    group of FUSABLE_PROJECTIONS become one `Fused` weight under the group's `fused_name`.
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
     before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
@@ -259,15 +262,30 @@ def _split_layers(
         # instead made the decode loop copy the stacks every step (+1.1 ms, H100, 7B).
         for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
             for name, w in repacked.items():
-                layers[layer]["base"][name]["w"] = w
+                layers[layer]["base"].setdefault(name, {})["w"] = w
     return {"top": top, "packed": packed, "layers": layers}
 
 
+def fused_groups(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The groups of FUSABLE_PROJECTIONS all of whose projections are in `names`."""
+    return tuple(g for g in FUSABLE_PROJECTIONS if set(g) <= set(names))
+
+
 def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each stacked NVFP4 weight repacked for the wgmma kernel, one `WgmmaWeight` per layer."""
+    """Each stacked NVFP4 weight repacked for the wgmma kernel, per layer {name: `WgmmaWeight`};
+    the complete groups of FUSABLE_PROJECTIONS concatenated into {fused_name: `Fused`} instead."""
     from pallas_kernels import wgmma_nvfp4
 
-    return [{name: wgmma_nvfp4.from_packed(w) for name, w in layer.items()} for layer in _unstack(packed)]
+    groups = fused_groups(tuple(packed))
+    out = []
+    for layer in _unstack(packed):
+        repacked = {name: wgmma_nvfp4.from_packed(w) for name, w in layer.items()}
+        for group in groups:
+            ws = [repacked.pop(name) for name in group]
+            fused = wgmma_nvfp4.concat(ws)
+            repacked[fused_name(group)] = Fused(fused, tuple(w.shape[0] for w in ws), max_rows=wgmma_nvfp4.MAX_ROWS)
+        out.append(repacked)
+    return out
 
 
 _wgmma_layers_jit = jax.jit(_wgmma_layers)
@@ -289,7 +307,9 @@ def wgmma_weight_names(
     requested None (auto): on backend "pallas" with unrolled layers, at most WGMMA_MAX_ROWS
     decode rows, the kernel available (`wgmma_nvfp4.available()`, or `kernel_available`) and
     the copies fitting `fits(bytes)`; True: wherever the kernel runs, whatever the rows; False:
-    never. Only NVFP4 projections with N and K multiples of 64, not in `exclude` (dense copies).
+    never. Only NVFP4 projections with N and K multiples of 64, not in `exclude` (dense copies),
+    except that a group of FUSABLE_PROJECTIONS is taken whole when one of it is taken and all of it
+    has the layout (one fused call beats a kernel call plus dense dots for the small k/v).
     """
     if requested is False or backend != "pallas" or not unroll_layers:
         return ()
@@ -300,10 +320,46 @@ def wgmma_weight_names(
     if not kernel_available or (requested is None and rows > WGMMA_MAX_ROWS):
         return ()
     packed, _ = _packed_and_copied(params)
-    names = tuple(sorted(n for n, w in packed.items() if n not in exclude and wgmma_nvfp4.layout_fits(w.fmt, w.shape)))
+    fit = {n for n, w in packed.items() if wgmma_nvfp4.layout_fits(w.fmt, w.shape)}
+    taken = {n for n in fit if n not in exclude}
+    for group in FUSABLE_PROJECTIONS:
+        if set(group) <= fit and taken & set(group):
+            taken |= set(group)
+    names = tuple(sorted(taken))
     if requested is None and not fits(wgmma_copy_bytes(params, names)):
         return ()
     return names
+
+
+def decode_weight_names(
+    params: dict[str, Any],
+    dense_weights: bool | None,
+    wgmma_weights: bool | None,
+    *,
+    backend: str,
+    rows: int,
+    unroll_layers: bool,
+    fits: Callable[[int], bool] = lambda extra: True,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`generate`'s choice of (projections read from bf16 copies, projections repacked for the
+    wgmma kernel); `fits(bytes)` says whether copies of that size fit the memory budget.
+
+    The bf16 copies are chosen first (`dense_weight_names`), then the wgmma copies among the rest
+    (`wgmma_weight_names`); a small projection that completes a fused group goes to the kernel."""
+    dense = dense_weight_names(
+        params, dense_weights, backend=backend, rows=rows, unroll_layers=unroll_layers, fits=fits
+    )
+    dense_bytes = dense_copy_bytes(params, dense)
+    wgmma = wgmma_weight_names(
+        params,
+        wgmma_weights,
+        backend=backend,
+        rows=rows,
+        unroll_layers=unroll_layers,
+        exclude=dense,
+        fits=lambda extra: fits(dense_bytes + extra),
+    )
+    return tuple(n for n in dense if n not in wgmma), wgmma
 
 
 def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
@@ -783,26 +839,17 @@ def generate(
         layer_copy_bytes=layer_copy_bytes(params) if unroll_layers else 0,
     )
     budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
-    dense_names = dense_weight_names(
+    dense_names, wgmma_names = decode_weight_names(
         params,
         dense_weights,
+        wgmma_weights,
         backend=backend,
         rows=rows_b,
         unroll_layers=unroll_layers,
         fits=lambda extra: budget is None or (need + extra) * MEMORY_MARGIN <= budget,
     )
     dense_bytes = dense_copy_bytes(params, dense_names)
-    need += dense_bytes
-    wgmma_names = wgmma_weight_names(
-        params,
-        wgmma_weights,
-        backend=backend,
-        rows=rows_b,
-        unroll_layers=unroll_layers,
-        exclude=dense_names,
-        fits=lambda extra: budget is None or (need + extra) * MEMORY_MARGIN <= budget,
-    )
-    need += wgmma_copy_bytes(params, wgmma_names)
+    need += dense_bytes + wgmma_copy_bytes(params, wgmma_names)
     if budget is not None and need * MEMORY_MARGIN > budget:
         raise MemoryError(
             f"rollout chunk of {rows_b} sequences x ({p_b} prompt + {static.new_slots} new) slots needs about "
