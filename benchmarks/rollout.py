@@ -230,11 +230,17 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             ttft = min(tm["prefill_s"] + tm.get("unstack_s", 0.0) for tm in reps)
             # generate's default choice of bf16 copies (the memory check aside)
             choice = dict(backend=backend, rows=rollout.rows_bucket(prompts * group), unroll_layers=True)
-            dense_names = rollout.dense_weight_names(params, None, fits=lambda _bytes: True, **choice)
-            wgmma_names = rollout.wgmma_weight_names(params, None, exclude=dense_names, **choice)
+            dense_names, wgmma_names = rollout.decode_weight_names(params, None, None, **choice)
             if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
                 tms = [timed(2 + r, wgmma_weights=False)[1] for r in range(args.reps + 1)]  # the first compiles
                 row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
+            if args.compare_unfused and rollout.sampler.fused_groups(wgmma_names):  # one kernel call per projection
+                fusable, rollout.sampler.FUSABLE_PROJECTIONS = rollout.sampler.FUSABLE_PROJECTIONS, ()
+                try:
+                    tms = [timed(2 + r)[1] for r in range(args.reps + 1)]
+                finally:
+                    rollout.sampler.FUSABLE_PROJECTIONS = fusable
+                row["decode_step_s_unfused"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
                 wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
@@ -487,6 +493,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--compare-wgmma", action="store_true", help="also time NVFP4 rows without the wgmma kernel (Triton)"
     )
+    parser.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="also time wgmma rows with one kernel call per projection (no fused q/k/v, gate/up)",
+    )
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -528,6 +539,8 @@ def main(argv=None) -> None:
             cmd += ["--batches", args.batches]
         if args.compare_wgmma:
             cmd.append("--compare-wgmma")
+        if args.compare_unfused:
+            cmd.append("--compare-unfused")
         if i == 0:
             cmd.append("--measure-device")
         if name == "bf16:xla":

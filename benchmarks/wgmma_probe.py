@@ -4,7 +4,8 @@
 
 check: kernel vs float32 reference (random weights, plus E4M3-subnormal and zero block scales),
 with one CTA per SM and with 7 CTAs (uneven stream-K ranges, dummy steps);
-bench: per Qwen2.5-7B / 32B shape and M, the library's config (`kernel_config`) and the other K
+bench: per Qwen2.5-7B / 32B shape (with --fused, also the q/k/v and gate/up weights stacked into
+one, as the rollout runs them) and M, the library's config (`kernel_config`) and the other K
 step, side by side with XLA bf16 `jnp.dot` and the Triton kernel (table config), same rotation
 of weight copies as benchmarks/kernels.py.
 """
@@ -93,10 +94,16 @@ def wg_groups(key, m, n, k):
     return groups, out, items
 
 
+def fused_shapes(model: str) -> list[tuple[int, int]]:
+    """[N, K] of the model's q/k/v and gate/up projections stacked along N (one call each)."""
+    lin = {name: (n, k) for name, n, k in kb.model_linears(model)}
+    return [(sum(lin[p][0] for p in group), lin[group[0]][1]) for group in (("q", "k", "v"), ("gate", "up"))]
+
+
 def bench(args):
     """Per shape and M: the library config and the other K step vs Triton vs the bf16 dot."""
     for model in args.models.split(","):
-        for n, k in kb.unique_shapes(model):
+        for n, k in kb.unique_shapes(model) + (fused_shapes(model) if args.fused else []):
             for m in [int(v) for v in args.ms.split(",")]:
                 if time.time() - T0 > args.deadline:
                     print("deadline", flush=True)
@@ -150,6 +157,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=400)
     ap.add_argument("--sections", default="check,bench")
     ap.add_argument("--check-cases", type=int, default=99)
+    ap.add_argument("--fused", action="store_true", help="also the stacked q/k/v and gate/up shapes")
     args = ap.parse_args()
     RES["env"] = dict(jax=jax.__version__, device=str(jax.devices()[0]))
     print(RES["env"], flush=True)

@@ -1,0 +1,194 @@
+"""Where a rollout decode step's GPU time goes: kernels by kind, per step, from a JAX profile.
+
+    PYTHONPATH=. python benchmarks/decode_profile.py --out $OUT/decode_profile.json   # GPU
+    PYTHONPATH=. python benchmarks/decode_profile.py --tiny --prompt-len 16 --cache-new-tokens 32  # CPU smoke
+
+Qwen2.5-7B shapes with random weights (benchmarks/rollout.py's model), one format per
+process (--formats). For each batch, `generate` runs twice under `jax.profiler.trace`, with
+--short and --long sampling steps (same compiled programs: the step count is a runtime
+argument); the difference of the two traces, divided by the step difference, is one decode
+step without the prefill. From the trace's GPU stream events (CUPTI) it reports, per step:
+- the GPU busy time (kernel time: XLA runs one compute stream) and the step time `generate` measured under the
+  profiler (which slows the host: compare busy times, not this one, across formats);
+- kernel time by kind (the wgmma kernel, Triton kernels, cuBLAS, XLA fusions, copies/other),
+  and the heaviest kernels by name with their call counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+KINDS = (  # (kind, regex on the kernel name), first match wins
+    ("wgmma", r"wgmma_nvfp4"),
+    ("cublas", r"gemv|gemm|cutlass|sm90_xmma|nvjet|cublas"),
+    ("triton", r"triton|quant_matmul|nvfp4|mxfp4|nf4"),
+    ("xla_fusion", r"fusion|loop_|input_|wrapped_|reduce|transpose|concatenate|scatter|gather|sort|select"),
+    ("copy", r"memcpy|memset|copy|dynamic_update_slice"),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every kernel on the GPU stream lines of the trace."""
+    (path,) = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(path, "rb") as f:
+        events = json.load(f)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    gpu_lines = {key: name for key, name in threads.items() if "gpu" in procs.get(key[0], "").lower()}
+    GPU_LINES.update(gpu_lines.values())
+    # Stream lines hold the kernels; derived lines (XLA Ops / Modules, name scopes) repeat their time.
+    keep = {key for key, name in gpu_lines.items() if "stream" in name.lower()}
+    return [
+        (e["name"], float(e["ts"]), float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep
+    ]
+
+
+GPU_LINES: set[str] = set()  # the GPU thread names seen (reported, to check the line filter)
+
+
+def summarize(kernels: list[tuple[str, float, float]]) -> dict:
+    """Kernel time and calls per kernel name in one trace."""
+    names: dict = collections.defaultdict(lambda: [0.0, 0])
+    for name, _, dur in kernels:
+        names[name][0] += dur
+        names[name][1] += 1
+    return {n: tuple(v) for n, v in names.items()}
+
+
+def per_step(short: dict, long: dict, steps: int) -> dict:
+    """(long - short) / steps for every total: one decode step."""
+
+    def diff(a, b):
+        return (b - a) / steps
+
+    names = {}
+    for name, (t, c) in long.items():
+        t0, c0 = short.get(name, (0.0, 0))
+        names[name] = (diff(t0, t), diff(c0, c))
+    kinds: dict = collections.defaultdict(float)  # from the names of the long trace: a one-off
+    for name, (t, _) in names.items():  # event of the short one (e.g. an input copy) is left out
+        kinds[kind_of(name)] += t
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:25]
+    return dict(
+        busy_us=sum(kinds.values()),
+        kernels=sum(c for _, c in names.values()),
+        kinds=dict(kinds),
+        top=[dict(name=n[:160], us=t, calls=c) for n, (t, c) in top],
+    )
+
+
+def worker(args, fmt: str) -> dict:
+    import jax
+    import numpy as np
+    import rollout as bench  # benchmarks/rollout.py: its model and random weights
+
+    import qerl_jax.rollout as rollout
+    from qerl_jax.models.qwen2 import ModelConfig
+
+    config = ModelConfig(**(bench.TINY if args.tiny else bench.QWEN25_7B))
+    params = bench.build_random_params(config, fmt, jax.random.key(0))
+    backend = "xla" if fmt == "bf16" else "pallas"
+    out = {"format": fmt, "backend": backend, "batches": []}
+    rng = np.random.default_rng(0)
+    for spec in args.batches.split(","):
+        prompts, group = (int(v) for v in spec.split("x"))
+        ids = rng.integers(0, config.vocab_size, (prompts, args.prompt_len), dtype=np.int32)
+        mask = np.ones_like(ids)
+        kw = dict(group_size=group, backend=backend, cache_new_tokens=args.cache_new_tokens)
+
+        def run(steps, seed, kw=kw, ids=ids, mask=mask):
+            sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
+            tm = {}
+            b = rollout.generate(config, params, ids, mask, jax.random.key(seed), sampling, timings=tm, **kw)
+            jax.block_until_ready(b.tokens)
+            return tm
+
+        run(args.long, 1)  # compile
+        run(args.long, 2)
+        traces = {}
+        for steps in (args.short, args.long):
+            d = tempfile.mkdtemp()
+            with jax.profiler.trace(d):
+                tm = run(steps, 3)
+            traces[steps] = (summarize(gpu_kernels(d)), tm)
+        step = per_step(traces[args.short][0], traces[args.long][0], args.long - args.short)
+        step["timed_step_us"] = (
+            (traces[args.long][1]["decode_s"] - traces[args.short][1]["decode_s"]) / (args.long - args.short) * 1e6
+        )
+        out["batches"].append(dict(batch=prompts * group, gpu_lines=sorted(GPU_LINES), **step))
+        print(json.dumps(out["batches"][-1])[:3000], flush=True)
+    return out
+
+
+def table(results: list[dict]) -> None:
+    for r in results:
+        for b in r.get("batches", []):
+            print(
+                f"\n{r['format']:6} B={b['batch']:<4} GPU busy {b['busy_us']:8.1f} us per step (timed under the "
+                f"profiler {b['timed_step_us']:8.1f})  kernels/step {b['kernels']:6.1f}"
+            )
+            print("   " + "  ".join(f"{k} {v:7.1f}" for k, v in sorted(b["kinds"].items(), key=lambda kv: -kv[1])))
+            for t in b["top"][:12]:
+                print(f"   {t['us']:8.1f} us {t['calls']:6.1f} x  {t['name'][:100]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/decode_profile.json")
+    ap.add_argument("--formats", default="bf16,nvfp4")
+    ap.add_argument("--batches", default="1x1,2x8")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--cache-new-tokens", type=int, default=512)
+    ap.add_argument("--short", type=int, default=8)
+    ap.add_argument("--long", type=int, default=24)
+    ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test: no GPU events)")
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--timeout", type=float, default=250)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args, args.worker)), flush=True)
+        return
+    results = []
+    for fmt in args.formats.split(","):
+        t = time.time()
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", fmt] + sys.argv[1:]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            res = json.loads(lines[-1][7:]) if lines else {"format": fmt, "error": proc.stderr[-3000:]}
+        except subprocess.TimeoutExpired as e:
+            res = {"format": fmt, "error": f"timeout after {e.timeout} s"}
+        res["wall_s"] = time.time() - t
+        results.append(res)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        if "error" in res:
+            print(fmt, res["error"][-1500:], flush=True)
+    table(results)
+
+
+if __name__ == "__main__":
+    main()
