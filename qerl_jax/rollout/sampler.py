@@ -74,9 +74,10 @@ SMALL_DENSE_WEIGHTS = 6 * 2**20
 
 # Up to this many decode rows, on a Hopper GPU with the "pallas" backend, the packed NVFP4
 # projections that are not dense copies are repacked once per `generate` call for the Mosaic
-# GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 1.7-2.8x a bf16 dot on the 7B / 32B
-# MLP shapes at M <= 16 and 1.2-2.2x at M = 64, 0.7-1.8x on q/o, against 0.9-1.3x for the Triton
-# kernel; the 7B rollout step 1.4x bf16 at 64 rows with it, 0.96x without; RESULTS.md).
+# GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 2.1-2.8x a bf16 dot on the 7B / 32B
+# MLP shapes at M <= 16 and 1.2-2.2x at M = 64, 0.75-1.3x on q/o, against 0.9-1.3x for the Triton
+# kernel; the 7B rollout step 1.5x bf16 at 64 rows with it, 0.96x without; RESULTS.md), q/k/v
+# and gate/up concatenated into one call each (FUSABLE_PROJECTIONS; k/v then skip their copies).
 WGMMA_MAX_ROWS = 64
 
 # How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
@@ -771,11 +772,13 @@ def generate(
         where the per-step path would dequantize anyway (backend "xla", or "pallas" with at
         least DENSE_FROM_ROWS decode rows) and the copies fit in the memory budget; below
         that, on "pallas", only for the small projections (SMALL_DENSE_WEIGHTS), where the
-        kernel is slower than a bf16 dot. Unrolled layers only.
+        kernel is slower than a bf16 dot, unless the wgmma kernel runs them fused with a larger
+        one (k/v with q). Unrolled layers only.
       wgmma_weights: repack the other NVFP4 projections once for this call for the Hopper
         wgmma decode kernel (+4.5 bits per weight while it runs); None (default) does so on a
         Hopper GPU with backend "pallas", unrolled layers and at most WGMMA_MAX_ROWS decode
-        rows, when the copies fit; False never (the Triton kernel reads them in place).
+        rows, when the copies fit; False never (the Triton kernel reads them in place). The copies
+        of q/k/v and of gate/up are concatenated per layer and run as one call each.
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
