@@ -10,7 +10,8 @@ argument); the difference of the two traces, divided by the step difference, is 
 step without the prefill. From the trace's GPU stream events (CUPTI) it reports, per step:
 - the GPU busy time (kernel time: XLA runs one compute stream) and the step time `generate` measured under the
   profiler (which slows the host: compare busy times, not this one, across formats);
-- kernel time by kind (the wgmma kernel, Triton kernels, cuBLAS, XLA fusions, copies/other),
+- kernel time by kind (the wgmma kernel, Triton kernels, dots (cuBLAS or XLA's GEMM fusions),
+  XLA fusions, copies/other),
   and the heaviest kernels by name with their call counts.
 """
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KINDS = (  # (kind, regex on the kernel name), first match wins
     ("wgmma", r"wgmma_nvfp4"),
-    ("cublas", r"gemv|gemm|cutlass|sm90_xmma|nvjet|cublas"),
+    ("dot", r"gemv|gemm|cutlass|sm90_xmma|nvjet|cublas"),  # cuBLAS, or XLA's Triton GEMM fusions
     ("triton", r"triton|quant_matmul|nvfp4|mxfp4|nf4"),
     ("xla_fusion", r"fusion|loop_|input_|wrapped_|reduce|transpose|concatenate|scatter|gather|sort|select"),
     ("copy", r"memcpy|memset|copy|dynamic_update_slice"),
