@@ -269,8 +269,7 @@ def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
     if k != k_w:
         raise ValueError(f"x has K={k} but the weight is [{n}, {k_w}]")
     if m <= MAX_ROWS and available():
-        y_t = _wgmma_yt(x_MxK, w.words, w.swords, w.global_scale, **kernel_config(m, n, k))
-        return y_t.T
+        return _wgmma_y(x_MxK, w.words, w.swords, w.global_scale, **kernel_config(m, n, k))
     w_NxK = dequantize_wgmma(w, x_MxK.dtype)
     return jax.lax.dot_general(x_MxK, w_NxK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -378,10 +377,12 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
     compute warpgroups decode and multiply. A CTA writes its accumulator out (and restarts it)
     when its range leaves a row group, so there is no per-tile prologue and no wave tail.
 
-    x bf16 [M, K] -> float32 [ctas, J, 64 wgs, Mp] (Mp: M rounded up to 8; TMA reads the missing
-    rows of x as zeros, and output columns >= M are not meaningful): each CTA's partial sums of
-    y.T x 2**-8 x gs, one per row group its range touches (`stream_plan` says which; unused
-    segments are unwritten).
+    x bf16 [M, K] -> float32 [ctas, J, Mp, 64 wgs] (Mp: M rounded up to 8; TMA reads the missing
+    rows of x as zeros, and output rows >= M are not meaningful): each CTA's partial sums of
+    y x 2**-8 x gs, one per row group of W its range touches (`stream_plan` says which; unused
+    segments are unwritten). The accumulator is y.T (W is wgmma's A operand); it is stored
+    transposed (WGMMA_TRANSPOSED register layout into a transposed SMEM view), so the output
+    needs no XLA transpose.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -429,10 +430,13 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
             @pl.when(flush)
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous flush has left o_smem
-                o_smem.at[wg][...] = acc_ref[...]
+                # y.T [64, Mp] -> the [Mp, 64] tile: a register layout whose vectors run along W's
+                # rows (one shuffle + permute), stored through the transposed view of the tile.
+                acc_t = plgpu.layout_cast(acc_ref[...], plgpu.Layout.WGMMA_TRANSPOSED)
+                _transpose(o_smem.at[wg])[...] = acc_t
                 plgpu.commit_smem()
                 seg = f // steps - first_group
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[cta, seg, pl.ds(wg * ROWS, ROWS)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[cta, seg, :, pl.ds(wg * ROWS, ROWS)])
 
             acc_ref[...] = acc_ref[...] * jnp.where(flush, 0.0, 1.0).astype(jnp.float32)
             return acc_ref
@@ -454,8 +458,8 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
 
     return plgpu.kernel(
         wgmma_nvfp4_stream,
-        out_type=jax.ShapeDtypeStruct((ctas, nseg, wgs * ROWS, mp), jnp.float32),
-        scratch_types=[plgpu.SMEM((wgs, ROWS, mp), jnp.float32)],
+        out_type=jax.ShapeDtypeStruct((ctas, nseg, mp, wgs * ROWS), jnp.float32),
+        scratch_types=[plgpu.SMEM((wgs, mp, ROWS), jnp.float32)],
         grid=(ctas,),
         grid_names=("c",),
         num_threads=wgs + 1,
@@ -467,35 +471,35 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
 def wgmma_matmul(x, words, swords, global_scale, *, tk: int = 128, stages: int = 6, wgs: int = 2, ctas: int = 0):
     """x bf16 [M, K] @ repacked NVFP4 W [N, K].T -> bf16 [M, N] (fp32 accumulation); `ctas`
     persistent CTAs (0: one per SM)."""
-    y_t = _wgmma_yt(x, words, swords, global_scale, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
-    return y_t.T.astype(jnp.bfloat16)
+    y = _wgmma_y(x, words, swords, global_scale, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
+    return y.astype(jnp.bfloat16)
 
 
-def _wgmma_yt(x, words, swords, global_scale, *, tk: int, stages: int, wgs: int, ctas: int = 0) -> jax.Array:
-    """float32 y.T [N, M] of x [M, K] @ W.T through the kernel (global scale [] or per row [N])."""
+def _wgmma_y(x, words, swords, global_scale, *, tk: int, stages: int, wgs: int, ctas: int = 0) -> jax.Array:
+    """float32 y [M, N] of x [M, K] @ W.T through the kernel (global scale [] or per row of W [N])."""
     m, k = x.shape
     n = words.shape[0] * ROWS
     ctas, _, seg_group = stream_plan(n, k, tk, wgs, ctas or num_sms())
     parts = wgmma_partials(x.astype(jnp.bfloat16), words, swords, n=n, tk=tk, stages=stages, wgs=wgs, ctas=ctas)
-    gs = global_scale.astype(jnp.float32)
-    y_t = combine_partials(parts[..., :m], seg_group, n // (ROWS * wgs))
-    return y_t * (OUT_FACTOR / (gs[:, None] if gs.ndim else gs))
+    y = combine_partials(parts[:, :, :m], seg_group, n // (ROWS * wgs))
+    return y * (OUT_FACTOR / global_scale.astype(jnp.float32))
 
 
 def combine_partials(parts: jax.Array, seg_group: np.ndarray, groups: int) -> jax.Array:
-    """float32 [ctas, J, R, Mp] per-CTA segment sums (`wgmma_partials`) -> [groups R, Mp]: summed
+    """float32 [ctas, J, M, R] per-CTA segment sums (`wgmma_partials`) -> y [M, groups R]: summed
     per row group as `stream_plan`'s seg_group [ctas, J] says (entries == groups: unused).
 
-    A static gather + sum (one XLA fusion with what follows), not a scatter-add."""
-    _, _, rows, mp = parts.shape
+    A static gather + sum (one XLA fusion with what follows), not a scatter-add; the segments are
+    stored row-major in y's layout, so putting the groups side by side moves 512-byte runs."""
+    _, _, mp, rows = parts.shape
     flat = seg_group.ravel()
     sources = [np.flatnonzero(flat == g) for g in range(groups)]
     width = max(len(src) for src in sources)
     idx = np.full((groups, width), flat.size, np.int32)  # out of range: filled with zeros
     for g, src in enumerate(sources):
         idx[g, : len(src)] = src
-    gathered = parts.reshape(-1, rows, mp).at[idx].get(mode="fill", fill_value=0.0)  # [G, P, R, Mp]
-    return jnp.sum(gathered, axis=1).reshape(groups * rows, mp)
+    gathered = parts.reshape(-1, mp, rows).at[idx].get(mode="fill", fill_value=0.0)  # [G, P, M, R]
+    return jnp.sum(gathered, axis=1).transpose(1, 0, 2).reshape(mp, groups * rows)
 
 
 SMEM_BUDGET = 220 * 1024  # H100: 227 KB per block, minus barriers and slack

@@ -80,10 +80,10 @@ def tiny_model_dir(tmp_path_factory):
 def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
     """The wgmma kernel's output, emulated (jnp, so it also runs traced): per CTA of
     `stream_plan`'s contiguous ranges of (row group, K step) items, per row group its range
-    touches, the partial sums of W @ x.T. Unwritten segments, and the columns past M (x's tile
-    has Mp = M rounded up to 8 rows), are NaN.
+    touches, the partial sums of x @ W.T. Unwritten segments, and the rows past M (x's tile has
+    Mp = M rounded up to 8 rows), are NaN.
 
-    Returns (parts float32 [ctas, J, 64 wgs, Mp], seg_group [ctas, J], groups)."""
+    Returns (parts float32 [ctas, J, Mp, 64 wgs], seg_group [ctas, J], groups)."""
     import jax.numpy as jnp
 
     from pallas_kernels import wgmma_nvfp4
@@ -94,7 +94,7 @@ def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
     ctas, nseg, seg_group = wgmma_nvfp4.stream_plan(n, k, tk, wgs, ctas)
     rows, steps = 64 * wgs, k // tk
     flat = (n // rows) * steps
-    parts = jnp.full((ctas, nseg, rows, x_MpxK.shape[0]), jnp.nan, jnp.float32)
+    parts = jnp.full((ctas, nseg, x_MpxK.shape[0], rows), jnp.nan, jnp.float32)
     for c in range(ctas):
         lo, hi = c * flat // ctas, (c + 1) * flat // ctas
         assert hi > lo  # every CTA has work
@@ -103,7 +103,7 @@ def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
             seg = g - lo // steps
             assert seg_group[c, seg] == g
             cols = slice(st * tk, (st + 1) * tk)
-            part = w_NxK[g * rows : (g + 1) * rows, cols] @ x_MpxK[:, cols].T
+            part = x_MpxK[:, cols] @ w_NxK[g * rows : (g + 1) * rows, cols].T
             first = f == lo or st == 0  # the segment's first item: the kernel starts from zero
             parts = parts.at[c, seg].set(part) if first else parts.at[c, seg].add(part)
     return parts, seg_group, n // rows

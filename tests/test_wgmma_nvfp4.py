@@ -268,9 +268,9 @@ def test_stream_plan_and_combine_equal_the_matmul(n, k, tk, wgs, ctas):
     x = rng.standard_normal((5, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     parts, seg_group, groups = stream_k_partials(jnp.asarray(w), jnp.asarray(x), tk=tk, wgs=wgs, ctas=ctas)
-    assert parts.shape[0] == min(ctas, groups * (k // tk)) and parts.shape[-1] == 8
-    got = np.asarray(wn.combine_partials(parts[..., :5], seg_group, groups))
-    np.testing.assert_allclose(got, w @ x.T, rtol=1e-4, atol=1e-3)
+    assert parts.shape[0] == min(ctas, groups * (k // tk)) and parts.shape[2] == 8
+    got = np.asarray(wn.combine_partials(parts[:, :, :5], seg_group, groups))
+    np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-3)
 
 
 def test_fit_stages_shrinks_the_ring_to_shared_memory():
