@@ -116,7 +116,7 @@ def bench(args):
                     row["wgmma_us"] = kb.time_ops(wg_op(**cfg), wgroups)["s"] * 1e6
                     alt = 384 - cfg["tk"] if cfg["tk"] in (128, 256) else None  # the other K step
                     if alt and k % alt == 0:
-                        stages = wn.fit_stages(max(8, -(-m // 8) * 8), alt, cfg["wgs"], 6)
+                        stages = wn.fit_stages(wn.tile_rows(m), alt, cfg["wgs"], 6)
                         row[f"wgmma_tk{alt}_us"] = kb.time_ops(wg_op(alt, stages, cfg["wgs"]), wgroups)["s"] * 1e6
                     row["triton_us"] = kb.time_ops(kb.fwd_op("nvfp4", None, "asm"), tgroups)["s"] * 1e6
                     bgroups = kb.bf16_copy_groups(items[0], [g_[0] for g_ in tgroups[0]])

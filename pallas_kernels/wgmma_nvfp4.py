@@ -249,6 +249,11 @@ MAX_ROWS = 64  # the kernel's regime; larger M goes through dequantize + dot
 LARGE_WEIGHT = 32 * 2**20  # N x K from which 256-column steps beat 128 (H100, RESULTS.md table A5)
 
 
+def tile_rows(m: int) -> int:
+    """Mp: the rows of x's tile (and of each output segment), M rounded up to a multiple of 8."""
+    return max(8, -(-m // 8) * 8)
+
+
 def kernel_config(m: int, n: int, k: int) -> dict[str, int]:
     """Tiling for [M, K] @ [N, K].T: K step tk, compute warpgroups (64 rows of W each), ring depth.
 
@@ -257,8 +262,7 @@ def kernel_config(m: int, n: int, k: int) -> dict[str, int]:
     """
     wgs = 2 if n % (2 * ROWS) == 0 else 1
     tk = 256 if k % 256 == 0 and n * k >= LARGE_WEIGHT else (128 if k % 128 == 0 else KBLOCK)
-    mp = max(8, -(-m // 8) * 8)
-    return dict(tk=tk, stages=fit_stages(mp, tk, wgs, 6), wgs=wgs)
+    return dict(tk=tk, stages=fit_stages(tile_rows(m), tk, wgs, 6), wgs=wgs)
 
 
 def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
@@ -388,7 +392,7 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
-    mp = max(8, -(-m // 8) * 8)
+    mp = tile_rows(m)
     nj = tk // KBLOCK
     steps = k // tk
     if k % tk:
@@ -491,15 +495,15 @@ def combine_partials(parts: jax.Array, seg_group: np.ndarray, groups: int) -> ja
 
     A static gather + sum (one XLA fusion with what follows), not a scatter-add; the segments are
     stored row-major in y's layout, so putting the groups side by side moves 512-byte runs."""
-    _, _, mp, rows = parts.shape
+    _, _, m, rows = parts.shape
     flat = seg_group.ravel()
     sources = [np.flatnonzero(flat == g) for g in range(groups)]
     width = max(len(src) for src in sources)
     idx = np.full((groups, width), flat.size, np.int32)  # out of range: filled with zeros
     for g, src in enumerate(sources):
         idx[g, : len(src)] = src
-    gathered = parts.reshape(-1, mp, rows).at[idx].get(mode="fill", fill_value=0.0)  # [G, P, M, R]
-    return jnp.sum(gathered, axis=1).transpose(1, 0, 2).reshape(mp, groups * rows)
+    gathered = parts.reshape(-1, m, rows).at[idx].get(mode="fill", fill_value=0.0)  # [G, P, M, R]
+    return jnp.sum(gathered, axis=1).transpose(1, 0, 2).reshape(m, groups * rows)
 
 
 SMEM_BUDGET = 220 * 1024  # H100: 227 KB per block, minus barriers and slack

@@ -89,7 +89,7 @@ def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
     from pallas_kernels import wgmma_nvfp4
 
     m = x_MxK.shape[0]
-    x_MpxK = jnp.pad(x_MxK.astype(jnp.float32), ((0, max(8, -(-m // 8) * 8) - m), (0, 0)), constant_values=jnp.nan)
+    x_MpxK = jnp.pad(x_MxK.astype(jnp.float32), ((0, wgmma_nvfp4.tile_rows(m) - m), (0, 0)), constant_values=jnp.nan)
     n, k = w_NxK.shape
     ctas, nseg, seg_group = wgmma_nvfp4.stream_plan(n, k, tk, wgs, ctas)
     rows, steps = 64 * wgs, k // tk

@@ -257,7 +257,7 @@ def test_from_packed_rejects_other_formats_and_stacks():
 def test_kernel_config(m, n, k, want):
     cfg = wn.kernel_config(m, n, k)
     assert cfg == want
-    assert wn.smem_bytes(max(8, -(-m // 8) * 8), cfg["tk"], cfg["wgs"], cfg["stages"]) <= wn.SMEM_BUDGET
+    assert wn.smem_bytes(wn.tile_rows(m), cfg["tk"], cfg["wgs"], cfg["stages"]) <= wn.SMEM_BUDGET
 
 
 @pytest.mark.parametrize("n,k,tk,wgs,ctas", [(256, 1024, 128, 2, 5), (3584, 18944, 256, 2, 132), (192, 448, 64, 1, 7)])

@@ -323,8 +323,8 @@ def wgmma_weight_names(
     packed, _ = _packed_and_copied(params)
     fit = {n for n, w in packed.items() if wgmma_nvfp4.layout_fits(w.fmt, w.shape)}
     taken = {n for n in fit if n not in exclude}
-    for group in FUSABLE_PROJECTIONS:
-        if set(group) <= fit and taken & set(group):
+    for group in fused_groups(tuple(fit)):
+        if taken & set(group):
             taken |= set(group)
     names = tuple(sorted(taken))
     if requested is None and not fits(wgmma_copy_bytes(params, names)):
