@@ -363,10 +363,15 @@ def decode_weight_names(
     return tuple(n for n in dense if n not in wgmma), wgmma
 
 
+def _nbytes(x: Any) -> int:
+    """Bytes of an array or of a `jax.ShapeDtypeStruct` (shape-only params, e.g. for `jax.eval_shape`)."""
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
 def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
     """Bytes of the repacked copies of `names` (as many as the packed codes and scales)."""
     packed, _ = _packed_and_copied(params)
-    return sum(packed[n].codes.nbytes + packed[n].scales.nbytes for n in names)
+    return sum(_nbytes(packed[n].codes) + _nbytes(packed[n].scales) for n in names)
 
 
 def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
@@ -454,7 +459,7 @@ def _packed_and_copied(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 
 def layer_copy_bytes(params: dict[str, Any]) -> int:
     """Bytes of the per-layer copies `_split_layers` makes (all but the packed weights)."""
-    return sum(x.nbytes for x in jax.tree.leaves(_packed_and_copied(params)[1]))
+    return sum(_nbytes(x) for x in jax.tree.leaves(_packed_and_copied(params)[1]))
 
 
 def _layer_vars(params: dict[str, Any], layer: int) -> dict[str, Any]:
