@@ -1,0 +1,274 @@
+"""Kernel launches per rollout decode step, counted in the program XLA compiles for an H100, on a
+machine without a GPU.
+
+    pip install "jax-cuda12-plugin==$JAXV" "jax-cuda12-pjrt==$JAXV"   # XLA's GPU compiler; no GPU needed
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/hlo_census.py --out /tmp/census.json
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/hlo_census.py --formats nvfp4 --batches 1 --list
+
+XLA's GPU compiler runs without a device when it is given the device's description
+(deviceless AOT compilation: `jax.experimental.topologies.get_topology_desc` with a
+`target_config`; the H100 SXM's is in benchmarks/gpu_specs/h100_sxm.txtpb). For each
+(format, batch), `generate`'s decode program is lowered with shape-only Qwen2.5 params
+(benchmarks/random_model.py under `jax.eval_shape`, so a 7B model needs no memory), with the
+weight copies `generate` makes on a Hopper GPU (`decode_weight_names`; the wgmma kernel is
+taken as available), compiled for the H100, and the while loop's body (one decode step) of
+the optimized HLO is walked: every instruction that launches a kernel is counted, by kind.
+
+What it is for: in a decode step each launch costs ~2 us with its gap (KERNEL_NOTES.md, session
+6), so launches are a cost a CPU machine can measure. What it cannot do: time anything, and
+autotune. GEMM configurations (split-K, so an extra reduce fusion) are XLA's untuned defaults
+and may differ on the device; fusion decisions do not depend on autotuning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs", "h100_sxm.txtpb")
+# Instructions that launch nothing: buffer plumbing and constants.
+NO_LAUNCH = frozenset(
+    "parameter get-tuple-element tuple bitcast constant after-all partition-id replica-id "
+    "opt-barrier add-dependency".split()
+)
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel-launching instruction of a step: its kind (see `launch_kind`), name, result shape."""
+
+    kind: str
+    name: str
+    shape: str
+
+
+# ----------------------------------------------------------------------------- optimized HLO
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[dict[str, str]]], str]:
+    """Optimized HLO text -> ({computation: [instruction {name, shape, op, rest}]}, entry name)."""
+    computations: dict[str, list[dict[str, str]]] = {}
+    current, entry = None, None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (ins := _INSTRUCTION.match(line)):
+            name, shape, op, rest = ins.groups()
+            computations[current].append(dict(name=name, shape=shape, op=op, rest=rest))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _attribute(ins: dict[str, str], key: str) -> str | None:
+    found = re.search(rf"{key}=%?([^,\s}}]+)", ins["rest"])
+    return found.group(1) if found else None
+
+
+def launch_kind(ins: dict[str, str]) -> str:
+    """'wgmma' (Mosaic GPU kernel), 'triton' (Pallas Triton kernel), 'gemm' (XLA GEMM fusion or
+    cuBLAS), 'fusion' (other XLA fusions), or the opcode (copy, while, ...)."""
+    op = ins["op"]
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', ins["rest"])
+        target = target.group(1) if target else ""
+        if "mosaic_gpu" in target:
+            return "wgmma"
+        if "triton" in target:
+            return "triton"
+        if "gemm" in target or "cublas" in target:
+            return "gemm"
+        return f"custom-call:{target}"
+    if op == "fusion":
+        if "gemm" in ins["name"] or "__triton_gemm" in ins["rest"] or "__cublas" in ins["rest"]:
+            return "gemm"
+        return "fusion"
+    return op
+
+
+def launches(computations: dict[str, list[dict[str, str]]], computation: str) -> list[Launch]:
+    """The kernel-launching instructions of `computation`, in order, through `call`s."""
+    out = []
+    for ins in computations[computation]:
+        if ins["op"] in NO_LAUNCH:
+            continue
+        if ins["op"] == "call":
+            out += launches(computations, _attribute(ins, "to_apply"))
+            continue
+        out.append(Launch(launch_kind(ins), ins["name"], ins["shape"]))
+    return out
+
+
+def loop_body_launches(hlo_text: str) -> list[Launch]:
+    """The launches of one iteration of the entry computation's (only) while loop."""
+    computations, entry = parse_hlo(hlo_text)
+    loops = [ins for ins in computations[entry] if ins["op"] == "while"]
+    if len(loops) != 1:
+        raise ValueError(f"expected one while loop in the entry computation; found {len(loops)}")
+    return launches(computations, _attribute(loops[0], "body"))
+
+
+# ----------------------------------------------------------------------------- the decode program
+
+
+def h100_device(spec_path: str = SPEC):
+    """A compile-only H100 device (needs jax's CUDA plugin installed, no GPU)."""
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    with open(spec_path) as f:
+        spec = f.read()
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=spec)
+    except Exception as e:  # the plugin's absence surfaces as a RuntimeError or a KeyError by version
+        raise RuntimeError(
+            f"cannot make a compile-only CUDA device ({e}); install jax-cuda12-plugin and jax-cuda12-pjrt "
+            "of this jax's version (no GPU needed)"
+        ) from e
+    return topology.devices[0]
+
+
+@contextlib.contextmanager
+def as_if_hopper():
+    """Makes `wgmma_nvfp4.available()` true while tracing, as on the H100 the program is for."""
+    from pallas_kernels import wgmma_nvfp4  # noqa: PLC0415
+
+    available = wgmma_nvfp4.available
+    wgmma_nvfp4.available = lambda: True
+    try:
+        yield
+    finally:
+        wgmma_nvfp4.available = available
+
+
+def decode_step_hlo(
+    size: str, fmt: str, rows: int, *, prompt_len: int, new_slots: int, lora_rank: int, device
+) -> tuple[str, dict[str, Any]]:
+    """Optimized HLO text of `generate`'s decode program for `rows` sequences, compiled for `device`,
+    and what went into it (the weight copies, the compile time)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import random_model  # noqa: PLC0415
+
+    from qerl_jax import lora  # noqa: PLC0415
+    from qerl_jax.models.qwen2 import ForwardOptions  # noqa: PLC0415
+    from qerl_jax.rollout import SamplingConfig, decode_weight_names, sampler  # noqa: PLC0415
+
+    config = random_model.model_config(size)
+    backend = "xla" if fmt in random_model.DENSE else "pallas"
+    with as_if_hopper():
+        params = jax.eval_shape(lambda: random_model.random_params(config, quant=fmt))
+        if lora_rank:
+            cfg = lora.LoraConfig(rank=lora_rank, alpha=2 * lora_rank)
+            params["lora"] = jax.eval_shape(lambda: lora.init_lora(jax.random.key(0), config, cfg))
+        bucket = sampler.rows_bucket(rows)
+        dense, wgmma = decode_weight_names(params, None, None, backend=backend, rows=bucket, unroll_layers=True)
+        run_params = jax.eval_shape(
+            lambda p: sampler._split_layers(p, backend if dense else None, dense or None, wgmma), params
+        )
+        static = sampler._Static(
+            config=config,
+            sampling=SamplingConfig(temperature=1.0),
+            options=ForwardOptions(lora_scale=1.0, backend=backend),
+            new_slots=new_slots,
+            cache_dtype="bfloat16",
+            unroll=True,
+        )
+        layer_cache = jax.ShapeDtypeStruct(
+            (bucket, prompt_len + new_slots, config.num_key_value_heads, config.head_dim), jnp.bfloat16
+        )
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+        args = (
+            run_params,
+            [(layer_cache, layer_cache)] * config.num_hidden_layers,
+            spec((bucket,), jnp.int32),  # first tokens
+            spec((bucket,), jnp.float32),  # their log-probs
+            spec((bucket, prompt_len), jnp.int32),  # prompt mask
+            spec((bucket,), jnp.int32),  # rows -> prompts
+            jax.eval_shape(lambda: jax.random.key(0)),
+            spec((bucket,), jnp.uint32),  # sequence ids
+            spec((bucket,), jnp.bool_),  # active rows
+            spec((), jnp.int32),  # max_new
+            spec((config.vocab_size,), jnp.bool_),  # stop ids
+            spec((), jnp.int32),  # pad id
+        )
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+        t0 = time.perf_counter()
+        compiled = sampler._decode_jit.trace(static, *args).lower().compile()
+    info = dict(rows_bucket=bucket, dense_copies=list(dense), wgmma_copies=list(wgmma))
+    info["compile_s"] = round(time.perf_counter() - t0, 1)
+    return compiled.as_text(), info
+
+
+def census(steps: list[Launch], num_layers: int) -> dict[str, Any]:
+    """Launch counts of one decode step: total, per layer (the step's total over the layers), by kind."""
+    kinds = collections.Counter(s.kind for s in steps)
+    return dict(launches=len(steps), per_layer=round(len(steps) / num_layers, 2), by_kind=dict(sorted(kinds.items())))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="7B", help="Qwen2.5 size (benchmarks/random_model.py) or tiny")
+    parser.add_argument("--formats", default="bf16,nvfp4")
+    parser.add_argument("--batches", default="1,16,64", help="decode rows")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-slots", type=int, default=512, help="cache slots for new tokens")
+    parser.add_argument("--lora-rank", type=int, default=0, help="with a LoRA adapter of this rank on every projection")
+    parser.add_argument("--list", action="store_true", help="print every launch of the step")
+    parser.add_argument("--out", default="", help="JSON path")
+    args = parser.parse_args(argv)
+
+    import jax  # noqa: PLC0415
+    import random_model  # noqa: PLC0415
+
+    device = h100_device()
+    num_layers = random_model.model_config(args.size).num_hidden_layers
+    rows_out = []
+    print(f"jax {jax.__version__}, compiled for {device.device_kind if hasattr(device, 'device_kind') else 'H100'}")
+    print(f"{'format':>7} {'rows':>5} {'launches':>9} {'/layer':>7}  by kind")
+    for fmt in args.formats.split(","):
+        for rows in map(int, args.batches.split(",")):
+            hlo, info = decode_step_hlo(
+                args.size,
+                fmt,
+                rows,
+                prompt_len=args.prompt_len,
+                new_slots=args.new_slots,
+                lora_rank=args.lora_rank,
+                device=device,
+            )
+            steps = loop_body_launches(hlo)
+            row = dict(
+                size=args.size, format=fmt, rows=rows, lora_rank=args.lora_rank, **info, **census(steps, num_layers)
+            )
+            rows_out.append(row)
+            kinds = " ".join(f"{k}={v}" for k, v in row["by_kind"].items())
+            print(f"{fmt:>7} {rows:>5} {row['launches']:>9} {row['per_layer']:>7}  {kinds}")
+            if args.list:
+                for s in steps:
+                    print(f"    {s.kind:>8} {s.name:<45} {s.shape[:70]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(jax=jax.__version__, spec=os.path.basename(SPEC), rows=rows_out), f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
