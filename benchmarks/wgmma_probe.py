@@ -7,7 +7,9 @@ with one CTA per SM and with 7 CTAs (uneven stream-K ranges, dummy steps);
 bench: per Qwen2.5-7B / 32B shape (with --fused, also the q/k/v and gate/up weights stacked into
 one, as the rollout runs them) and M, the library's config (`kernel_config`) and the other K
 step, side by side with XLA bf16 `jnp.dot` and the Triton kernel (table config), same rotation
-of weight copies as benchmarks/kernels.py.
+of weight copies as benchmarks/kernels.py. With --ctas-sweep N, also N smaller CTA counts whose
+stream-K ranges align with the row groups (less partial-sum traffic, fewer SMs streaming); the
+JSON has each count's partial-sum MB (`wgmma_nvfp4.partial_bytes`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,12 @@ def bench(args):
                     if alt and k % alt == 0:
                         stages = wn.fit_stages(wn.tile_rows(m), alt, cfg["wgs"], 6)
                         row[f"wgmma_tk{alt}_us"] = kb.time_ops(wg_op(alt, stages, cfg["wgs"]), wgroups)["s"] * 1e6
+                    sms = wn.num_sms()
+                    row["partial_MB"] = {sms: wn.partial_bytes(m, n, k, cfg["tk"], cfg["wgs"], sms) / 1e6}
+                    if args.ctas_sweep:  # fewer CTAs, ranges aligned to row groups: less split-K traffic
+                        for c in wn.aligned_ctas(n, k, cfg["tk"], cfg["wgs"], sms - 1)[-args.ctas_sweep :]:
+                            row[f"wgmma_ctas{c}_us"] = kb.time_ops(wg_op(**cfg, ctas=c), wgroups)["s"] * 1e6
+                            row["partial_MB"][c] = wn.partial_bytes(m, n, k, cfg["tk"], cfg["wgs"], c) / 1e6
                     row["triton_us"] = kb.time_ops(kb.fwd_op("nvfp4", None, "asm"), tgroups)["s"] * 1e6
                     bgroups = kb.bf16_copy_groups(items[0], [g_[0] for g_ in tgroups[0]])
                     row["bf16_us"] = kb.time_ops(kb._dot_nt, bgroups)["s"] * 1e6
@@ -142,10 +150,13 @@ def table():
             continue
         cfg = f"{r['tk']},{r['stages']},{r['wgs']}"
         alt = next((v for key, v in r.items() if key.startswith("wgmma_tk")), float("nan"))
+        swept = {int(key[10:-3]): v for key, v in r.items() if key.startswith("wgmma_ctas")}
+        best = min(swept, key=swept.get) if swept else None
         print(
             f"{r['model']:5} {r['n']:6} {r['k']:6} {r['m']:3} {cfg:>8} {r['bf16_us']:8.1f} {r['triton_us']:8.1f} "
             f"{r['wgmma_us']:8.1f} {alt:8.1f} {r['bf16_over_triton']:8.2f} {r['bf16_over_wgmma']:8.2f} "
             f"{r['wgmma_GBps']:6.0f}"
+            + (f"   ctas {best}: {swept[best]:.1f} us ({r['wgmma_us'] / swept[best]:.2f}x)" if best else "")
         )
 
 
@@ -158,6 +169,12 @@ def main():
     ap.add_argument("--sections", default="check,bench")
     ap.add_argument("--check-cases", type=int, default=99)
     ap.add_argument("--fused", action="store_true", help="also the stacked q/k/v and gate/up shapes")
+    ap.add_argument(
+        "--ctas-sweep",
+        type=int,
+        default=0,
+        help="also time this many of the largest aligned CTA counts below one per SM (wgmma_nvfp4.aligned_ctas)",
+    )
     args = ap.parse_args()
     RES["env"] = dict(jax=jax.__version__, device=str(jax.devices()[0]))
     print(RES["env"], flush=True)

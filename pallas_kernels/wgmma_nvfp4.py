@@ -365,6 +365,24 @@ def stream_plan(n: int, k: int, tk: int, wgs: int, ctas: int) -> tuple[int, int,
     return ctas, nseg, seg_group
 
 
+def partial_bytes(m: int, n: int, k: int, tk: int, wgs: int, ctas: int) -> int:
+    """Bytes of float32 partial sums the kernel writes (and the combine reads back) for M rows:
+    one [Mp, 64 wgs] segment per (CTA, row group its stream-K range touches). Split-K traffic on
+    top of the weight's: at M = 64 with one CTA per SM, 2 x 22% of a 7B layer's packed weight bytes."""
+    groups = n // (ROWS * wgs)
+    _, _, seg_group = stream_plan(n, k, tk, wgs, ctas)
+    return int((seg_group < groups).sum()) * tile_rows(m) * ROWS * wgs * 4
+
+
+def aligned_ctas(n: int, k: int, tk: int, wgs: int, max_ctas: int) -> list[int]:
+    """CTA counts <= max_ctas whose stream-K ranges are 1/d of a row group (groups x d, d dividing
+    the K steps) or e whole row groups (groups / e): no output gets more than d partial sums."""
+    groups, steps = n // (ROWS * wgs), k // tk
+    split = {groups * d for d in range(1, steps + 1) if steps % d == 0}
+    whole = {groups // e for e in range(1, groups + 1) if groups % e == 0}
+    return sorted(c for c in split | whole if c <= max_ctas)
+
+
 def num_sms() -> int:
     """Streaming multiprocessors of the first device (132 on an H100 SXM when unknown)."""
     try:

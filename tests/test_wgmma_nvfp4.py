@@ -273,6 +273,23 @@ def test_stream_plan_and_combine_equal_the_matmul(n, k, tk, wgs, ctas):
     np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-3)
 
 
+def test_aligned_ctas_give_whole_fractions_of_a_row_group():
+    """7B o_proj (28 groups of 128 rows, 28 K steps of 128): each aligned count's plan has no
+    output summed from more than d segments, and the partial bytes count the real segments."""
+    n, k, tk, wgs = 3584, 3584, 128, 2
+    counts = wn.aligned_ctas(n, k, tk, wgs, 131)
+    assert counts == [1, 2, 4, 7, 14, 28, 56, 112]
+    for ctas in counts:
+        _, nseg, seg_group = wn.stream_plan(n, k, tk, wgs, ctas)
+        per_group = np.bincount(seg_group[seg_group < 28], minlength=28)
+        assert per_group.min() == per_group.max() == max(1, ctas // 28)
+        assert wn.partial_bytes(16, n, k, tk, wgs, ctas) == max(ctas, 28) * 16 * 128 * 4
+    # one CTA per SM: 132 ranges over 784 steps cross group boundaries: 152 segments
+    _, _, seg_group = wn.stream_plan(n, k, tk, wgs, 132)
+    assert wn.partial_bytes(64, n, k, tk, wgs, 132) == int((seg_group < 28).sum()) * 64 * 128 * 4 > 4 * 28 * 64 * 512
+    assert wn.partial_bytes(1, n, k, tk, wgs, 28) == 28 * 8 * 128 * 4  # M = 1 still stores Mp = 8 rows
+
+
 def test_fit_stages_shrinks_the_ring_to_shared_memory():
     assert wn.smem_bytes(64, 256, 2, 4) > wn.SMEM_BUDGET >= wn.smem_bytes(64, 256, 2, 3)
     assert wn.fit_stages(64, 256, 2, 6) == 3 and wn.fit_stages(16, 128, 2, 6) == 6
