@@ -393,6 +393,29 @@ def test_sampled_logprobs_equal_full_forward_recompute(f32_model, with_lora):
         assert not np.array_equal(np.asarray(plain.tokens), np.asarray(batch.tokens))
 
 
+def test_lora_layer_copies_take_the_activation_dtype(tiny_qwen2_dir):
+    """float32 adapters on a bf16 model: the per-layer copies are bf16 (the matmuls cast to it
+    anyway) and sample what the layer scan over the float32 stacks samples."""
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16")
+    params = {**params, "lora": _random_lora(config, scale=0.2)}
+    split = sampler_module._split_layers(params)
+    dtypes = {x.dtype for x in jax.tree.leaves(split["layers"][0]["lora"])}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    lora_bytes = sum(x.nbytes for x in jax.tree.leaves(params["lora"]))
+    plain = {k: v for k, v in params.items() if k != "lora"}
+    assert sampler_module.layer_copy_bytes(params) == sampler_module.layer_copy_bytes(plain) + lora_bytes // 2
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, eos_ids=())
+    kw = dict(group_size=2, lora_scale=0.5)
+    unrolled = generate(config, params, ids, mask, jax.random.key(5), sampling, **kw)
+    scanned = generate(config, params, ids, mask, jax.random.key(5), sampling, unroll_layers=False, **kw)
+    np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
+    np.testing.assert_allclose(np.asarray(unrolled.logprobs), np.asarray(scanned.logprobs), atol=1e-2)
+    without = generate(config, plain, ids, mask, jax.random.key(5), sampling, **kw)
+    assert not np.array_equal(np.asarray(without.tokens), np.asarray(unrolled.tokens))
+
+
 def test_bf16_nvfp4_logprobs_close_to_full_forward(tiny_qwen2_dir):
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
