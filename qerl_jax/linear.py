@@ -117,23 +117,59 @@ def fused_linear(
     fused: Fused,
     *,
     biases: list[jax.Array | None],
-    loras: list[dict[str, Any] | None],
+    lora: dict[str, Any] | None = None,
     lora_scale: float = 1.0,
     backend: str = "xla",
 ) -> list[jax.Array]:
-    """[`linear`(x, W_i, bias=biases[i], lora=loras[i]) for each projection i of `fused`], with
-    one matmul for the base weights (x [..., K] with at most fused.max_rows rows of K)."""
+    """[`linear`(x, W_i, bias=biases[i], lora=LoRA_i) for each projection i of `fused`], with one
+    matmul for the base weights (x [..., K] with at most fused.max_rows rows of K) and two for
+    the adapters: `lora` is the projections' adapters stacked by `stack_loras`, or None."""
     x_MxK = x.reshape(-1, x.shape[-1])
     if x_MxK.shape[0] > fused.max_rows:
         raise ValueError(f"this fused weight serves at most {fused.max_rows} rows; got {x_MxK.shape[0]}")
-    if not len(biases) == len(loras) == len(fused.sizes):
-        raise ValueError(f"{len(fused.sizes)} projections need as many biases and loras")
+    if len(biases) != len(fused.sizes):
+        raise ValueError(f"{len(fused.sizes)} projections need as many biases; got {len(biases)}")
     y_MxN = base_matmul(x_MxK, fused.w, backend)
+    if lora is not None:
+        if lora["b"].shape[0] != y_MxN.shape[1]:
+            raise ValueError(f"the stacked LoRA B has {lora['b'].shape[0]} rows; the fused weight {y_MxN.shape[1]}")
+        y_MxN = y_MxN + lora_scale * _lora_delta(x_MxK, lora)
     splits = np.cumsum(fused.sizes)[:-1].tolist()
     return [
-        _finish(x, x_MxK, y_i, bias, lora, lora_scale)
-        for y_i, bias, lora in zip(jnp.split(y_MxN, splits, axis=1), biases, loras, strict=True)
+        _finish(x, x_MxK, y_i, bias, None, lora_scale)
+        for y_i, bias in zip(jnp.split(y_MxN, splits, axis=1), biases, strict=True)
     ]
+
+
+def stack_loras(loras: list[dict[str, Any] | None], sizes: tuple[int, ...]) -> dict[str, Any] | None:
+    """The adapters of projections fused along N (`Fused`, out sizes `sizes`) as one adapter:
+    {"a": [R, K] the A's stacked, "b": [sum(sizes), R] the B's block-diagonal, zeros where a
+    projection has none}, R the sum of their ranks; None when none has one. Its delta is the
+    projections' deltas side by side (the zero blocks add exact zeros), in two matmuls instead of
+    two per projection; the zeros cost (R - r_i) x N_i extra B entries per projection."""
+    present = [(i, lora) for i, lora in enumerate(loras) if lora is not None]
+    if not present:
+        return None
+    if len(loras) != len(sizes):
+        raise ValueError(f"{len(sizes)} projections need as many LoRA entries (None for none); got {len(loras)}")
+    dtype = jnp.result_type(*[lora["b"].dtype for _, lora in present])
+    a_RxK = jnp.concatenate([lora["a"].astype(dtype) for _, lora in present])
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    b_NxR = jnp.zeros((int(starts[-1]), a_RxK.shape[0]), dtype)
+    col = 0
+    for i, lora in present:
+        if lora["b"].shape[0] != sizes[i]:
+            raise ValueError(f"LoRA {i} has B with {lora['b'].shape[0]} rows; its projection has {sizes[i]}")
+        rank = lora["b"].shape[1]
+        b_NxR = b_NxR.at[starts[i] : starts[i + 1], col : col + rank].set(lora["b"].astype(dtype))
+        col += rank
+    return {"a": a_RxK, "b": b_NxR}
+
+
+def _lora_delta(x_MxK: jax.Array, lora: dict[str, Any]) -> jax.Array:
+    """float32 x @ A.T @ B.T [M, N], the rank-r intermediate rounded to x's dtype."""
+    h_MxR = _dense_matmul(x_MxK, lora["a"])
+    return _dense_matmul(h_MxR.astype(x_MxK.dtype), lora["b"])
 
 
 def _finish(x, x_MxK, y_MxN, bias, lora, lora_scale) -> jax.Array:
@@ -141,6 +177,5 @@ def _finish(x, x_MxK, y_MxN, bias, lora, lora_scale) -> jax.Array:
     if bias is not None:
         y_MxN = y_MxN + bias.astype(jnp.float32)
     if lora is not None:
-        h_MxR = _dense_matmul(x_MxK, lora["a"])
-        y_MxN = y_MxN + lora_scale * _dense_matmul(h_MxR.astype(x.dtype), lora["b"])
+        y_MxN = y_MxN + lora_scale * _lora_delta(x_MxK, lora)
     return y_MxN.astype(x.dtype).reshape(*x.shape[:-1], y_MxN.shape[-1])

@@ -326,6 +326,19 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
     fused = split["layers"][1]["base"]["q_proj+k_proj+v_proj"]["w"]
     assert isinstance(fused, Fused) and fused.sizes == (128, 64, 64) and fused.w.global_scale.shape == (256,)
     assert "w" not in split["layers"][1]["base"]["k_proj"]  # the prefill reads the packed stack
+    if with_lora:  # each fused call's adapters stacked once: A's [3r, K], B's block-diagonal
+        stacked = split["layers"][1]["lora"]["q_proj+k_proj+v_proj"]
+        assert stacked["a"].shape == (12, 128) and stacked["b"].shape == (256, 12)
+        np.testing.assert_array_equal(
+            np.asarray(stacked["b"][128:192, 4:8]), np.asarray(split["layers"][1]["lora"]["k_proj"]["b"])
+        )
+        assert not np.asarray(stacked["b"][128:192, :4]).any()
+        act = jnp.dtype(params["base"]["embed"].dtype).itemsize
+        # per layer: q/k/v A [12, 128] + B [256, 12]; gate/up A [8, 128] + B [256, 8]
+        extra = config.num_hidden_layers * (12 + 8) * (128 + 256) * act
+        names = tuple(PROJECTIONS)
+        plain = {k: v for k, v in params.items() if k != "lora"}
+        assert sampler_module.wgmma_copy_bytes(params, names) == sampler_module.wgmma_copy_bytes(plain, names) + extra
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     kw = dict(group_size=2, backend="pallas", lora_scale=0.5)

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qerl_jax.linear import fused_linear, linear
+from qerl_jax.linear import fused_linear, linear, stack_loras
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = PROJECTIONS[:4]
@@ -177,11 +177,13 @@ class DecoderLayer(nn.Module):
         if self.has_variable("base", group):
             fused = self.get_variable("base", group)["w"]
             if x.size // x.shape[-1] <= fused.max_rows:
+                # the rollout stores the group's adapters stacked once per call; else stack them here
+                lora = self._lora(group) or stack_loras([self._lora(n) for n in names], fused.sizes)
                 return fused_linear(
                     x,
                     fused,
                     biases=[self.get_variable("base", n).get("b") for n in names],
-                    loras=[self._lora(n) for n in names],
+                    lora=lora,
                     lora_scale=self.options.lora_scale,
                     backend=self.options.backend,
                 )

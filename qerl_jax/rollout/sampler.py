@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qerl_jax.linear import ByRows, Fused, LayerOf
+from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
 from qerl_jax.models.qwen2 import (
     FUSABLE_PROJECTIONS,
     DecoderLayer,
@@ -264,6 +264,12 @@ def _split_layers(
         for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
             for name, w in repacked.items():
                 layers[layer]["base"].setdefault(name, {})["w"] = w
+        groups = fused_groups(tuple(to_wgmma))
+        if groups and "lora" in copied:  # each fused call's adapters stacked once (`linear.stack_loras`)
+            sizes = tuple(layers[0]["base"][fused_name(g)]["w"].sizes for g in groups)
+            stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
+            for layer, group_loras in zip(layers, stacked, strict=True):
+                layer["lora"] = {**layer["lora"], **group_loras}
     return {"top": top, "packed": packed, "layers": layers}
 
 
@@ -290,6 +296,19 @@ def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 _wgmma_layers_jit = jax.jit(_wgmma_layers)
+
+
+def _stacked_loras(layer_loras: list[dict[str, Any]], groups: tuple) -> list[dict[str, Any]]:
+    """Per layer, {fused_name(group): the group's adapters stacked} for the ((names), sizes) in
+    groups that have any adapter."""
+    out = []
+    for loras in layer_loras:
+        stacked = {fused_name(g): stack_loras([loras.get(n) for n in g], sizes) for g, sizes in groups}
+        out.append({name: lora for name, lora in stacked.items() if lora is not None})
+    return out
+
+
+_stacked_loras_jit = jax.jit(_stacked_loras, static_argnums=1)
 
 
 def wgmma_weight_names(
@@ -369,9 +388,19 @@ def _nbytes(x: Any) -> int:
 
 
 def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
-    """Bytes of the repacked copies of `names` (as many as the packed codes and scales)."""
-    packed, _ = _packed_and_copied(params)
-    return sum(_nbytes(packed[n].codes) + _nbytes(packed[n].scales) for n in names)
+    """Bytes of the repacked copies of `names` (as many as the packed codes and scales), plus the
+    stacked adapters of their fused groups (`_stacked_loras`, in the activations' dtype)."""
+    packed, copied = _packed_and_copied(params)
+    total = sum(_nbytes(packed[n].codes) + _nbytes(packed[n].scales) for n in names)
+    lora = copied.get("lora", {})
+    act_size = jnp.dtype(params["base"]["embed"].dtype).itemsize
+    for group in fused_groups(names):
+        adapters = [lora[n] for n in group if n in lora]
+        if adapters:
+            layers, rank_sum = adapters[0]["a"].shape[0], sum(a["a"].shape[1] for a in adapters)
+            n_sum, k = sum(packed[n].shape[-2] for n in group), packed[group[0]].shape[-1]
+            total += layers * rank_sum * (k + n_sum) * act_size
+    return total
 
 
 def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
