@@ -193,6 +193,14 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     params = build_random_params(config, fmt, jax.random.key(0))
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = tree_bytes(params)
+    lora_kw = {}
+    if args.lora_rank:  # B = 0 as at the start of training: the deltas are computed all the same
+        from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: PLC0415
+
+        lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+        params = with_lora(params, init_lora(jax.random.key(1), config, lcfg))
+        lora_kw = dict(lora_scale=lora_scale(lcfg))
+        out["lora_rank"] = args.lora_rank
     out["linear_weight_bytes"] = tree_bytes(params["base"]["layers"])
     out["peak_after_build"] = peak_bytes()
     rng = np.random.default_rng(0)
@@ -205,7 +213,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             continue
         row = {"format": fmt, "backend": backend, "prompts": prompts, "group": group, "batch": prompts * group}
         try:
-            kw = dict(group_size=group, backend=backend, cache_new_tokens=run["new_tokens"])
+            kw = dict(group_size=group, backend=backend, cache_new_tokens=run["new_tokens"], **lora_kw)
 
             def timed(seed, ids=ids, mask=mask, kw=kw, **extra):
                 """One generate call on this batch -> (its output, its timings)."""
@@ -498,6 +506,12 @@ def main(argv=None) -> None:
         action="store_true",
         help="also time wgmma rows with one kernel call per projection (no fused q/k/v, gate/up)",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="policies with a fresh LoRA adapter of this rank on every projection, as in RL (not the peer)",
+    )
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -541,6 +555,8 @@ def main(argv=None) -> None:
             cmd.append("--compare-wgmma")
         if args.compare_unfused:
             cmd.append("--compare-unfused")
+        if args.lora_rank:
+            cmd += ["--lora-rank", str(args.lora_rank)]
         if i == 0:
             cmd.append("--measure-device")
         if name == "bf16:xla":
