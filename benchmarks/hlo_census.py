@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     device = h100_device()
     num_layers = random_model.model_config(args.size).num_hidden_layers
     rows_out = []
-    print(f"jax {jax.__version__}, compiled for {device.device_kind if hasattr(device, 'device_kind') else 'H100'}")
+    print(f"jax {jax.__version__}, compiled for {device.device_kind}")
     print(f"{'format':>7} {'rows':>5} {'launches':>9} {'/layer':>7}  by kind")
     for fmt in args.formats.split(","):
         for rows in map(int, args.batches.split(",")):

@@ -147,11 +147,11 @@ def stack_loras(loras: list[dict[str, Any] | None], sizes: tuple[int, ...]) -> d
     projection has none}, R the sum of their ranks; None when none has one. Its delta is the
     projections' deltas side by side (the zero blocks add exact zeros), in two matmuls instead of
     two per projection; the zeros cost (R - r_i) x N_i extra B entries per projection."""
+    if len(loras) != len(sizes):
+        raise ValueError(f"{len(sizes)} projections need as many LoRA entries (None for none); got {len(loras)}")
     present = [(i, lora) for i, lora in enumerate(loras) if lora is not None]
     if not present:
         return None
-    if len(loras) != len(sizes):
-        raise ValueError(f"{len(sizes)} projections need as many LoRA entries (None for none); got {len(loras)}")
     dtype = jnp.result_type(*[lora["b"].dtype for _, lora in present])
     a_RxK = jnp.concatenate([lora["a"].astype(dtype) for _, lora in present])
     starts = np.concatenate([[0], np.cumsum(sizes)])

@@ -53,6 +53,8 @@ def test_stack_loras_is_block_diagonal():
     want_b[9:14, 2:3] = 4.0
     np.testing.assert_array_equal(np.asarray(stacked["b"]), want_b)
     assert stack_loras([None, None], (3, 4)) is None
+    with pytest.raises(ValueError, match="2 projections need as many LoRA entries"):
+        stack_loras([None], (3, 4))
     with pytest.raises(ValueError, match="LoRA 0 has B with 3 rows; its projection has 4"):
         stack_loras([{"a": a0, "b": b0}, None], (4, 4))
 

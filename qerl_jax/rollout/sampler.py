@@ -248,11 +248,11 @@ def _split_layers(
     top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
     if "lm_head" in params["base"]:
         top["lm_head"] = params["base"]["lm_head"]
-    layers = _layer_copies_jit(copied, jnp.dtype(params["base"]["embed"].dtype).name)
+    act_dtype = _act_dtype(params).name
+    layers = _layer_copies_jit(copied, act_dtype)
     to_dense = {n: w for n, w in packed.items() if dense_names is None or n in dense_names}
     if dense_backend is not None and to_dense:
-        dtype = jnp.dtype(params["base"]["embed"].dtype).name
-        for layer, dense in enumerate(_dense_layers_jit(to_dense, dense_backend, dtype)):
+        for layer, dense in enumerate(_dense_layers_jit(to_dense, dense_backend, act_dtype)):
             for name, w in dense.items():
                 layers[layer]["base"][name]["w"] = w
         packed = {n: w for n, w in packed.items() if n not in to_dense}
@@ -382,9 +382,15 @@ def decode_weight_names(
     return tuple(n for n in dense if n not in wgmma), wgmma
 
 
-def _nbytes(x: Any) -> int:
-    """Bytes of an array or of a `jax.ShapeDtypeStruct` (shape-only params, e.g. for `jax.eval_shape`)."""
-    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+def _nbytes(x: Any, dtype: Any = None) -> int:
+    """Bytes of an array or of a `jax.ShapeDtypeStruct` (shape-only params, e.g. for `jax.eval_shape`),
+    or of a copy of it in `dtype`."""
+    return math.prod(x.shape) * jnp.dtype(x.dtype if dtype is None else dtype).itemsize
+
+
+def _act_dtype(params: dict[str, Any]) -> np.dtype:
+    """The activations' dtype: the embedding's (bf16 for a bf16 or 4-bit policy)."""
+    return jnp.dtype(params["base"]["embed"].dtype)
 
 
 def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
@@ -393,7 +399,7 @@ def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
     packed, copied = _packed_and_copied(params)
     total = sum(_nbytes(packed[n].codes) + _nbytes(packed[n].scales) for n in names)
     lora = copied.get("lora", {})
-    act_size = jnp.dtype(params["base"]["embed"].dtype).itemsize
+    act_size = _act_dtype(params).itemsize
     for group in fused_groups(names):
         adapters = [lora[n] for n in group if n in lora]
         if adapters:
@@ -491,10 +497,8 @@ def layer_copy_bytes(params: dict[str, Any]) -> int:
     the activations' dtype, see `_layer_copies`)."""
     _, copied = _packed_and_copied(params)
     lora = copied.pop("lora", {})
-    act_size = jnp.dtype(params["base"]["embed"].dtype).itemsize
-    return sum(_nbytes(x) for x in jax.tree.leaves(copied)) + sum(
-        math.prod(x.shape) * act_size for x in jax.tree.leaves(lora)
-    )
+    act_dtype = _act_dtype(params)
+    return sum(_nbytes(x) for x in jax.tree.leaves(copied)) + sum(_nbytes(x, act_dtype) for x in jax.tree.leaves(lora))
 
 
 def _layer_vars(params: dict[str, Any], layer: int) -> dict[str, Any]:
@@ -886,7 +890,7 @@ def generate(
         static.new_slots,
         cache_dtype,
         num_prompts=prompts_b,
-        act_dtype=params["base"]["embed"].dtype,
+        act_dtype=_act_dtype(params),
         stacked=not unroll_layers,
         layer_copy_bytes=layer_copy_bytes(params) if unroll_layers else 0,
     )
