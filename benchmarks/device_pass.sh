@@ -45,7 +45,7 @@ for step in ${STEPS:-rollout grpo scale}; do
         --deadline $(( ${NULL_S:-120} - 15 )) --ms 16,64 --models 7B > "$OUT/kernels_null.log" 2>&1
       echo "nulldecode rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 "$OUT/kernels_null.log" ;;
     stream)  # diagnostic: Pallas streaming of the packed codes alone (no decode, no dot) vs bf16 dot
-      timeout ${STREAM_S:-150} python3 benchmarks/stream_probe.py --out "$OUT/stream.json" > "$OUT/stream.log" 2>&1
+      timeout ${STREAM_S:-150} python3 benchmarks/devtools/stream_probe.py --out "$OUT/stream.json" > "$OUT/stream.log" 2>&1
       echo "stream rc=$? after $(( $(date +%s) - T0 )) s"; cat "$OUT/stream.log" | cut -c1-230 ;;
     stages)  # decode sweep: unpipelined / 2-stage candidates against the table's best (11)
       timeout ${STAGES_S:-200} python3 benchmarks/kernels.py --out "$OUT/kernels_stages.json" --sections env,sweep \
@@ -53,18 +53,18 @@ for step in ${STEPS:-rollout grpo scale}; do
         --sweep-decode-cands 11,16,17,18,19,20,21,22 > "$OUT/kernels_stages.log" 2>&1
       echo "stages rc=$? after $(( $(date +%s) - T0 )) s"; python3 -c "import json; d = json.load(open('$OUT/kernels_stages.json')); [print(r['m'], r['n'], r['k'], [r['cfg'][c] for c in ('bn', 'bk', 'split_k', 'num_warps', 'num_stages')], r.get('us'), r.get('rel_err')) for r in d['sweep']]" ;;
     ttir)  # the decode kernel's Triton IR launched from PyTorch: timing, then an Nsight Compute profile
-      timeout 200 python3 benchmarks/ttir_ncu.py dump --dir "$OUT/ttir" > "$OUT/ttir_dump.log" 2>&1
+      timeout 200 python3 benchmarks/devtools/ttir_ncu.py dump --dir "$OUT/ttir" > "$OUT/ttir_dump.log" 2>&1
       echo "ttir dump rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 3 "$OUT/ttir_dump.log"
-      timeout 120 python3 benchmarks/ttir_ncu.py run --dir "$OUT/ttir" 2>&1 | tail -n 12
+      timeout 120 python3 benchmarks/devtools/ttir_ncu.py run --dir "$OUT/ttir" 2>&1 | tail -n 12
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
       timeout -k 5 ${NCU_S:-180} "$NCU" --profile-from-start off --clock-control none --set full --import-source no -f \
-        -o "$OUT/ttir_prof" python3 benchmarks/ttir_ncu.py run --dir "$OUT/ttir" --profile --names ${NCU_NAMES:-gate16,gate16_null,gate1} \
+        -o "$OUT/ttir_prof" python3 benchmarks/devtools/ttir_ncu.py run --dir "$OUT/ttir" --profile --names ${NCU_NAMES:-gate16,gate16_null,gate1} \
         > "$OUT/ttir_ncu.log" 2>&1
       echo "ncu rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 4 "$OUT/ttir_ncu.log"
       "$NCU" -i "$OUT/ttir_prof.ncu-rep" --page raw --csv > "$OUT/ttir_raw.csv" 2>&1
       "$NCU" -i "$OUT/ttir_prof.ncu-rep" --page details --csv > "$OUT/ttir_details.csv" 2>&1
       "$NCU" -i "$OUT/ttir_prof.ncu-rep" -k regex:w4a16 --page source --print-source sass --csv > "$OUT/ttir_sass.csv" 2>&1
-      python3 benchmarks/ncu_summary.py "$OUT/ttir_raw.csv" | tee "$OUT/ttir_summary.txt" ;;
+      python3 benchmarks/devtools/ncu_summary.py "$OUT/ttir_raw.csv" | tee "$OUT/ttir_summary.txt" ;;
     block)  # correctness + sweep of the nvfp4 block kernel (with the table's previous best, 11, as control) + bench
       timeout ${BLOCK_S:-560} python3 benchmarks/kernels.py --out "$OUT/kernels_block.json" --sections env,check,sweep,bench \
         --check-quick --deadline $(( ${BLOCK_S:-560} - 20 )) --sweep-deadline $(( ${BLOCK_S:-560} - 200 )) \

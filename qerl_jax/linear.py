@@ -109,7 +109,9 @@ def linear(
     Accumulation is float32.
     """
     x_MxK = x.reshape(-1, x.shape[-1])
-    return _finish(x, x_MxK, base_matmul(x_MxK, w, backend), bias, lora, lora_scale)
+    with jax.named_scope("base_matmul"):
+        y_MxN = base_matmul(x_MxK, w, backend)
+    return _finish(x, x_MxK, y_MxN, bias, lora, lora_scale)
 
 
 def fused_linear(
@@ -168,8 +170,9 @@ def stack_loras(loras: list[dict[str, Any] | None], sizes: tuple[int, ...]) -> d
 
 def _lora_delta(x_MxK: jax.Array, lora: dict[str, Any]) -> jax.Array:
     """float32 x @ A.T @ B.T [M, N], the rank-r intermediate rounded to x's dtype."""
-    h_MxR = _dense_matmul(x_MxK, lora["a"])
-    return _dense_matmul(h_MxR.astype(x_MxK.dtype), lora["b"])
+    with jax.named_scope("lora"):
+        h_MxR = _dense_matmul(x_MxK, lora["a"])
+        return _dense_matmul(h_MxR.astype(x_MxK.dtype), lora["b"])
 
 
 def _finish(x, x_MxK, y_MxN, bias, lora, lora_scale) -> jax.Array:

@@ -1,4 +1,4 @@
-"""benchmarks/hlo_census.py: the walk over an optimized HLO module that counts a loop step's launches.
+"""benchmarks/devtools/hlo_census.py: the walk over an optimized HLO module that counts a loop step's launches.
 
 Compiling for an H100 needs jax's CUDA plugin (not installed in CI); the parser is tested on a
 small module in the optimized-HLO text format (a while loop whose body has a GEMM fusion, a
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "devtools"))
 import hlo_census  # noqa: E402
 
 MODULE = """HloModule jit_f, is_scheduled=true

@@ -1,6 +1,6 @@
 """The Mosaic GPU wgmma NVFP4 kernel's CPU-checkable parts: repacking and the register decode.
 
-The kernel itself needs a Hopper GPU (Mosaic GPU has no CPU lowering); benchmarks/wgmma_probe.py
+The kernel itself needs a Hopper GPU (Mosaic GPU has no CPU lowering); benchmarks/devtools/wgmma_probe.py
 checks it there. Here: the load-time repack is exact and invertible, the scale re-encoding is
 exact for every E4M3 value, and a numpy emulation of the kernel's PTX decode, placed by the
 wgmma A-operand register layout, reproduces the dequantized weights.

@@ -100,13 +100,14 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
 
 def apply_rope(x_BxTxHxD: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding in the HF "rotate half" layout; computed in float32."""
-    angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-    cos = jnp.cos(angles_BxTxF)[:, :, None, :]
-    sin = jnp.sin(angles_BxTxF)[:, :, None, :]
-    x = x_BxTxHxD.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxHxD.dtype)
+    with jax.named_scope("rope"):
+        angles_BxTxF = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+        cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+        sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+        x = x_BxTxHxD.astype(jnp.float32)
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return out.astype(x_BxTxHxD.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -116,13 +117,19 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     multiply is float32: AQN's noise (sigma down to 1e-4) lives in the norm scales and would
     otherwise round away in bfloat16 (spacing 2^-8 near 1).
     """
-    x32 = x.astype(jnp.float32)
-    x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * x_hat).astype(x.dtype)
+    with jax.named_scope("rms_norm"):
+        x32 = x.astype(jnp.float32)
+        x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (scale.astype(jnp.float32) * x_hat).astype(x.dtype)
 
 
 def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
     """Grouped-query softmax attention; scores and softmax in float32. Returns [B, T, H, D]."""
+    with jax.named_scope("attention"):
+        return _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
+
+
+def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     b, t, h, d = q_BxTxHxD.shape
     kv_heads = k_BxSxKxD.shape[2]
     q = q_BxTxHxD.reshape(b, t, kv_heads, h // kv_heads, d)

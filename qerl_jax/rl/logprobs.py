@@ -39,6 +39,11 @@ def lm_head(config: ModelConfig, params: dict[str, Any]) -> jax.Array:
 
 
 def _chunk_logprobs(h_BxCxD, targets_BxC, head_VxD, temperature):
+    with jax.named_scope("lm_head_logprobs"):
+        return _chunk_logprobs_body(h_BxCxD, targets_BxC, head_VxD, temperature)
+
+
+def _chunk_logprobs_body(h_BxCxD, targets_BxC, head_VxD, temperature):
     logits = jnp.einsum("bcd,vd->bcv", h_BxCxD, head_VxD.astype(h_BxCxD.dtype), preferred_element_type=jnp.float32)
     if temperature != 1.0:
         logits = logits / temperature

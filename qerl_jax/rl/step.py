@@ -175,7 +175,8 @@ def make_train_step(
 
             def loss_fn(lora):
                 logp, ent = logprobs(with_lora(frozen, lora), ids, am)
-                loss, _ = policy_loss(logp, old_mb, adv_mb, rm, loss_cfg, ref_logp=ref_mb, normalizer=normalizer)
+                with jax.named_scope("loss"):
+                    loss, _ = policy_loss(logp, old_mb, adv_mb, rm, loss_cfg, ref_logp=ref_mb, normalizer=normalizer)
                 return loss, (logp, ent)
 
             (_, (logp, ent)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.lora)
@@ -193,8 +194,9 @@ def make_train_step(
         grads = jax.tree.map(lambda gi, p: gi.astype(p.dtype), grads, state.lora)
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.lora)
-        new_lora = optax.apply_updates(state.lora, updates)
+        with jax.named_scope("optimizer"):
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.lora)
+            new_lora = optax.apply_updates(state.lora, updates)
         keep = lambda new, old_: jax.tree.map(lambda a, c: jnp.where(ok, a, c), new, old_)  # noqa: E731
         skipped = (~ok).astype(jnp.int32)
         new_state = TrainState(

@@ -2,12 +2,12 @@
 machine without a GPU.
 
     pip install "jax-cuda12-plugin==$JAXV" "jax-cuda12-pjrt==$JAXV"   # XLA's GPU compiler; no GPU needed
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/hlo_census.py --out /tmp/census.json
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/hlo_census.py --formats nvfp4 --batches 1 --list
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/devtools/hlo_census.py --out /tmp/census.json
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/devtools/hlo_census.py --formats nvfp4 --batches 1 --list
 
 XLA's GPU compiler runs without a device when it is given the device's description
 (deviceless AOT compilation: `jax.experimental.topologies.get_topology_desc` with a
-`target_config`; the H100 SXM's is in benchmarks/gpu_specs/h100_sxm.txtpb). For each
+`target_config`; the H100 SXM's is in benchmarks/devtools/gpu_specs/h100_sxm.txtpb). For each
 (format, batch), `generate`'s decode program is lowered with shape-only Qwen2.5 params
 (benchmarks/random_model.py under `jax.eval_shape`, so a 7B model needs no memory), with the
 weight copies `generate` makes on a Hopper GPU (`decode_weight_names`; the wgmma kernel is
@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs", "h100_sxm.txtpb")
 # Instructions that launch nothing: buffer plumbing and constants.

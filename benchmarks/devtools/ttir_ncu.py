@@ -3,9 +3,9 @@ process on the device): `dump` lowers kernels to Triton IR with JAX, `run` compi
 with the `triton` package and launches it from PyTorch, timing it with CUDA events against a
 torch bf16 matmul of the same shape.
 
-    PYTHONPATH=. python3 benchmarks/ttir_ncu.py dump --dir /tmp/ttir
-    python3 benchmarks/ttir_ncu.py run --dir /tmp/ttir                       # timing
-    ncu --profile-from-start off --set full -o X python3 benchmarks/ttir_ncu.py run --dir /tmp/ttir --profile
+    PYTHONPATH=. python3 benchmarks/devtools/ttir_ncu.py dump --dir /tmp/ttir
+    python3 benchmarks/devtools/ttir_ncu.py run --dir /tmp/ttir                       # timing
+    ncu --profile-from-start off --set full -o X python3 benchmarks/devtools/ttir_ncu.py run --dir /tmp/ttir --profile
 
 Diagnostic only (a kernel's values are not checked here; kernels.py checks them).
 """

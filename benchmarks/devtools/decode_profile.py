@@ -1,7 +1,7 @@
 """Where a rollout decode step's GPU time goes: kernels by kind, per step, from a JAX profile.
 
-    PYTHONPATH=. python benchmarks/decode_profile.py --out $OUT/decode_profile.json   # GPU
-    PYTHONPATH=. python benchmarks/decode_profile.py --tiny --prompt-len 16 --cache-new-tokens 32  # CPU smoke
+    PYTHONPATH=. python benchmarks/devtools/decode_profile.py --out $OUT/decode_profile.json   # GPU
+    PYTHONPATH=. python benchmarks/devtools/decode_profile.py --tiny --prompt-len 16 --cache-new-tokens 32  # CPU smoke
 
 Qwen2.5-7B shapes with random weights (benchmarks/rollout.py's model), one format per
 process (--formats). For each batch, `generate` runs twice under `jax.profiler.trace`, with
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 KINDS = (  # (kind, regex on the kernel name), first match wins
     ("wgmma", r"wgmma_nvfp4"),
@@ -47,8 +47,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def gpu_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of every kernel on the GPU stream lines of the trace."""
+def gpu_kernels_with_args(trace_dir: str) -> list[tuple[str, float, float, dict]]:
+    """(name, start us, duration us, args) of every kernel on the GPU stream lines of the trace; args
+    holds the profiler's annotations (e.g. "hlo_op", "hlo_module" on GPU)."""
     (path,) = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
     with gzip.open(path, "rb") as f:
         events = json.load(f)["traceEvents"]
@@ -61,10 +62,15 @@ def gpu_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
     # Stream lines hold the kernels; derived lines (XLA Ops / Modules, name scopes) repeat their time.
     keep = {key for key, name in gpu_lines.items() if "stream" in name.lower()}
     return [
-        (e["name"], float(e["ts"]), float(e.get("dur", 0.0)))
+        (e["name"], float(e["ts"]), float(e.get("dur", 0.0)), e.get("args", {}))
         for e in events
         if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep
     ]
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every kernel on the GPU stream lines of the trace."""
+    return [k[:3] for k in gpu_kernels_with_args(trace_dir)]
 
 
 GPU_LINES: set[str] = set()  # the GPU thread names seen (reported, to check the line filter)

@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU wgmma NVFP4 decode kernel (pallas_kernels/wgmma_nvfp4.py).
 
-    PYTHONPATH=. python benchmarks/wgmma_probe.py --out $OUT/wgmma.json
+    PYTHONPATH=. python benchmarks/devtools/wgmma_probe.py --out $OUT/wgmma.json
 
 check: kernel vs float32 reference (random weights, plus E4M3-subnormal and zero block scales),
 with one CTA per SM and with 7 CTAs (uneven stream-K ranges, dummy steps);
@@ -24,7 +24,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import kernels as kb  # noqa: E402
 
 from pallas_kernels import wgmma_nvfp4 as wn  # noqa: E402

@@ -1,0 +1,274 @@
+"""Where the train step's GPU time goes: kernels by kind and by name stack, from a JAX profile.
+
+    PYTHONPATH=. python benchmarks/devtools/train_profile.py --out $OUT/train_profile.json   # GPU, 7B
+    PYTHONPATH=. python benchmarks/devtools/train_profile.py --tiny --out /tmp/tp.json      # CPU smoke
+
+The GRPO step's train phase at benchmarks/grpo_step.py's shape (Qwen2.5-7B shapes, random
+weights, LoRA rank 16 on every projection, 64 sequences x (256 + 512) tokens, DAPO loss,
+micro-batch 8, per-layer remat), one base format per process. After a compile and two timed
+steps, one step runs under `jax.profiler.trace`. Every GPU kernel of the trace is attributed to
+the HLO instruction that launched it (the trace's `hlo_op` argument, or the kernel name) and,
+through the compiled module's metadata, to the JAX name stack that made it (`op_name`: the model
+marks attention, norms, RoPE, LoRA, base matmuls, the LM head and the loss with `jax.named_scope`). Reported: GPU busy time vs step time (host gaps), time by kind (dots, Pallas/Triton
+kernels, attention, LM head, LoRA, optimizer, ...) and by name stack, with FLOPs counted by
+formula and achieved TFLOP/s against a bf16 matmul measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/
+sys.path.insert(0, HERE)
+
+from decode_profile import gpu_kernels_with_args  # noqa: E402
+
+# (kind, regex on "op_name kernel"); the model marks its parts with jax.named_scope. First match wins.
+KINDS = (
+    ("optimizer", r"/optimizer/"),
+    ("lm_head+logprobs", r"lm_head_logprobs"),
+    ("loss", r"/loss/"),
+    ("lora", r"/lora/"),
+    ("attention", r"/attention/"),
+    ("rms_norm", r"/rms_norm/"),
+    ("rope", r"/rope/"),
+    ("dequant kernel", r"dequant"),
+    ("w4a16 kernel", r"quant_matmul|_qmm|nvfp4"),
+    ("base matmul", r"/base_matmul/"),
+)
+
+
+def flop_count(config, tokens: int, lora_rank: int, seq: int, batch: int) -> dict:
+    """FLOPs of one train step by formula: matmul FLOPs of the projections and LM head (2 * N * K per
+    token), attention (QK^T and PV, causal: half the square) and LoRA, times 3 for a frozen-base
+    remat step (forward, recompute, input gradients); LoRA gets 2 more for its weight gradients."""
+    d, hd, L = config.hidden_size, config.head_dim, config.num_hidden_layers
+    h, kv, inter, v = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size
+    proj = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * inter)  # per token per layer
+    ranks = 2 * lora_rank * ((d + h * hd) + 2 * (d + kv * hd) + (h * hd + d) + 2 * (d + inter) + (inter + d))
+    attn = 2 * 2 * h * hd * seq / 2  # per token per layer, causal
+    head = 2 * d * v
+    fwd = tokens * (L * (proj + attn + ranks) + head)
+    total = 3 * fwd + 2 * tokens * L * ranks
+    return {"forward": fwd, "step": total, "attention_share": tokens * L * attn / fwd}
+
+
+def bf16_peak_tflops(n: int = 8192) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def hlo_metadata(hlo_text: str) -> dict[str, str]:
+    """instruction name (and its kernel-name spelling, '.' -> '_') -> its op_name (JAX's name stack)."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", hlo_text, re.MULTILINE):
+        name, meta = m.group(1), m.group(2)
+        op = re.search(r'op_name="([^"]*)"', meta)
+        desc = op.group(1) if op else "?"
+        out[name] = desc
+        out[name.replace(".", "_").replace("-", "_")] = desc
+    return out
+
+
+def kind_of(text: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, text, re.IGNORECASE):
+            return kind
+    if re.search(r"gemm|cutlass|nvjet|xmma|cublas", text, re.IGNORECASE):
+        return "other dot"
+    return "other"
+
+
+def worker(args, fmt: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import random_model
+
+    from qerl_jax.lora import LoraConfig, init_lora, lora_scale
+    from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl import step as rl_step
+    from qerl_jax.rl.losses import LossConfig
+
+    config = random_model.model_config(args.model)
+    params = random_model.random_params(config, quant=fmt, seed=0)
+    frozen = {"base": params["base"], "norms": params["norms"]}
+    lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
+    optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
+    seq = args.prompt_len + args.new_tokens
+    batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
+    clean = {
+        "input_ids": jnp.asarray(batch["input_ids"], jnp.int32),
+        "attention_mask": jnp.asarray(batch["attention_mask"], jnp.int32),
+        "response_mask": jnp.asarray(batch["response_mask"], jnp.float32),
+        "old_logp": jnp.asarray(batch["old_logp"], jnp.float32),
+        "advantages": jnp.asarray(batch["advantages"], jnp.float32),
+    }
+    backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
+    state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
+    step = rl_step.make_train_step(
+        config,
+        LossConfig(kind="dapo", eps_low=0.2, eps_high=0.28),
+        optimizer,
+        lora_scale=lora_scale(lcfg),
+        backend=backend,
+        remat=not args.no_remat,
+        micro_batch_size=args.micro_batch_size,
+        logprob_chunk=args.logprob_chunk,
+    )
+    t0 = time.perf_counter()
+    compiled = step.jitted.lower(state, frozen, clean, None).compile()
+    compile_s = time.perf_counter() - t0
+    meta = hlo_metadata(compiled.as_text())
+    times = []
+    for _ in range(args.steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, frozen, clean, None)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[1:])
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, frozen, clean, None)
+        jax.block_until_ready((state, metrics))
+        profiled_s = time.perf_counter() - t0
+    kernels = gpu_kernels_with_args(d)
+    by_kind: dict = collections.defaultdict(float)
+    by_phase: dict = collections.defaultdict(float)  # backward: under a transpose( in the name stack
+    by_line: dict = collections.defaultdict(lambda: [0.0, 0])
+    by_name: dict = collections.defaultdict(lambda: [0.0, 0])
+    unmatched = 0
+    for name, _, dur, kargs in kernels:
+        hlo_op = kargs.get("hlo_op") or kargs.get("long_name", "").split(" ")[0] or name
+        desc = meta.get(hlo_op) or meta.get(name)
+        if desc is None:
+            unmatched += 1
+            desc = "?"
+        kind = kind_of(f"{desc} {name}")
+        by_kind[kind] += dur
+        by_phase["backward" if "transpose(" in desc else "forward/other"] += dur
+        by_line[f"{kind:18} {desc[:150]}"][0] += dur
+        by_line[f"{kind:18} {desc[:150]}"][1] += 1
+        by_name[name[:120]][0] += dur
+        by_name[name[:120]][1] += 1
+    busy_us = sum(by_kind.values())
+    tokens = args.batch * seq
+    flops = flop_count(config, tokens, args.rank, seq, args.batch)
+    peak = bf16_peak_tflops() if jax.default_backend() == "gpu" else float("nan")
+    stats = jax.devices()[0].memory_stats() or {}
+    sample_args = [k[3] for k in kernels[:3]]
+    return dict(
+        format=fmt,
+        backend=backend,
+        device=str(jax.devices()[0].device_kind),
+        compile_s=round(compile_s, 1),
+        step_s=step_s,
+        step_times_s=times,
+        profiled_step_s=profiled_s,
+        gpu_busy_s=busy_us / 1e6,
+        kernels=len(kernels),
+        unmatched_kernels=unmatched,
+        tokens=tokens,
+        flops=flops,
+        achieved_tflops=flops["step"] / step_s / 1e12,
+        bf16_matmul_tflops=peak,
+        peak_fraction=flops["step"] / step_s / 1e12 / peak,
+        peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+        phases_s={k: v / 1e6 for k, v in by_phase.items()},
+        kinds_s={k: v / 1e6 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        lines=[
+            dict(line=k, s=v[0] / 1e6, calls=v[1]) for k, v in sorted(by_line.items(), key=lambda kv: -kv[1][0])[:60]
+        ],
+        names=[
+            dict(name=k, s=v[0] / 1e6, calls=v[1]) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+        ],
+        sample_kernel_args=sample_args,
+        loss=float(np.asarray(metrics["loss"])),
+    )
+
+
+def table(results: list[dict]) -> None:
+    for r in results:
+        if "error" in r:
+            print(f"\n{r['format']}: error {r['error'][-1500:]}")
+            continue
+        print(
+            f"\n{r['format']:6} step {r['step_s']:.3f} s (profiled {r['profiled_step_s']:.3f}), GPU busy "
+            f"{r['gpu_busy_s']:.3f} s, {r['kernels']} kernels ({r['unmatched_kernels']} unattributed); "
+            f"{r['achieved_tflops']:.0f} TFLOP/s = {100 * r['peak_fraction']:.0f}% of the bf16 matmul's "
+            f"{r['bf16_matmul_tflops']:.0f}; peak {r['peak_gib']:.1f} GiB; compile {r['compile_s']} s"
+        )
+        print("   " + "  ".join(f"{k} {v:.3f}" for k, v in r["kinds_s"].items()))
+        print("   " + "  ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items()))
+        for t in r["lines"][:25]:
+            print(f"   {t['s']:7.3f} s {t['calls']:6d} x  {t['line'][:150]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/train_profile.json")
+    ap.add_argument("--formats", default="bf16,nvfp4")
+    ap.add_argument("--model", default="7B")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--logprob-chunk", type=int, default=256)
+    ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test: no GPU events)")
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--timeout", type=float, default=280)
+    args = ap.parse_args()
+    if args.tiny:
+        args.model, args.batch, args.prompt_len, args.new_tokens = "tiny", 4, 8, 8
+        args.rank, args.micro_batch_size, args.logprob_chunk = 4, 2, 8
+    if args.worker:
+        try:
+            res = worker(args, args.worker)
+        except Exception as e:  # noqa: BLE001 (reported; the other formats still run)
+            import traceback
+
+            res = {"format": args.worker, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    results = []
+    for fmt in args.formats.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", fmt] + sys.argv[1:]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            res = json.loads(lines[-1][7:]) if lines else {"format": fmt, "error": proc.stderr[-3000:]}
+        except subprocess.TimeoutExpired as e:
+            res = {"format": fmt, "error": f"timeout after {e.timeout} s"}
+        results.append(res)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    table(results)
+
+
+if __name__ == "__main__":
+    main()
