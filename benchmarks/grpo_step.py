@@ -8,9 +8,12 @@ For each base (bf16 LoRA, NF4, NVFP4) a child process builds the random model on
 (group sampling from shared prefills, fixed-length responses), the reward pool
 (`rewards.RewardPool`; random models have no tokenizer, so each completion is scored as the
 text of its token ids against a numeric answer, which exercises the same extraction and
-math-verify path), group advantages and the jitted train step (LoRA, remat, micro-batches).
-Each phase is compiled by a warm-up call first (the rollout warm-up stops every row after one
-token, so it compiles the same programs), then timed once. Prints a table, writes JSON.
+math-verify path), group advantages and the jitted train step (LoRA, the recipe's flash attention
+and remat choice, micro-batches). Each phase is compiled by a warm-up call first (the rollout
+warm-up stops every row after one token, so it compiles the same programs), then timed once.
+The format `peer` is transformers + PEFT (benchmarks/peer.py): `generate` (sampling, its default
+cache) then the same DAPO train step. The train phase's TFLOP/s use `peer.train_flops` (printed).
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
     p.add_argument("--model", default="7B")
-    p.add_argument("--formats", default="bf16,nf4,nvfp4")
+    p.add_argument("--formats", default="bf16,nvfp4,peer", help="bf16 | nvfp4 | mxfp4 | nf4 | peer, comma-separated")
+    p.add_argument("--attention", default="flash", choices=("flash", "xla"))
+    p.add_argument("--remat", default="auto", help="auto | full | proj | none (auto: the training loop's choice)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -39,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--logprob-chunk", type=int, default=256)
-    p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per child process")
     p.add_argument("--out", default=None)
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -62,6 +67,7 @@ def run_case(args, fmt: str) -> dict:
 
     sys.path.insert(0, HERE)
     import random_model  # noqa: PLC0415
+    import train_step  # noqa: PLC0415
 
     from qerl_jax import lora, optim, rewards
     from qerl_jax.rl import losses
@@ -84,9 +90,15 @@ def run_case(args, fmt: str) -> dict:
     policy = {**frozen, "lora": state.lora}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     warm = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, eos_ids=tuple(range(config.vocab_size)))
+    remat, micro_batch_size = train_step.resolve_remat(
+        config, fmt=fmt, backend=backend, attention=args.attention, remat=args.remat, args=args
+    )
     row = {
         "format": fmt,
         "backend": backend,
+        "attention": args.attention,
+        "remat": remat,
+        "micro_batch_size": micro_batch_size,
         "model": args.model,
         "build_s": build_s,
         "sequences": args.prompts * args.group,
@@ -143,8 +155,9 @@ def run_case(args, fmt: str) -> dict:
         optimizer,
         lora_scale=scale,
         backend=backend,
-        remat=True,
-        micro_batch_size=args.micro_batch_size,
+        remat=remat,
+        attention=args.attention,
+        micro_batch_size=micro_batch_size,
         logprob_chunk=args.logprob_chunk,
     )
     t0 = time.perf_counter()
@@ -156,6 +169,7 @@ def run_case(args, fmt: str) -> dict:
     jax.block_until_ready(m)
     row["train_s"] = time.perf_counter() - t0
     row["train_tokens_per_s"] = float(np.asarray(train_batch["attention_mask"]).sum()) / row["train_s"]
+    _train_flops(row, config, args)
     row["step_s"] = row["rollout_s"] + row["reward_s"] + row["train_s"]
     row["loss_finite"] = bool(np.isfinite(float(m["loss"])))
     stats = jax.devices()[0].memory_stats() or {}
@@ -164,11 +178,85 @@ def run_case(args, fmt: str) -> dict:
     return row
 
 
+def _train_flops(row: dict, config, args) -> None:
+    import peer  # noqa: PLC0415
+
+    seq = args.prompt_len + args.new_tokens
+    flops = peer.train_flops(config, tokens=args.prompts * args.group * seq, seq_len=seq, lora_rank=args.rank)
+    row["train_tflop"] = flops["step"] / 1e12
+    row["train_tflops"] = row["train_tflop"] / row["train_s"]
+
+
+def run_peer_case(args) -> dict:
+    """transformers + PEFT: sampled `generate` (its default cache) of the same rollout, then the same
+    DAPO train step (benchmarks/peer.py)."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, HERE)
+    import peer  # noqa: PLC0415
+    import random_model  # noqa: PLC0415
+
+    config = random_model.model_config(args.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    model = peer.peer_model(config, lora_rank=args.rank, device=device)
+    row = {"format": "peer", "backend": "transformers+peft", "model": args.model, "build_s": time.perf_counter() - t0}
+    row.update(sequences=args.prompts * args.group, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    rng = np.random.default_rng(0)
+    ids = torch.as_tensor(rng.integers(0, config.vocab_size, (args.prompts, args.prompt_len)), device=device)
+
+    def rollout(new_tokens):
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=args.group,
+                pad_token_id=0,
+                use_cache=True,
+            )
+        model.train()
+        return out
+
+    rollout(2)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    tokens = rollout(args.new_tokens)
+    sync()
+    row["rollout_s"] = time.perf_counter() - t0
+    row["rollout_tokens_per_s"] = args.prompts * args.group * args.new_tokens / row["rollout_s"]
+    seq = args.prompt_len + args.new_tokens
+    batch = random_model.random_rl_batch(
+        config, batch=args.prompts * args.group, seq_len=seq, prompt_len=args.prompt_len
+    )
+    batch["input_ids"] = tokens.cpu().numpy().astype(np.int32)
+    batch["attention_mask"] = np.ones_like(batch["input_ids"])
+    batch["response_mask"] = np.zeros(batch["input_ids"].shape, np.float32)
+    batch["response_mask"][:, args.prompt_len :] = 1
+    row["reward_s"] = 0.0  # the same reward pool as ours; not re-timed here
+    timed = peer.time_peer_train(model, batch, micro_batch_size=args.micro_batch_size, steps=1)
+    row["train_s"] = timed["step_s"]
+    row["train_tokens_per_s"] = float(batch["attention_mask"].sum()) / row["train_s"]
+    _train_flops(row, config, args)
+    row["step_s"] = row["rollout_s"] + row["train_s"]
+    row["peak_gib"] = (timed["peak_bytes_in_use"] or 0) / 2**30 or None
+    row["loss_finite"] = bool(np.isfinite(timed["loss"]))
+    return row
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.case:
         try:
-            row = run_case(args, args.case)
+            row = run_peer_case(args) if args.case == "peer" else run_case(args, args.case)
         except Exception as e:  # reported, not fatal: the other formats still run
             row = {
                 "format": args.case,
@@ -200,6 +288,10 @@ def main(argv=None) -> None:
             str(args.micro_batch_size),
             "--logprob-chunk",
             str(args.logprob_chunk),
+            "--attention",
+            args.attention,
+            "--remat",
+            args.remat,
         ]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
@@ -214,8 +306,12 @@ def main(argv=None) -> None:
         f"\nGRPO step, {args.model}-shaped random model, {args.prompts} prompts x {args.group} = "
         f"{args.prompts * args.group} sequences, {args.prompt_len} + {args.new_tokens} tokens"
     )
+    if any("train_tflop" in r for r in rows):
+        tflop = next(r["train_tflop"] for r in rows if "train_tflop" in r)
+        print(f"train FLOPs by formula (benchmarks/peer.py train_flops): {tflop:.0f} TFLOP per train phase")
     print(
-        f"{'base':8} {'backend':8} {'rollout s':>10} {'reward s':>9} {'train s':>8} {'step s':>8} {'vs bf16':>8} {'peak GiB':>9}"
+        f"{'base':8} {'backend':17} {'remat':5} {'rollout s':>10} {'reward s':>9} {'train s':>8} {'train TFLOP/s':>13} "
+        f"{'step s':>8} {'vs bf16':>8} {'peak GiB':>9}"
     )
     for r in rows:
         if "error" in r:
@@ -223,7 +319,8 @@ def main(argv=None) -> None:
             continue
         speedup = base["step_s"] / r["step_s"] if base else float("nan")
         print(
-            f"{r['format']:8} {r['backend']:8} {r['rollout_s']:10.2f} {r['reward_s']:9.2f} {r['train_s']:8.2f} "
+            f"{r['format']:8} {r['backend']:17} {r.get('remat', 'full'):5} {r['rollout_s']:10.2f} {r['reward_s']:9.2f} "
+            f"{r['train_s']:8.2f} {r.get('train_tflops', float('nan')):13.1f} "
             f"{r['step_s']:8.2f} {speedup:7.2f}x {r['peak_gib'] or float('nan'):9.1f}"
         )
     if args.out:

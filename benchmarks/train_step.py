@@ -1,18 +1,24 @@
-"""Train-step benchmark: one GRPO micro-batch on a Qwen2.5-7B-shaped random model with LoRA.
+"""Train-step benchmark: the GRPO/DAPO LoRA train step on Qwen2.5-shaped random weights, side by side
+with the transformers + PEFT peer (`benchmarks/peer.py`).
 
-    PYTHONPATH=. python benchmarks/train_step.py --out $OUT/train_step.json      # GPU: 7B, 8 x 1024
+    PYTHONPATH=. python benchmarks/train_step.py --out $OUT/train_step.json      # GPU: 7B, 64 x (256 + 512)
     PYTHONPATH=. python benchmarks/train_step.py --tiny --out /tmp/train_step.json  # CPU smoke test
 
-For each base format (bf16, nf4, nvfp4) a child process builds the random model on the device
-(benchmarks/random_model.py), then runs the jitted train step (`qerl_jax.rl.step`) with
-gradient checkpointing on (the batch as one micro-batch), then off (the same batch as accumulated
-micro-batches of --no-remat-micro-batch-size, since all of it does not fit): compile time, the median step time over `--steps` timed
-steps after one warm-up step, tokens/s, XLA's memory analysis of the compiled step, and the
-device's peak memory (`memory_stats()["peak_bytes_in_use"]`). The peak is a process-wide
-high-water mark; running remat=on before remat=off in one process still gives each case its
-own peak because the no-remat step needs at least as much memory (`--isolate` runs one process per
-case instead). An out-of-memory case is reported as such and the run goes on.
-Prints a table and writes all results as JSON to --out.
+The default shape is the GRPO step's train phase (`benchmarks/grpo_step.py`): Qwen2.5-7B, LoRA rank 16
+on every projection, 64 sequences of 256 prompt + 512 response tokens, DAPO loss, micro-batches of
+8, log-prob chunks of 256. Cases (`--cases`, comma-separated):
+
+- `FORMAT:ATTENTION:REMAT`, FORMAT bf16 | nvfp4 | mxfp4 | nf4, ATTENTION xla | flash, REMAT full |
+  proj | none | auto (what the training loop picks: `memory.fit(..., remat_fallback=True)` on this
+  device). The default cases time the recipe's settings (flash, auto) and the previous ones (xla,
+  full) for bf16 and NVFP4.
+- `peer`: transformers + PEFT, bf16, gradient checkpointing, the same batch, loss and micro-batches.
+
+Each case runs in its own process (its own peak memory): build, compile, one warm-up step, then the
+median of --steps timed steps. Reported: step time, tokens/s, TFLOP/s by the FLOP formula of
+`peer.train_flops` (printed), that as a fraction of a bf16 8192^3 matmul timed in the same process
+(the measured peak, not the datasheet's), the device's peak memory, compile time. Prints a table,
+writes JSON.
 """
 
 from __future__ import annotations
@@ -29,40 +35,49 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT_PREFIX = "RESULT "
+DEFAULT_CASES = "nvfp4:flash:auto,bf16:flash:auto,nvfp4:xla:full,bf16:xla:full,peer"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
     p.add_argument("--model", default="7B", help="Qwen2.5 size (0.5B ... 72B)")
-    p.add_argument("--formats", default="bf16,nf4,nvfp4", help="comma-separated base formats")
-    p.add_argument("--remat", default="on,off", help="comma-separated: on, off (run in this order)")
-    p.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = 2 * rank)")
-    p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (prompt + response)")
+    p.add_argument("--cases", default=DEFAULT_CASES, help="FORMAT:ATTENTION:REMAT or peer, comma-separated")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
+    p.add_argument("--batch", type=int, default=64, help="sequences per step")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=None, help="with remat; default: the whole batch")
-    p.add_argument(
-        "--no-remat-micro-batch-size",
-        type=int,
-        default=2,
-        help="without remat, the same batch runs as accumulated micro-batches of this size (the whole "
-        "8 x 1024 batch needs ~140 GB without checkpointing); 0: the --micro-batch-size value",
-    )
+    p.add_argument("--new-tokens", type=int, default=512, help="response tokens (sequence = prompt + response)")
+    p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--logprob-chunk", type=int, default=256)
-    p.add_argument("--loss", default="grpo", choices=("grpo", "dapo"))
-    p.add_argument("--beta", type=float, default=0.0, help="GRPO KL weight (> 0 adds the reference forward)")
-    p.add_argument("--backend", default="xla", choices=("xla", "pallas"))
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--out", default=None, help="JSON output path")
-    p.add_argument("--isolate", action="store_true", help="one process per (format, remat) case")
-    p.add_argument("--timeout", type=float, default=170.0, help="seconds per child process")
-    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode: "fmt:remat[,remat]"
+    p.add_argument("--timeout", type=float, default=200.0, help="seconds per case (child process)")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.tiny:
-        args.model, args.batch, args.seq, args.prompt_len, args.logprob_chunk, args.rank = "tiny", 4, 64, 16, 16, 4
+        args.model, args.batch, args.prompt_len, args.new_tokens = "tiny", 4, 16, 48
+        args.micro_batch_size, args.logprob_chunk, args.rank = 2, 16, 4
     return args
+
+
+def bf16_matmul_tflops(n: int = 8192, reps: int = 10) -> float | None:
+    """A bf16 n^3 matmul's rate on the first device (median of reps), or None off GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        return None
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def _mem_stats() -> dict[str, int] | None:
@@ -75,13 +90,54 @@ def _mem_stats() -> dict[str, int] | None:
     return stats or None
 
 
-def run_case(args, fmt: str, remats: list[bool]) -> list[dict[str, Any]]:
-    """Child: build the model once, then time the step for each remat setting in order."""
+def _common(args, config) -> dict[str, Any]:
+    import peer
+
+    tokens = args.batch * (args.prompt_len + args.new_tokens)
+    flops = peer.train_flops(config, tokens=tokens, seq_len=args.prompt_len + args.new_tokens, lora_rank=args.rank)
+    return {"model": args.model, "tokens": tokens, "flops": flops, "lora_rank": args.rank, "batch": args.batch}
+
+
+def _finish(row: dict[str, Any], peak_tflops: float | None) -> dict[str, Any]:
+    if "step_s" in row:
+        row["tokens_per_s"] = round(row["tokens"] / row["step_s"], 1)
+        row["tflops"] = round(row["flops"]["step"] / row["step_s"] / 1e12, 1)
+        row["bf16_matmul_tflops"] = None if peak_tflops is None else round(peak_tflops, 1)
+        row["peak_fraction"] = None if peak_tflops is None else round(row["tflops"] / peak_tflops, 3)
+    return row
+
+
+def resolve_remat(config, *, fmt: str, backend: str, attention: str, remat: str, args) -> tuple[str, int]:
+    """(remat mode, micro-batch) as the training loop picks them: "auto" is `memory.fit` with the
+    remat fallback on this device ("full" where the device reports no memory size)."""
+    from qerl_jax import memory
+
+    if remat != "auto":
+        return remat, args.micro_batch_size
+    device_bytes = memory.device_memory_bytes()
+    if device_bytes is None:
+        return "full", args.micro_batch_size
+    plan = memory.plan_memory(
+        config,
+        quant=fmt,
+        lora_rank=args.rank,
+        rollout_batch=args.batch if hasattr(args, "batch") else args.prompts * args.group,
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.new_tokens,
+        micro_batch_size=args.micro_batch_size,
+        remat="proj",
+        attention=attention,
+        logprob_chunk=args.logprob_chunk,
+        backend=backend,
+    )
+    fit = memory.fit(plan, device_bytes, remat_fallback=True)
+    return fit.remat, fit.micro_batch_size
+
+
+def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-
-    sys.path.insert(0, HERE)
-    import random_model  # benchmarks/random_model.py
+    import random_model
 
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
     from qerl_jax.optim import make_optimizer
@@ -89,17 +145,18 @@ def run_case(args, fmt: str, remats: list[bool]) -> list[dict[str, Any]]:
     from qerl_jax.rl.losses import LossConfig
 
     config = random_model.model_config(args.model)
+    row = {"case": f"{fmt}:{attention}:{remat}", "format": fmt, "attention": attention, **_common(args, config)}
+    backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
+    seq = args.prompt_len + args.new_tokens
+    remat, mb = resolve_remat(config, fmt=fmt, backend=backend, attention=attention, remat=remat, args=args)
+    row.update(remat=remat, micro_batch_size=mb, backend=backend, device=str(jax.devices()[0].device_kind))
     t0 = time.perf_counter()
     params = random_model.random_params(config, quant=fmt, seed=0)
-    build_s = time.perf_counter() - t0
     frozen = {"base": params["base"], "norms": params["norms"]}
+    row["build_s"] = round(time.perf_counter() - t0, 1)
     lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
-    batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=args.seq, prompt_len=args.prompt_len)
-    mb_remat = args.micro_batch_size or args.batch
-    mb_plain = args.no_remat_micro_batch_size or mb_remat
-    rl_step.validate_batch(batch, mb_remat)
-    rl_step.validate_batch(batch, mb_plain)
+    batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
     clean = {
         "input_ids": jnp.asarray(batch["input_ids"], jnp.int32),
         "attention_mask": jnp.asarray(batch["attention_mask"], jnp.int32),
@@ -107,120 +164,109 @@ def run_case(args, fmt: str, remats: list[bool]) -> list[dict[str, Any]]:
         "old_logp": jnp.asarray(batch["old_logp"], jnp.float32),
         "advantages": jnp.asarray(batch["advantages"], jnp.float32),
     }
-    loss_cfg = LossConfig(kind=args.loss, eps_low=0.2, eps_high=0.28, beta=args.beta)
-    base_info = {
-        "model": args.model,
-        "format": fmt,
-        "device": str(jax.devices()[0].device_kind),
-        "backend": args.backend,
-        "lora_rank": args.rank,
-        "batch": args.batch,
-        "seq": args.seq,
-        "logprob_chunk": args.logprob_chunk,
-        "loss": args.loss,
-        "beta": args.beta,
-        "frozen_bytes": random_model.tree_bytes(frozen),
-        "build_s": round(build_s, 2),
-    }
-    results = []
-    for remat in remats:
-        mb = mb_remat if remat else mb_plain
-        out = dict(base_info, remat=remat, micro_batch_size=mb)
-        state = compiled = None
-        try:
-            state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
-            out["lora_and_opt_bytes"] = random_model.tree_bytes((state.lora, state.opt_state))
-            step = rl_step.make_train_step(
-                config,
-                loss_cfg,
-                optimizer,
-                lora_scale=lora_scale(lcfg),
-                backend=args.backend,
-                remat=remat,
-                micro_batch_size=mb,
-                logprob_chunk=args.logprob_chunk,
-            )
-            t0 = time.perf_counter()
-            compiled = step.jitted.lower(state, frozen, clean, None).compile()
-            out["compile_s"] = round(time.perf_counter() - t0, 2)
-            analysis = compiled.memory_analysis()
-            if analysis is not None:
-                xm = {
-                    k: int(getattr(analysis, k))
-                    for k in (
-                        "temp_size_in_bytes",
-                        "argument_size_in_bytes",
-                        "output_size_in_bytes",
-                        "alias_size_in_bytes",
-                    )
-                    if hasattr(analysis, k)
-                }
-                out["xla_memory"] = xm
-                out["xla_peak_estimate_bytes"] = (
-                    xm.get("temp_size_in_bytes", 0)
-                    + xm.get("argument_size_in_bytes", 0)
-                    + xm.get("output_size_in_bytes", 0)
-                    - xm.get("alias_size_in_bytes", 0)
-                )
-            times = []
-            for i in range(args.steps + 1):  # the first step is a warm-up
-                t0 = time.perf_counter()
-                state, metrics = compiled(state, frozen, clean, None)
-                jax.block_until_ready((state, metrics))
-                if i:
-                    times.append(time.perf_counter() - t0)
-            step_s = statistics.median(times)
-            out.update(
-                step_s=round(step_s, 4),
-                step_times_s=[round(t, 4) for t in times],
-                tokens_per_s=round(args.batch * args.seq / step_s, 1),
-                loss=float(metrics["loss"]),
-                grad_norm=float(metrics["grad_norm"]),
-                skipped=float(metrics["skipped"]),
-            )
-        except Exception as e:  # noqa: BLE001 (an OOM case is a result, not a crash)
-            msg = f"{type(e).__name__}: {e}"
-            out["error"] = (
-                "OOM: " + msg[:500] if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() else msg[:2000]
-            )
-            out["traceback"] = traceback.format_exc()[-3000:]
-        stats = _mem_stats()
-        if stats:
-            out["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
-            out["bytes_limit"] = stats.get("bytes_limit")
-        del state, compiled
-        results.append(out)
-        print(RESULT_PREFIX + json.dumps(out), flush=True)
-    return results
+    rl_step.validate_batch(clean, mb, contiguous=attention == "flash")
+    state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
+    step = rl_step.make_train_step(
+        config,
+        LossConfig(kind="dapo", eps_low=0.2, eps_high=0.28),
+        optimizer,
+        lora_scale=lora_scale(lcfg),
+        backend=backend,
+        remat=remat,
+        attention=attention,
+        micro_batch_size=mb,
+        logprob_chunk=args.logprob_chunk,
+    )
+    t0 = time.perf_counter()
+    compiled = step.jitted.lower(state, frozen, clean, None).compile()
+    row["compile_s"] = round(time.perf_counter() - t0, 1)
+    times = []
+    for i in range(args.steps + 1):  # the first step is a warm-up
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, frozen, clean, None)
+        jax.block_until_ready((state, metrics))
+        if i:
+            times.append(time.perf_counter() - t0)
+    stats = _mem_stats() or {}
+    row.update(
+        step_s=statistics.median(times),
+        step_times_s=[round(t, 4) for t in times],
+        loss=float(metrics["loss"]),
+        grad_norm=float(metrics["grad_norm"]),
+        peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+    )
+    del state, compiled, params, frozen
+    return _finish(row, bf16_matmul_tflops())
+
+
+def run_peer_case(args) -> dict[str, Any]:
+    import peer
+    import random_model
+    import torch
+    import transformers
+
+    config = random_model.model_config(args.model)
+    row = {"case": "peer", "format": "bf16", "attention": "sdpa", "remat": "full", **_common(args, config)}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    row.update(
+        micro_batch_size=args.micro_batch_size,
+        backend=f"transformers {transformers.__version__} + peft, torch {torch.__version__}",
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    )
+    t0 = time.perf_counter()
+    model = peer.peer_model(config, lora_rank=args.rank, device=device)
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+    batch = random_model.random_rl_batch(
+        config, batch=args.batch, seq_len=args.prompt_len + args.new_tokens, prompt_len=args.prompt_len
+    )
+    row.update(peer.time_peer_train(model, batch, micro_batch_size=args.micro_batch_size, steps=args.steps))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return _finish(row, _torch_bf16_matmul_tflops() if device == "cuda" else None)
+
+
+def _torch_bf16_matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the no-remat cases need more than the default 75%
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the "proj" and "none" cases need more than 75%
     root = os.path.dirname(HERE)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([root, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
 def run_children(args) -> list[dict[str, Any]]:
-    """Driver: one child process per format (or per case with --isolate); collects RESULT lines."""
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    remats = [r.strip() for r in args.remat.split(",") if r.strip()]
-    bad = [r for r in remats if r not in ("on", "off")]
-    if bad:
-        raise SystemExit(f"--remat values must be 'on' or 'off'; got {bad}")
-    jobs = [(f, [r]) for f in formats for r in remats] if args.isolate else [(f, remats) for f in formats]
+    """Driver: one child process per case; collects their RESULT lines."""
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for c in cases:
+        if c != "peer" and len(c.split(":")) != 3:
+            raise SystemExit(f"--cases entries are FORMAT:ATTENTION:REMAT or peer; got {c!r}")
     passthrough, skip_next = [], False
-    for a in args.argv:  # the child gets the same flags, minus --out
+    for a in args.argv:  # the child gets the same flags, minus --out and --cases
         if skip_next:
             skip_next = False
-        elif a == "--out":
+        elif a in ("--out", "--cases"):
             skip_next = True
-        elif not a.startswith("--out="):
+        elif not a.startswith(("--out=", "--cases=")):
             passthrough.append(a)
     results = []
-    for fmt, rs in jobs:
-        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--case", f"{fmt}:{','.join(rs)}"]
+    for case in cases:
+        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--case", case]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=args.timeout)
@@ -229,51 +275,92 @@ def run_children(args) -> list[dict[str, Any]]:
             stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             stderr, rc = f"timed out after {args.timeout} s", None
         got = [json.loads(line[len(RESULT_PREFIX) :]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-        for r in rs[len(got) :]:  # cases the child never reported (crash or timeout)
-            got.append({"format": fmt, "remat": r == "on", "error": f"child exited with {rc}: {stderr[-1500:]}"})
-        for g in got:
-            g["process_s"] = round(time.perf_counter() - t0, 1)
-        results.extend(got)
-        print(f"[{fmt}] {len(got)} case(s) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        row = got[-1] if got else {"case": case, "error": f"child exited with {rc}: {stderr[-1500:]}"}
+        row["process_s"] = round(time.perf_counter() - t0, 1)
+        results.append(row)
+        print(
+            f"[{case}] {row.get('step_s', row.get('error', '?'))!s:.80} ({row['process_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
 def _gib(x) -> str:
-    return "-" if x is None else f"{x / 2**30:.2f}"
+    return "-" if x is None else f"{x / 2**30:.1f}"
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    head = f"{'format':8} {'remat':5} {'micro':>5} {'step s':>8} {'tok/s':>9} {'peak GiB':>9} {'XLA est GiB':>11} {'frozen GiB':>10} {'compile s':>9}  note"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        note = r.get("error", "")[:60]
+def table(results: list[dict[str, Any]], args) -> str:
+    ok = [r for r in results if "step_s" in r]
+    flops = ok[0]["flops"] if ok else None
+    head = (
+        f"{'case':20} {'remat':5} {'mb':>3} {'step s':>7} {'tok/s':>8} {'TFLOP/s':>8} {'of peak':>8} "
+        f"{'vs peer':>8} {'peak GiB':>9} {'compile s':>9}"
+    )
+    peer_row = next((r for r in ok if r["case"] == "peer"), None)
+    lines = [
+        f"train step: {args.model}-shaped random model, LoRA r{args.rank} on every projection, {args.batch} sequences "
+        f"x ({args.prompt_len} + {args.new_tokens}) tokens, DAPO, micro-batch {args.micro_batch_size}",
+    ]
+    if flops:
         lines.append(
-            f"{r.get('format', '?'):8} {('on' if r.get('remat') else 'off'):5} {r.get('micro_batch_size', '-')!s:>5} "
-            f"{r.get('step_s', '-')!s:>8} "
-            f"{r.get('tokens_per_s', '-')!s:>9} {_gib(r.get('peak_bytes_in_use')):>9} "
-            f"{_gib(r.get('xla_peak_estimate_bytes')):>11} {_gib(r.get('frozen_bytes')):>10} {r.get('compile_s', '-')!s:>9}  {note}"
+            f"FLOPs by formula (benchmarks/peer.py train_flops: 3 forward passes of 2*N*K per token per matrix + causal "
+            f"attention + LoRA, + LoRA weight gradients): {flops['step'] / 1e12:.0f} TFLOP per step "
+            f"(attention {100 * flops['attention_share']:.1f}% of a forward)"
+        )
+    lines += [head, "-" * len(head)]
+    for r in results:
+        if "step_s" not in r:
+            lines.append(f"{r.get('case', '?'):20} error: {r.get('error', '')[:150]}")
+            continue
+        frac = "-" if r.get("peak_fraction") is None else f"{100 * r['peak_fraction']:.0f}%"
+        vs = "-" if peer_row is None else f"{peer_row['step_s'] / r['step_s']:.2f}x"
+        lines.append(
+            f"{r['case']:20} {r['remat']:5} {r['micro_batch_size']:>3} {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} "
+            f"{r['tflops']:8.1f} {frac:>8} {vs:>8} {_gib(r.get('peak_bytes_in_use')):>9} {r.get('compile_s', '-')!s:>9}"
+        )
+    peaks = sorted({r["bf16_matmul_tflops"] for r in ok if r.get("bf16_matmul_tflops")})
+    if peaks:
+        lines.append(
+            f"bf16 8192^3 matmul measured in each case's process: {', '.join(f'{p:.0f}' for p in peaks)} TFLOP/s"
         )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    sys.path.insert(0, HERE)
     if args.case:
-        fmt, rs = args.case.split(":")
-        run_case(args, fmt, [r == "on" for r in rs.split(",")])
+        try:
+            if args.case == "peer":
+                row = run_peer_case(args)
+            else:
+                row = run_jax_case(args, *args.case.split(":"))
+        except Exception as e:  # noqa: BLE001 (an OOM case is a result, not a crash)
+            msg = f"{type(e).__name__}: {e}"
+            oom = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+            row = {
+                "case": args.case,
+                "error": ("OOM: " if oom else "") + msg[:2000],
+                "trace": traceback.format_exc()[-3000:],
+            }
+        print(RESULT_PREFIX + json.dumps(row), flush=True)
         return
     t0 = time.perf_counter()
     results = run_children(args)
-    print(table(results))
-    summary = {
-        "args": {k: v for k, v in vars(args).items() if k not in ("case", "argv")},
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "results": results,
-    }
+    print(table(results, args))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k not in ("case", "argv")},
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.out}")
     if not results or all("error" in r for r in results):
         sys.exit(1)

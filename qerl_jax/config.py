@@ -66,7 +66,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.rl.micro_batch_size = 8
     c.rl.ppo_epochs = 1
     c.rl.logprob_chunk = 256
-    c.rl.remat = True
+    # per-layer checkpointing: auto | full | proj | none. auto: "proj" (projection outputs kept, no
+    # matmul recompute) where the memory plan fits it, else "full"; "full" on a device of unknown size.
+    c.rl.remat = "auto"
+    c.rl.attention = "flash"  # the train forward's attention: flash (cuDNN's on GPU) | xla
 
     c.lora = ml_collections.ConfigDict()
     c.lora.rank = 16

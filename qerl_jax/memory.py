@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
+from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
 from qerl_jax.quant.packed import BLOCK_SIZES, FORMATS
 
 QUANT_CHOICES = ("bf16", *FORMATS)
@@ -42,6 +42,9 @@ FIELD_QUANT = "model.quant"
 FIELD_LOGPROB_CHUNK = "rl.logprob_chunk"
 FIELD_LORA_RANK = "lora.rank"
 FIELD_REMAT = "rl.remat"
+# `fit(remat_fallback=True)` keeps the "proj" remat (projection outputs saved) down to micro-batches
+# of this many tokens before it falls back to "full" (smaller matmuls lose more than the recompute).
+PROJ_REMAT_MIN_TOKENS = 2048
 GIB = 1024**3
 
 
@@ -165,10 +168,14 @@ class MemoryPlan:
             ("= rollout phase peak", self.rollout_peak),
             ("LoRA gradients + accumulator (f32)", self.lora_grads),
             (
-                f"saved layer inputs (micro-batch {i['micro_batch_size']} x {i['train_seq_len']})",
+                f"saved layer inputs{' + projection outputs' if i['remat'] == 'proj' else ''} "
+                f"(micro-batch {i['micro_batch_size']} x {i['train_seq_len']})",
                 self.train_saved_activations,
             ),
-            ("one layer recomputed" if i["remat"] else "all layers' activations", self.train_layer_activations),
+            (
+                "one layer recomputed" if i["remat"] != "none" else "all layers' activations",
+                self.train_layer_activations,
+            ),
             (f"log-prob chunk logits ({i['logprob_chunk']} tokens/seq)", self.train_logits),
             ("= train phase peak", self.train_peak),
             ("TOTAL (max of the phases)", self.total),
@@ -211,7 +218,8 @@ def plan_memory(
     max_new_tokens: int = 1024,
     micro_batch_size: int = 8,
     train_seq_len: int | None = None,
-    remat: bool = True,
+    remat: bool | str = True,
+    attention: str = "xla",
     logprob_chunk: int | None = 256,
     backend: str = "xla",
     device_bytes: int | None = None,
@@ -238,7 +246,9 @@ def plan_memory(
         multiple of 64): pass bucketed sizes for an exact cache term.
       micro_batch_size: sequences per forward/backward of the training step.
       train_seq_len: tokens per training sequence (None: prompt_len + max_new_tokens).
-      remat: per-layer gradient checkpointing in the training forward.
+      remat: per-layer gradient checkpointing in the training forward: "full" (or True), "proj"
+        (projection outputs saved too) or "none" (or False); see `models.qwen2.REMAT_MODES`.
+      attention: the training forward's attention, "xla" (scores materialized) or "flash".
       logprob_chunk: sequence positions whose logits are materialised at once (None: all).
       backend: "xla" dequantizes one layer's packed weights to bf16 before its matmuls;
         "pallas" dequantizes inside the kernel (no workspace).
@@ -266,10 +276,11 @@ def plan_memory(
         bf16 linears (all of them for quant="bf16", the `quant_skip` ones otherwise; packed
         weights are read in place), biases, the 2*L norms and the LoRA params.
       train_saved_activations: with remat, (L + 1) * M*T*D*2 (every layer's input hidden state
-        plus the final one; M = micro_batch_size, T = train_seq_len). Without remat: included
-        in the next term.
+        plus the final one; M = micro_batch_size, T = train_seq_len), plus for "proj" L * M*T*N*2
+        (every projection's bf16 output, N the sum of the projections' out features). Without
+        remat: included in the next term.
       train_layer_activations: with remat, one layer recomputed in the backward,
-        M*T*E*2 + M*H*T*T*6 (its cotangents are made and consumed one op at a time and add
+        M*T*E*2 + M*H*T*T*6 (M*H*T*4 with "flash" attention: no scores, a float32 logsumexp) (its cotangents are made and consumed one op at a time and add
         little: on an H100 the whole training term matched XLA's memory analysis of the
         jitted train step within 5% for Qwen2.5-14B and 32B shapes, M=8, T=1536). Without
         remat: L + 1 such layers (every layer's activations plus one layer's cotangents).
@@ -299,6 +310,9 @@ def plan_memory(
     _positive("prompt_len", prompt_len)
     _positive(FIELD_NEW_TOKENS, max_new_tokens)
     _positive(FIELD_MICRO_BATCH, micro_batch_size)
+    remat = remat_mode(remat)
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention {attention!r} is not supported; expected one of {ATTENTION_MODES}")
     train_seq_len = prompt_len + max_new_tokens if train_seq_len is None else _positive("train_seq_len", train_seq_len)
     logprob_chunk = (
         train_seq_len if logprob_chunk is None else min(_positive(FIELD_LOGPROB_CHUNK, logprob_chunk), train_seq_len)
@@ -317,6 +331,7 @@ def plan_memory(
         micro_batch_size=micro_batch_size,
         train_seq_len=train_seq_len,
         remat=remat,
+        attention=attention,
         logprob_chunk=logprob_chunk,
         backend=backend,
     )
@@ -360,9 +375,12 @@ def plan_memory(
     rollout_layer_copies = dense_linear + (bias_elems + 2 * n_layers * d) * DENSE_BYTES + lora_params
 
     m, t = micro_batch_size, train_seq_len
-    layer_fwd = m * t * e_layer * DENSE_BYTES + m * heads * t * t * ATTN_SCORE_BYTES
-    if remat:
+    scores = m * heads * t * (4 if attention == "flash" else t * ATTN_SCORE_BYTES)
+    layer_fwd = m * t * e_layer * DENSE_BYTES + scores
+    if remat != "none":
         train_saved = (n_layers + 1) * m * t * d * DENSE_BYTES
+        if remat == "proj":
+            train_saved += n_layers * m * t * sum(n for n, _ in shapes.values()) * DENSE_BYTES
         train_layer = layer_fwd
     else:
         train_saved = 0
@@ -418,6 +436,7 @@ class FitResult:
 
     micro_batch_size: int
     rollout_chunk: int
+    remat: str  # the training remat mode (see `fit`'s remat_fallback)
     plan: MemoryPlan
     changed: tuple[str, ...]  # config fields that were lowered
     message: str
@@ -431,8 +450,19 @@ def _gib(x: int) -> str:
     return f"{x / GIB:.1f} GiB"
 
 
-def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = True, margin: float = 0.05) -> FitResult:
+def fit(
+    plan: MemoryPlan,
+    device_bytes: int | None = None,
+    *,
+    adjust: bool = True,
+    margin: float = 0.05,
+    remat_fallback: bool = False,
+) -> FitResult:
     """Picks (adjust=True) or validates (adjust=False) the micro-batch and rollout chunk.
+
+    remat_fallback: with a "proj" plan, the training phase keeps "proj" at the largest micro-batch
+    of at least PROJ_REMAT_MIN_TOKENS tokens that fits, else takes "full" (and its largest fitting
+    micro-batch); the choice is `FitResult.remat`.
 
     The budget is `device_bytes * (1 - margin)` (the margin covers XLA workspace and
     fragmentation); `device_bytes` defaults to `plan.device_bytes`, then to the first JAX
@@ -454,9 +484,16 @@ def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = Tru
     budget = int(device_bytes * (1 - margin))
     inputs = dict(plan.inputs)
 
-    def replan(mb: int, chunk: int) -> MemoryPlan:
+    def replan(mb: int, chunk: int, remat: str | None = None) -> MemoryPlan:
         return plan_memory(
-            plan.config, **{**inputs, "micro_batch_size": mb, "rollout_chunk": chunk, "device_bytes": device_bytes}
+            plan.config,
+            **{
+                **inputs,
+                "micro_batch_size": mb,
+                "rollout_chunk": chunk,
+                "device_bytes": device_bytes,
+                "remat": remat or inputs["remat"],
+            },
         )
 
     mb0, chunk0 = inputs["micro_batch_size"], inputs["rollout_chunk"]
@@ -484,8 +521,15 @@ def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = Tru
         return replan(k, chunk0).train_peak  # nor the training phase on the rollout chunk
 
     batch = inputs["rollout_batch"]
+    mb_candidates = _divisors_desc(batch, mb0) if adjust else [mb0]
     chunk = first_fitting(_divisors_desc(batch, chunk0) if adjust else [chunk0], rollout_peak)
-    mb = first_fitting(_divisors_desc(batch, mb0) if adjust else [mb0], train_peak)
+    mb = first_fitting(mb_candidates, train_peak)
+    if remat_fallback and inputs["remat"] == "proj":
+        tokens = inputs["train_seq_len"]
+        mb = first_fitting([k for k in mb_candidates if k * tokens >= PROJ_REMAT_MIN_TOKENS], train_peak)
+        if mb is None:  # the projection outputs fit no efficient micro-batch
+            inputs["remat"] = "full"  # `replan` reads it
+            mb = first_fitting(mb_candidates, train_peak)
     problems = []
     if chunk is None:
         best = None if adjust else first_fitting(_divisors_desc(batch, chunk0), rollout_peak)
@@ -517,7 +561,7 @@ def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = Tru
             one = replan(1, chunk0)
             if one.train_logits >= one.train_activations / 2 and inputs["logprob_chunk"] > 1:
                 hint = f"lower {FIELD_LOGPROB_CHUNK} (now {inputs['logprob_chunk']})"
-            elif not inputs["remat"]:
+            elif inputs["remat"] == "none":
                 hint = f"set {FIELD_REMAT}=True"
             else:
                 hint = (
@@ -540,4 +584,14 @@ def fit(plan: MemoryPlan, device_bytes: int | None = None, *, adjust: bool = Tru
     message = f"fits: peak {_gib(final.total)} of {_gib(device_bytes)}"
     if notes:
         message += "; lowered " + ", ".join(notes)
-    return FitResult(micro_batch_size=mb, rollout_chunk=chunk, plan=final, changed=tuple(changed), message=message)
+    if inputs["remat"] != plan.inputs["remat"]:
+        changed.append(FIELD_REMAT)
+        message += f"; {FIELD_REMAT} {plan.inputs['remat']} -> {inputs['remat']} (projection outputs do not fit)"
+    return FitResult(
+        micro_batch_size=mb,
+        rollout_chunk=chunk,
+        remat=inputs["remat"],
+        plan=final,
+        changed=tuple(changed),
+        message=message,
+    )

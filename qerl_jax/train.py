@@ -259,6 +259,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         lora_scale=lora.lora_scale(lcfg),
         backend=policy.backend,
         remat=cfg.rl.remat,
+        attention=cfg.rl.attention,
         micro_batch_size=cfg.rl.micro_batch_size,
         logprob_chunk=cfg.rl.logprob_chunk or None,
         temperature=cfg.rollout.temperature,
@@ -325,7 +326,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                         raise UserFacingError(
                             "out of device memory in the train step: lower --config.rl.micro_batch_size "
                             f"(now {cfg.rl.micro_batch_size}) or --config.rollout.max_new_tokens, or keep "
-                            "--config.rl.remat=True"
+                            "--config.rl.remat=full"
                         ) from None
                     raise
                 dt = time.perf_counter() - t0
@@ -383,23 +384,28 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
         micro_batch_size=cfg.rl.micro_batch_size,
-        remat=cfg.rl.remat,
+        remat="proj" if cfg.rl.remat == "auto" else cfg.rl.remat,
+        attention=cfg.rl.attention,
         logprob_chunk=cfg.rl.logprob_chunk or None,
         quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
         backend=policy.backend,
     )
     tqdm.write(plan.table())
+    auto_remat = cfg.rl.remat == "auto"
     device_bytes = memory.device_memory_bytes()
-    if device_bytes is None:
-        return cfg
-    try:
-        result = memory.fit(plan, device_bytes)
-    except memory.DoesNotFitError as e:
-        raise UserFacingError(str(e)) from None
-    if result.changed:
-        tqdm.write(result.message)
-        cfg = cfg.copy_and_resolve_references()
-        with cfg.unlocked():
+    result = None
+    if device_bytes is not None:
+        try:
+            result = memory.fit(plan, device_bytes, remat_fallback=auto_remat)
+        except memory.DoesNotFitError as e:
+            raise UserFacingError(str(e)) from None
+        if result.changed:
+            tqdm.write(result.message)
+    remat = result.remat if result is not None else ("full" if auto_remat else cfg.rl.remat)
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.rl.remat = remat
+        if result is not None:
             cfg.rl.micro_batch_size = result.micro_batch_size
             cfg.rollout.max_batch = result.rollout_chunk
     return cfg

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qerl_jax.linear import Fused, fused_linear, linear, stack_loras
+from qerl_jax.linear import Fused, fused_linear, linear, matmul_nt, stack_loras
 from qerl_jax.quant import quantize
 
 
@@ -67,3 +67,33 @@ def test_fused_linear_rejects_more_rows_and_mismatched_lists():
         fused_linear(jnp.ones((2, 4)), fused, biases=[None])
     with pytest.raises(ValueError, match="stacked LoRA B has 5 rows"):
         fused_linear(jnp.ones((2, 4)), fused, biases=[None, None], lora={"a": jnp.ones((1, 4)), "b": jnp.ones((5, 1))})
+
+
+def test_matmul_nt_gradients_are_float32_autodiff_in_float32():
+    x = jax.random.normal(jax.random.key(0), (5, 16))
+    w = jax.random.normal(jax.random.key(1), (7, 16))
+    g = jax.random.normal(jax.random.key(2), (5, 7))
+    ours = jax.vjp(matmul_nt, x, w)[1](g)
+    plain = jax.vjp(lambda a, b: a @ b.T, x, w)[1](g)
+    for a, b in zip(ours, plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_matmul_nt_backward_takes_bf16_products_for_bf16_inputs():
+    """A bf16 x: the cotangent is rounded to bf16 and the gradients are bf16 x bf16 products with
+    float32 accumulation (what a bf16 framework computes), close to the float64 gradients."""
+    x = jax.random.normal(jax.random.key(0), (32, 64)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (48, 64)).astype(jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(2), (32, 48))
+    y, vjp = jax.vjp(matmul_nt, x, w)
+    assert y.dtype == jnp.float32
+    dx, dw = vjp(g)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    g16 = np.asarray(g.astype(jnp.bfloat16), np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), g16 @ w64, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), g16.T @ x64, rtol=1e-2, atol=1e-2)
+    text = jax.jit(lambda a, b, c: jax.vjp(matmul_nt, a, b)[1](c)).lower(x, w, g).as_text()
+    operand_types = [line.split(": (")[1].split(") ->")[0] for line in text.splitlines() if "dot_general" in line]
+    assert len(operand_types) == 2, operand_types  # the two gradients (the forward product is unused)
+    assert all(t.count("bf16") == 2 for t in operand_types), operand_types

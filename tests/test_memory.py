@@ -8,7 +8,7 @@ import pytest
 
 from qerl_jax import memory
 from qerl_jax.lora import LoraConfig, init_lora
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 from qerl_jax.quant import quantize, quantize_params
 
 GIB = 1024**3
@@ -335,3 +335,37 @@ def test_block_divisibility_is_checked():
     with pytest.raises(ValueError, match="K=40"):
         memory.packed_matrix_bytes(8, 40, "nvfp4")
     assert set(PROJECTIONS) == set(memory.projection_shapes(QWEN_7B))
+
+
+def test_proj_remat_saves_every_projection_output_and_flash_drops_the_scores():
+    kw = dict(rollout_batch=64, group_size=8, micro_batch_size=4, max_new_tokens=512, prompt_len=256)
+    full = memory.plan_memory(QWEN_7B, remat="full", **kw)
+    proj = memory.plan_memory(QWEN_7B, remat="proj", **kw)
+    c, tokens = QWEN_7B, 4 * 768
+    out_features = sum(n for n, _ in projection_shapes(c).values())
+    assert (
+        proj.train_saved_activations - full.train_saved_activations == c.num_hidden_layers * tokens * out_features * 2
+    )
+    assert memory.plan_memory(QWEN_7B, remat=True, **kw) == full  # a bool is still accepted
+    flash = memory.plan_memory(QWEN_7B, remat="full", attention="flash", **kw)
+    scores = 4 * c.num_attention_heads * 768 * 768 * memory.ATTN_SCORE_BYTES
+    assert full.train_layer_activations - flash.train_layer_activations == scores - 4 * c.num_attention_heads * 768 * 4
+    with pytest.raises(ValueError, match="attention 'sdpa'"):
+        memory.plan_memory(QWEN_7B, attention="sdpa")
+
+
+def test_fit_keeps_proj_remat_where_it_fits_and_falls_back_to_full():
+    kw = dict(rollout_batch=64, group_size=8, micro_batch_size=8, max_new_tokens=512, prompt_len=256)
+    roomy = memory.fit(memory.plan_memory(QWEN_7B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
+    assert (roomy.remat, roomy.micro_batch_size, roomy.changed) == ("proj", 8, ())
+    # 72B: the projection outputs of even an efficient micro-batch (>= PROJ_REMAT_MIN_TOKENS tokens) do
+    # not fit next to the packed base on 80 GB: "full" at the largest micro-batch that fits.
+    tight = memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
+    assert tight.remat == "full" and "rl.remat" in tight.changed and "rl.remat proj -> full" in tight.message
+    assert tight.plan.inputs["remat"] == "full" and tight.plan.train_peak <= 0.95 * 80 * GIB
+    proj_min = -(-memory.PROJ_REMAT_MIN_TOKENS // 768)
+    assert (
+        memory.plan_memory(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
+    )
+    # Without the fallback the plan's mode is kept (the micro-batch is lowered instead).
+    assert memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"

@@ -11,6 +11,7 @@ import torch
 from conftest import make_hf_model, save_hf_model
 
 import qerl_jax
+from qerl_jax.models.qwen2 import shift_rows
 
 CONFIGS = {
     "gqa2_untied": dict(),
@@ -148,3 +149,41 @@ def test_config_fields_come_from_config_json(tiny_qwen2_dir):
     assert config.hidden_size == raw["hidden_size"]
     assert config.num_key_value_heads == raw["num_key_value_heads"]
     assert config.head_dim == raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def test_shift_rows_rotates_each_row():
+    x = np.arange(12).reshape(2, 6)
+    out = np.asarray(shift_rows(jnp.asarray(x), jnp.asarray([2, -1], jnp.int32)))
+    np.testing.assert_array_equal(out, [[2, 3, 4, 5, 0, 1], [11, 6, 7, 8, 9, 10]])
+    h = np.arange(24).reshape(2, 6, 2)  # trailing dims move with their position
+    np.testing.assert_array_equal(
+        np.asarray(shift_rows(jnp.asarray(h), jnp.asarray([1, 0])))[0, :, 1], [3, 5, 7, 9, 11, 1]
+    )
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_flash_attention_forward_equals_the_masked_one(tmp_path, kv_heads):
+    """attention="flash" (rows shifted so real tokens come first, causal + per-row key lengths)
+    gives the masked attention's logits on left-, right- and both-side-padded rows (GQA and MQA)."""
+    model = make_hf_model(num_key_value_heads=kv_heads)
+    config, params = qerl_jax.load_model(save_hf_model(model, tmp_path), dtype="float32")
+    ids, _ = _batch(config.vocab_size, b=4, t=11)
+    mask = np.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, 7:] = 0
+    mask[2, :2] = 0
+    mask[2, 9:] = 0
+    masked = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask)))
+    flash = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask), attention="flash"))
+    real = mask.astype(bool)
+    assert np.isfinite(flash).all()
+    np.testing.assert_allclose(flash[real], masked[real], atol=1e-5 * np.abs(masked[real]).max())
+
+
+def test_forward_rejects_unknown_attention_and_remat(tiny_qwen2_dir):
+    config, params = qerl_jax.load_model(tiny_qwen2_dir[0], dtype="float32")
+    ids = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="attention 'cudnn' is not supported"):
+        qerl_jax.forward(config, params, ids, attention="cudnn")
+    with pytest.raises(ValueError, match="remat 'some' is not supported"):
+        qerl_jax.forward(config, params, ids, remat="some")

@@ -244,14 +244,15 @@ def test_data_parallel_micro_batches_are_split_over_devices(four_device_results)
     assert four_device_results["train_step"]["micro_rows_per_device"] == [1]
 
 
-@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["tp", "fsdp", "tp_fast"])
 def test_sharded_grpo_loss_and_lora_grads_equal_one_device(four_device_results, strategy):
+    """tp_fast: tensor-parallel with the flash attention and the "proj" remat."""
     r = four_device_results["train_step"][strategy]
     assert r["kl_ref"] > 0, r  # the GRPO loss includes a live KL term (B != 0)
     assert abs(r["loss"] - r["loss_ref"]) <= 1e-5 * max(1.0, abs(r["loss_ref"])), r
     assert abs(r["grad_norm"] - r["grad_norm_ref"]) <= 1e-5 * r["grad_norm_ref"] and r["grad_norm_ref"] > 0, r
     assert r["grad_rel_err"] <= 1e-4, r
-    if strategy == "tp":  # the adapter stays sharded like its row-parallel base weight
+    if strategy.startswith("tp"):  # the adapter stays sharded like its row-parallel base weight
         assert r["lora_a_spec"] == str(P(None, None, "model")), r
 
 
@@ -386,12 +387,19 @@ def _worker() -> dict:
     lora_before = flat(lora)
     ref_state, ref_metrics = step(init_train_state(jax.tree.map(jnp.copy, lora), optax.sgd(lr)), packed, train_batch)
     g_ref = (lora_before - flat(ref_state.lora)) / lr
-    for strategy in ("tp", "fsdp"):
+    # "tp_fast": the flash attention and the "proj" remat on the mesh, against the same one-device reference.
+    fast = make_train_step(
+        config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4,
+        remat="proj", attention="flash",
+    )  # fmt: skip
+    for name, strategy, case_step in (("tp_fast", "tp", fast), ("tp", "tp", step), ("fsdp", "fsdp", step)):
         frozen = sharding.shard_params(packed, mesh, strategy)
         lora_s = sharding.shard_like_lora(lora, mesh, strategy)
-        state, metrics = step(init_train_state(lora_s, optax.sgd(lr)), frozen, sharding.shard_batch(train_batch, mesh))
+        state, metrics = case_step(
+            init_train_state(lora_s, optax.sgd(lr)), frozen, sharding.shard_batch(train_batch, mesh)
+        )
         g = (lora_before - flat(state.lora)) / lr
-        out.setdefault("train_step", {})[strategy] = {
+        out.setdefault("train_step", {})[name] = {
             "loss": float(metrics["loss"]),
             "loss_ref": float(ref_metrics["loss"]),
             "kl_ref": float(metrics["kl_ref"]),

@@ -73,8 +73,8 @@ def _batch(setup, noise=0.3, adv=(1.0, -0.7, 0.4, -1.2)):
 _STEPS = {}
 
 
-def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None):
-    key = (loss_cfg, micro, remat, chunk)
+def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="xla"):
+    key = (loss_cfg, micro, remat, chunk, attention)
     if key not in _STEPS:
         config, *_, opt = setup
         _STEPS[key] = make_train_step(
@@ -83,6 +83,7 @@ def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None):
             opt,
             lora_scale=SCALE,
             remat=remat,
+            attention=attention,
             micro_batch_size=micro,
             logprob_chunk=chunk,
             lr_schedule=make_schedule(LR, warmup_steps=0, total_steps=10, schedule="constant"),
@@ -153,6 +154,42 @@ def test_micro_batches_remat_and_chunks_give_the_full_batch_update(setup):
         np.testing.assert_allclose(np.asarray(old) - np.asarray(a), g_full, atol=1e-7, rtol=1e-4)
     for k in ("loss", "grad_norm", "clip_frac", "entropy", "approx_kl", "ratio_max"):
         np.testing.assert_allclose(float(micro_m[k]), float(full_m[k]), rtol=1e-5, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def packed_params(tiny_qwen2_dir):
+    return qerl_jax.load_model(tiny_qwen2_dir[0], dtype="float32", quant="nvfp4")[1]
+
+
+@pytest.mark.parametrize("base", ["dense", "nvfp4"])
+@pytest.mark.parametrize("attention, remat", [("flash", "none"), ("flash", "full"), ("flash", "proj"), ("xla", "proj")])
+def test_flash_attention_and_remat_modes_keep_the_loss_and_lora_grads(setup, packed_params, base, attention, remat):
+    """The train step's fast paths compute the reference step's function: same loss, same update."""
+    _, params, lora, *_, opt = setup
+    params = packed_params if base == "nvfp4" else params
+    batch = _batch(setup)  # row 1 left-padded, row 2 right-padded
+    ref_state, ref_m = _step(setup, micro=2, chunk=4)(init_train_state(lora, opt), params, batch)
+    state, m = _step(setup, micro=2, chunk=4, remat=remat, attention=attention)(
+        init_train_state(lora, opt), params, batch
+    )
+    for a, b, old in zip(jax.tree.leaves(state.lora), jax.tree.leaves(ref_state.lora), jax.tree.leaves(lora)):
+        np.testing.assert_allclose(
+            np.asarray(old) - np.asarray(a), np.asarray(old) - np.asarray(b), atol=1e-7, rtol=1e-4
+        )
+    for k in ("loss", "grad_norm", "clip_frac", "entropy", "approx_kl"):
+        np.testing.assert_allclose(float(m[k]), float(ref_m[k]), rtol=1e-5, err_msg=k)
+    assert float(ref_m["grad_norm"]) > 0
+
+
+def test_flash_attention_rejects_masks_with_holes(setup):
+    _, params, lora, *_, opt = setup
+    batch = _batch(setup)
+    holed = dict(batch, attention_mask=batch["attention_mask"].copy(), response_mask=batch["response_mask"].copy())
+    holed["attention_mask"][3, 4] = 0
+    holed["response_mask"][3, 4] = 0
+    with pytest.raises(ValueError, match=r"rows \[3\] have padding between real tokens"):
+        _step(setup, micro=2, chunk=4, attention="flash")(init_train_state(lora, opt), params, holed)
+    _step(setup, micro=2, chunk=4)(init_train_state(lora, opt), params, holed)  # the xla attention takes any mask
 
 
 def test_nonfinite_batches_are_skipped_and_counted(setup):

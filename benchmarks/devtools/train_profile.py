@@ -5,13 +5,15 @@
 
 The GRPO step's train phase at benchmarks/grpo_step.py's shape (Qwen2.5-7B shapes, random
 weights, LoRA rank 16 on every projection, 64 sequences x (256 + 512) tokens, DAPO loss,
-micro-batch 8, per-layer remat), one base format per process. After a compile and two timed
+micro-batch 8; --remat and --attention as the train step takes them), one base format per
+process, with XLA's command buffers off (so each kernel names its HLO instruction). After a compile and two timed
 steps, one step runs under `jax.profiler.trace`. Every GPU kernel of the trace is attributed to
 the HLO instruction that launched it (the trace's `hlo_op` argument, or the kernel name) and,
 through the compiled module's metadata, to the JAX name stack that made it (`op_name`: the model
 marks attention, norms, RoPE, LoRA, base matmuls, the LM head and the loss with `jax.named_scope`). Reported: GPU busy time vs step time (host gaps), time by kind (dots, Pallas/Triton
 kernels, attention, LM head, LoRA, optimizer, ...) and by name stack, with FLOPs counted by
-formula and achieved TFLOP/s against a bf16 matmul measured in the same process.
+formula (`benchmarks/peer.py` train_flops) and achieved TFLOP/s against a bf16 matmul measured in
+the same process.
 """
 
 from __future__ import annotations
@@ -48,37 +50,6 @@ KINDS = (
 )
 
 
-def flop_count(config, tokens: int, lora_rank: int, seq: int, batch: int) -> dict:
-    """FLOPs of one train step by formula: matmul FLOPs of the projections and LM head (2 * N * K per
-    token), attention (QK^T and PV, causal: half the square) and LoRA, times 3 for a frozen-base
-    remat step (forward, recompute, input gradients); LoRA gets 2 more for its weight gradients."""
-    d, hd, L = config.hidden_size, config.head_dim, config.num_hidden_layers
-    h, kv, inter, v = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size
-    proj = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * inter)  # per token per layer
-    ranks = 2 * lora_rank * ((d + h * hd) + 2 * (d + kv * hd) + (h * hd + d) + 2 * (d + inter) + (inter + d))
-    attn = 2 * 2 * h * hd * seq / 2  # per token per layer, causal
-    head = 2 * d * v
-    fwd = tokens * (L * (proj + attn + ranks) + head)
-    total = 3 * fwd + 2 * tokens * L * ranks
-    return {"forward": fwd, "step": total, "attention_share": tokens * L * attn / fwd}
-
-
-def bf16_peak_tflops(n: int = 8192) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e12
-
-
 def hlo_metadata(hlo_text: str) -> dict[str, str]:
     """instruction name (and its kernel-name spelling, '.' -> '_') -> its op_name (JAX's name stack)."""
     out = {}
@@ -104,7 +75,9 @@ def worker(args, fmt: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    import peer
     import random_model
+    from train_step import bf16_matmul_tflops
 
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
     from qerl_jax.optim import make_optimizer
@@ -133,7 +106,8 @@ def worker(args, fmt: str) -> dict:
         optimizer,
         lora_scale=lora_scale(lcfg),
         backend=backend,
-        remat=not args.no_remat,
+        remat=args.remat,
+        attention=args.attention,
         micro_batch_size=args.micro_batch_size,
         logprob_chunk=args.logprob_chunk,
     )
@@ -175,8 +149,8 @@ def worker(args, fmt: str) -> dict:
         by_name[name[:120]][1] += 1
     busy_us = sum(by_kind.values())
     tokens = args.batch * seq
-    flops = flop_count(config, tokens, args.rank, seq, args.batch)
-    peak = bf16_peak_tflops() if jax.default_backend() == "gpu" else float("nan")
+    flops = peer.train_flops(config, tokens=tokens, seq_len=seq, lora_rank=args.rank)
+    peak = bf16_matmul_tflops() or float("nan")
     stats = jax.devices()[0].memory_stats() or {}
     sample_args = [k[3] for k in kernels[:3]]
     return dict(
@@ -237,7 +211,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--logprob-chunk", type=int, default=256)
-    ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--remat", default="full", help="full | proj | none")
+    ap.add_argument("--attention", default="xla", help="xla | flash")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test: no GPU events)")
     ap.add_argument("--worker", default=None)
@@ -258,8 +233,14 @@ def main() -> None:
     results = []
     for fmt in args.formats.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", fmt] + sys.argv[1:]
+        # Without command buffers every kernel of the trace names its HLO instruction (inside a CUDA
+        # graph they all name the graph), so the cuBLAS calls are attributed too.
+        env = {
+            **os.environ,
+            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip(),
+        }
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             res = json.loads(lines[-1][7:]) if lines else {"format": fmt, "error": proc.stderr[-3000:]}
         except subprocess.TimeoutExpired as e:

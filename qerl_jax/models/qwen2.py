@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qerl_jax.linear import fused_linear, linear, stack_loras
+from qerl_jax.linear import PROJ_OUT, fused_linear, linear, stack_loras
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = PROJECTIONS[:4]
@@ -50,13 +50,44 @@ class ModelConfig:
     pad_token_id: int | None = None
 
 
+# Per-layer gradient checkpointing of the full-sequence forward (`ForwardOptions.remat`):
+#   "none": every layer keeps its activations for the backward;
+#   "full": only each layer's input is kept, the layer is recomputed in the backward;
+#   "proj": each layer's input and its projections' bf16 outputs (`linear.PROJ_OUT`) are kept, so
+#           the recompute runs the norms, RoPE, attention and activations but none of the big matmuls
+#           (+ L * tokens * (sum of the projections' N) * 2 bytes; `memory.plan_memory` counts it).
+REMAT_MODES = ("none", "full", "proj")
+# Attention of the full-sequence forward (`ForwardOptions.attention`):
+#   "xla":   scores materialized under any mask (`attention`);
+#   "flash": `jax.nn.dot_product_attention` (causal, per-row lengths) on rows shifted so that their
+#            real tokens come first: cuDNN's fused flash attention on GPU (no [T, S] scores in
+#            memory, the masked half of the square skipped), XLA's implementation elsewhere. Needs
+#            each row's real tokens contiguous (left and/or right padding only).
+ATTENTION_MODES = ("xla", "flash")
+
+
+def _flash_implementation(dtype) -> str:
+    """cuDNN's fused kernel where it runs (a GPU, 16-bit activations), else XLA's."""
+    return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+
+
+def remat_mode(remat: bool | str) -> str:
+    """A remat setting as one of REMAT_MODES (True is "full", False "none")."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat {remat!r} is not supported; expected one of {REMAT_MODES} (or a bool)")
+    return remat
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
     """Static choices of how the forward runs (not what it computes)."""
 
     lora_scale: float = 1.0
     backend: str = "xla"  # linear backend: "xla" | "pallas"
-    remat: bool = False  # gradient checkpointing per layer
+    remat: str = "none"  # gradient checkpointing per layer: one of REMAT_MODES
+    attention: str = "xla"  # full-sequence attention: one of ATTENTION_MODES
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -209,6 +240,21 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
 
+        if cache_kv is None and self.options.attention == "flash":
+            # Rows arrive with their real tokens first (`forward` shifts them): causal attention
+            # over each row's first `length` keys is exactly the kv_valid mask's. Padding queries
+            # (t >= length) see those keys too: finite values, ignored downstream.
+            length_B = jnp.sum(kv_valid_BxS, axis=-1, dtype=jnp.int32)
+            with jax.named_scope("attention"):
+                attn = jax.nn.dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    is_causal=True,
+                    key_value_seq_lengths=length_B,
+                    implementation=_flash_implementation(q.dtype),
+                )
+            return self._rest(h_BxTxD, attn), None
         if cache_kv is None:
             keys, values, new_cache = k, v, None
         else:
@@ -221,13 +267,17 @@ class DecoderLayer(nn.Module):
         causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
         mask_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxTxS)
-        h_BxTxD = h_BxTxD + self._proj("o_proj", attn.reshape(b, t, -1))
+        return self._rest(h_BxTxD, attn), new_cache
 
+    def _rest(self, h_BxTxD: jax.Array, attn_BxTxHxD: jax.Array) -> jax.Array:
+        """The output projection and residual, then the MLP block."""
+        cfg = self.config
+        b, t, _ = h_BxTxD.shape
+        h_BxTxD = h_BxTxD + self._proj("o_proj", attn_BxTxHxD.reshape(b, t, -1))
         x = rms_norm(h_BxTxD, self.get_variable("norms", "post_attention_layernorm"), cfg.rms_norm_eps)
         gate, up = self._projs(FUSABLE_PROJECTIONS[1], x)
         gated = jax.nn.silu(gate) * up
-        h_BxTxD = h_BxTxD + self._proj("down_proj", gated)
-        return h_BxTxD, new_cache
+        return h_BxTxD + self._proj("down_proj", gated)
 
 
 class Qwen2(nn.Module):
@@ -264,8 +314,9 @@ class Qwen2(nn.Module):
         h = jnp.take(base, input_ids_BxT, axis=0)
 
         layer_cls = DecoderLayer
-        if self.options.remat:
-            layer_cls = nn.remat(layer_cls, prevent_cse=False)  # scan already blocks CSE
+        if self.options.remat != "none":
+            policy = jax.checkpoint_policies.save_only_these_names(PROJ_OUT) if self.options.remat == "proj" else None
+            layer_cls = nn.remat(layer_cls, prevent_cse=False, policy=policy)  # scan already blocks CSE
         layers = nn.scan(
             layer_cls,
             variable_axes={"base": 0, "norms": 0, "lora": 0},
@@ -304,12 +355,15 @@ def forward(
     *,
     lora_scale: float = 1.0,
     backend: str = "xla",
-    remat: bool = False,
+    remat: bool | str = False,
+    attention: str = "xla",
     compute_logits: bool = True,
 ) -> jax.Array:
     """Pure full-sequence forward: float32 logits [B, T, V] (or hidden [B, T, D]).
 
     input_ids int32 [B, T]; attention_mask [B, T] with 0 on (left) padding, all ones if None.
+    remat: one of REMAT_MODES (or a bool); attention: one of ATTENTION_MODES ("flash" needs each
+    row's real tokens contiguous: left and/or right padding, no holes).
     """
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
@@ -317,12 +371,26 @@ def forward(
         attention_mask = jnp.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {attention_mask.shape} != input_ids shape {input_ids.shape}")
-    options = ForwardOptions(lora_scale=lora_scale, backend=backend, remat=remat)
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention {attention!r} is not supported; expected one of {ATTENTION_MODES}")
+    options = ForwardOptions(lora_scale=lora_scale, backend=backend, remat=remat_mode(remat), attention=attention)
+    ids_BxT, mask_BxT = input_ids.astype(jnp.int32), attention_mask
+    if attention == "flash":  # real tokens first in every row (see ATTENTION_MODES); shifted back below
+        shift_B = jnp.argmax(mask_BxT.astype(bool), axis=1).astype(jnp.int32)
+        ids_BxT, mask_BxT = shift_rows(ids_BxT, shift_B), shift_rows(mask_BxT, shift_B)
     out, _ = Qwen2(config, options).apply(
         variables(params),
-        input_ids.astype(jnp.int32),
-        positions_from_mask(attention_mask),
-        attention_mask.astype(bool),
+        ids_BxT,
+        positions_from_mask(mask_BxT),
+        mask_BxT.astype(bool),
         compute_logits=compute_logits,
     )
-    return out
+    return shift_rows(out, -shift_B) if attention == "flash" else out
+
+
+def shift_rows(x_BxT: jax.Array, shift_B: jax.Array) -> jax.Array:
+    """out[b, t] = x[b, (t + shift_B[b]) mod T]: each row rotated left by its shift (any trailing dims)."""
+    t = x_BxT.shape[1]
+    index_BxT = (jnp.arange(t, dtype=jnp.int32)[None, :] + shift_B[:, None]) % t
+    index = index_BxT.reshape(index_BxT.shape + (1,) * (x_BxT.ndim - 2))
+    return jnp.take_along_axis(x_BxT, index, axis=1)

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qerl_jax.linear import matmul_nt
 from qerl_jax.models.qwen2 import ModelConfig, forward
 
 
@@ -44,7 +45,8 @@ def _chunk_logprobs(h_BxCxD, targets_BxC, head_VxD, temperature):
 
 
 def _chunk_logprobs_body(h_BxCxD, targets_BxC, head_VxD, temperature):
-    logits = jnp.einsum("bcd,vd->bcv", h_BxCxD, head_VxD.astype(h_BxCxD.dtype), preferred_element_type=jnp.float32)
+    b, c, d = h_BxCxD.shape
+    logits = matmul_nt(h_BxCxD.reshape(b * c, d), head_VxD).reshape(b, c, -1)  # float32, bf16 products
     if temperature != 1.0:
         logits = logits / temperature
     logz = jax.nn.logsumexp(logits, axis=-1)
@@ -95,7 +97,8 @@ def token_logprobs(
     *,
     lora_scale: float = 1.0,
     backend: str = "xla",
-    remat: bool = False,
+    remat: bool | str = False,
+    attention: str = "xla",
     chunk_size: int | None = None,
     temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
@@ -103,7 +106,7 @@ def token_logprobs(
 
     Args:
       input_ids: int32 [B, T]; attention_mask: [B, T], 0 on (left) padding.
-      lora_scale, backend, remat: passed to the model forward.
+      lora_scale, backend, remat, attention: passed to the model forward (`models.qwen2.forward`).
       chunk_size: positions per LM-head chunk (None: all at once).
       temperature: logits are divided by it (the sampler's temperature, so that rollout and
         training log-probs are of the same distribution).
@@ -123,6 +126,7 @@ def token_logprobs(
         lora_scale=lora_scale,
         backend=backend,
         remat=remat,
+        attention=attention,
         compute_logits=False,
     )
     return head_logprobs(

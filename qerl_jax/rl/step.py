@@ -73,8 +73,13 @@ def check_nonfinite(state: TrainState, max_consecutive: int) -> None:
         )
 
 
-def validate_batch(batch: dict[str, Any], micro_batch_size: int | None, ref_logp=None) -> tuple[int, int]:
-    """Checks keys, shapes and the response alignment of a rollout batch; returns (B, T)."""
+def validate_batch(
+    batch: dict[str, Any], micro_batch_size: int | None, ref_logp=None, *, contiguous: bool = False
+) -> tuple[int, int]:
+    """Checks keys, shapes and the response alignment of a rollout batch; returns (B, T).
+
+    contiguous: also check that each row's real tokens (attention_mask 1) are contiguous, as the
+    "flash" attention needs (rollout batches are: left-padded prompt, response, right padding)."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"train batch is missing {missing}; expected keys {BATCH_KEYS}")
@@ -96,8 +101,17 @@ def validate_batch(batch: dict[str, Any], micro_batch_size: int | None, ref_logp
     resp = np.asarray(batch["response_mask"]).astype(bool)
     if resp[:, 0].any():
         raise ValueError("batch['response_mask'][:, 0] is set: position 0 has no log-prob (it has no prefix)")
-    if (resp & ~np.asarray(batch["attention_mask"]).astype(bool)).any():
+    attn = np.asarray(batch["attention_mask"]).astype(bool)
+    if (resp & ~attn).any():
         raise ValueError("batch['response_mask'] marks tokens whose attention_mask is 0 (padding)")
+    if contiguous:
+        run_starts = attn & ~np.pad(attn, ((0, 0), (1, 0)))[:, :-1]  # first token of each run of real tokens
+        holes = np.flatnonzero(run_starts.sum(axis=1) > 1)
+        if holes.size:
+            raise ValueError(
+                f"batch['attention_mask'] rows {holes[:5].tolist()} have padding between real tokens; the 'flash' "
+                "attention needs each row's real tokens contiguous (left and/or right padding only)"
+            )
     return b, t
 
 
@@ -118,7 +132,8 @@ def make_train_step(
     *,
     lora_scale: float,
     backend: str = "xla",
-    remat: bool = True,
+    remat: bool | str = True,
+    attention: str = "xla",
     micro_batch_size: int | None = None,
     logprob_chunk: int | None = None,
     temperature: float = 1.0,
@@ -132,7 +147,10 @@ def make_train_step(
     micro_batch_size: B is processed in B / micro_batch_size chunks under `lax.scan`, gradients
       summed (each micro-loss is normalised by the full batch's token/sequence count, so the
       update equals the full-batch one); None: one chunk.
-    logprob_chunk: LM-head chunk size for `token_logprobs`; remat: per-layer checkpointing.
+    logprob_chunk: LM-head chunk size for `token_logprobs`; remat: per-layer checkpointing, one of
+    `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
+    `models.qwen2.ATTENTION_MODES` ("flash" needs each row's real tokens contiguous, which
+    `validate_batch` checks).
     The jitted function donates `state`. A step whose loss or gradient is not finite leaves
     lora/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
     Metrics: policy_loss's metrics + grad_norm (before clipping), skipped, consecutive_skips,
@@ -148,6 +166,7 @@ def make_train_step(
             lora_scale=lora_scale,
             backend=backend,
             remat=remat,
+            attention=attention,
             chunk_size=logprob_chunk,
             temperature=temperature,
         )
@@ -220,7 +239,7 @@ def make_train_step(
     checked_lora: list[Any] = []
 
     def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
-        validate_batch(batch, micro_batch_size, ref_logp)
+        validate_batch(batch, micro_batch_size, ref_logp, contiguous=attention == "flash")
         structure = jax.tree.structure(state.lora)
         if structure not in checked_lora:
             check_lora(state.lora, config)
