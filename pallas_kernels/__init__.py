@@ -3,8 +3,18 @@
 `quant_matmul` & co. lower through Triton (any CUDA GPU; `interpret=True` on CPU).
 `pallas_kernels.wgmma_nvfp4` is the Hopper-only NVFP4 decode kernel (Mosaic GPU) that the
 rollout uses at small batch, on weights repacked with `wgmma_nvfp4.from_packed`.
+`decode_attention` is the length-aware decode attention (Triton; reads only each row's cache
+slots [start, end)), `decode_attention_reference` its jnp twin (the XLA path).
 """
 
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.quant_matmul import dequantize_bf16, nvfp4_matmul, quant_matmul, quant_matmul_dx
 
-__all__ = ["dequantize_bf16", "nvfp4_matmul", "quant_matmul", "quant_matmul_dx"]
+__all__ = [
+    "decode_attention",
+    "decode_attention_reference",
+    "dequantize_bf16",
+    "nvfp4_matmul",
+    "quant_matmul",
+    "quant_matmul_dx",
+]
