@@ -278,6 +278,8 @@ def run_children(args) -> list[dict[str, Any]]:
         row = got[-1] if got else {"case": case, "error": f"child exited with {rc}: {stderr[-1500:]}"}
         row["process_s"] = round(time.perf_counter() - t0, 1)
         results.append(row)
+        if args.out:  # after every case: a call cut short keeps what it measured
+            _write(args, results, None)
         print(
             f"[{case}] {row.get('step_s', row.get('error', '?'))!s:.80} ({row['process_s']} s)",
             file=sys.stderr,
@@ -327,6 +329,13 @@ def table(results: list[dict[str, Any]], args) -> str:
     return "\n".join(lines)
 
 
+def _write(args, results: list[dict[str, Any]], wall_s: float | None) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    summary = {"args": {k: v for k, v in vars(args).items() if k not in ("case", "argv")}, "wall_s": wall_s}
+    with open(args.out, "w") as f:
+        json.dump({**summary, "results": results}, f, indent=2)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, HERE)
@@ -350,17 +359,7 @@ def main(argv=None) -> None:
     results = run_children(args)
     print(table(results, args))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "args": {k: v for k, v in vars(args).items() if k not in ("case", "argv")},
-                    "wall_s": round(time.perf_counter() - t0, 1),
-                    "results": results,
-                },
-                f,
-                indent=2,
-            )
+        _write(args, results, round(time.perf_counter() - t0, 1))
         print(f"wrote {args.out}")
     if not results or all("error" in r for r in results):
         sys.exit(1)
