@@ -13,7 +13,8 @@ What it does:
   quantized pytree layer by layer on the device (benchmarks/random_model.py) and compares
   the peak to the final footprint; `rollout` generates prompts x group sequences of
   max-new-tokens (EOS ignored) from prompt-len random prompt tokens; `train` runs the jitted
-  GRPO/DAPO train step (LoRA, micro-batches, per-layer remat, chunked log-probs) on that batch.
+  GRPO/DAPO train step (LoRA, micro-batches, the recipe's remat and flash attention, chunked
+  log-probs) on that batch.
 
 Reported per phase: wall time, compile time (from jax.monitoring compile events) and run
 time = wall - compile, peak device memory after the phase (`peak_bytes_in_use`, a process-wide
@@ -82,6 +83,8 @@ def plan_kwargs(args, quant: str | None = None, backend: str | None = None) -> d
         micro_batch_size=args.micro_batch_size or 8,
         rollout_chunk=args.rollout_chunk or None,
         logprob_chunk=args.logprob_chunk,
+        remat="proj" if args.remat == "auto" else args.remat,
+        attention=args.attention,
         backend=backend or ("xla" if args.backend == "auto" else args.backend),
     )
 
@@ -239,13 +242,15 @@ def run_model(args, name: str) -> dict[str, Any]:
     rows = args.prompts * args.group_size
     plan = memory.plan_memory(config, **plan_kwargs(args, backend=backend), device_bytes=limit)
     mb, chunk = args.micro_batch_size or 8, args.rollout_chunk or rows
+    remat = "full" if args.remat == "auto" else args.remat
     if limit is not None:
         try:
-            fitted = memory.fit(plan, limit)
+            fitted = memory.fit(plan, limit, remat_fallback=args.remat == "auto")
             record["fit"] = fitted.message
             plan = fitted.plan
             mb = args.micro_batch_size or fitted.micro_batch_size
             chunk = args.rollout_chunk or fitted.rollout_chunk
+            remat = fitted.remat
         except memory.DoesNotFitError as e:
             record["fit"] = f"DOES NOT FIT (running anyway): {e}"
     print(plan.table(), flush=True)
@@ -253,7 +258,7 @@ def run_model(args, name: str) -> dict[str, Any]:
         f"[{name}] fit: {record.get('fit', 'device size unknown')}; micro_batch_size={mb}, rollout chunk={chunk}",
         flush=True,
     )
-    record.update(plan=plan.as_dict(), micro_batch_size=mb, rollout_chunk=chunk)
+    record.update(plan=plan.as_dict(), micro_batch_size=mb, rollout_chunk=chunk, remat=remat, attention=args.attention)
 
     params = None
     with Phase(clock, record, "load") as out:
@@ -405,7 +410,8 @@ def run_model(args, name: str) -> dict[str, Any]:
                     optimizer,
                     lora_scale=scale,
                     backend=backend_,
-                    remat=True,
+                    remat=remat,
+                    attention=args.attention,
                     micro_batch_size=mb_used,
                     logprob_chunk=args.logprob_chunk,
                 )
@@ -606,6 +612,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=0, help="0: chosen by memory.fit")
     p.add_argument("--rollout-chunk", type=int, default=0, help="0: chosen by memory.fit")
     p.add_argument("--logprob-chunk", type=int, default=256)
+    p.add_argument("--remat", default="auto", help="auto (the training loop's choice) | full | proj | none")
+    p.add_argument("--attention", default="flash", choices=("flash", "xla"))
     p.add_argument("--train-seqs", type=int, default=0, help="train on the first N sequences (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (CPU smoke test)")
