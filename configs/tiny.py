@@ -23,6 +23,7 @@ def get_config():
     c.rl.mask_truncated = False  # random weights rarely emit EOS within 32 tokens
     c.lora.rank = 8
     c.lora.alpha = 16.0
+    c.aqn.num_stages = 2  # every noise stage needs a step; the tests run as few as 2
     c.optim.lr = 1e-3
     c.train.total_steps = 6
     c.train.sample_every = 2

@@ -246,7 +246,7 @@ def available() -> bool:
 
 
 MAX_ROWS = 64  # the kernel's regime; larger M goes through dequantize + dot
-LARGE_WEIGHT = 32 * 2**20  # N x K from which 256-column steps beat 128 (H100, RESULTS.md table A5)
+LARGE_WEIGHT = 32 * 2**20  # N x K from which 256-column steps beat 128 (H100; KERNEL_NOTES.md, "Design in use")
 
 
 def tile_rows(m: int) -> int:
@@ -257,7 +257,7 @@ def tile_rows(m: int) -> int:
 def kernel_config(m: int, n: int, k: int) -> dict[str, int]:
     """Tiling for [M, K] @ [N, K].T: K step tk, compute warpgroups (64 rows of W each), ring depth.
 
-    Measured on H100 (benchmarks/devtools/wgmma_probe.py, RESULTS.md table A5): two warpgroups; tk = 256
+    Measured on H100 (benchmarks/devtools/wgmma_probe.py; KERNEL_NOTES.md): two warpgroups; tk = 256
     for the large MLP projections, 128 for q / o; the ring as deep as shared memory allows (<= 6).
     """
     wgs = 2 if n % (2 * ROWS) == 0 else 1

@@ -58,6 +58,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rl.eps_high = 0.28
     c.rl.beta = 0.0  # KL weight to the LoRA-free reference (GRPO uses 0.04)
     c.rl.reward = "accuracy"  # a registered reward (accuracy | format | accuracy_format) or "module:function"
+    c.rl.reward_timeout_s = 10.0  # per completion; a reward worker past it is restarted and the item scores 0
     c.rl.dynamic_sampling = True  # DAPO: drop groups with equal rewards, refill
     c.rl.max_refill_rounds = 2
     c.rl.mask_truncated = True  # truncated completions do not count in the loss

@@ -6,32 +6,24 @@ See `qerl_jax.evaluation` for what is measured and written.
 from __future__ import annotations
 
 import json
-import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
+from qerl_jax import cli
+
+_CONFIG = cli.define_config_flag()
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from qerl_jax import evaluation, policy  # noqa: PLC0415 (after flag parsing: fast --help)
-
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
+    from qerl_jax import evaluation  # noqa: PLC0415 (after flag parsing: fast --help)
 
-    try:
-        summary = evaluation.evaluate(_CONFIG.value)
-    except policy.UserFacingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    summary = cli.run_command(evaluation.evaluate, _CONFIG, argv)
     print(json.dumps(summary["metrics"], indent=2))
 
 
 def run() -> None:
-    flags.mark_flags_as_required(["config"])
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qerl_jax import lora, rewards
+from qerl_jax import lora, rewards, validate
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter
@@ -70,7 +70,7 @@ def evaluate_params(
     """Scores `params` on every eval dataset; writes the per-example JSONL and summary JSON."""
     os.makedirs(output_dir, exist_ok=True)
     summary: dict[str, Any] = {"metrics": {}, "datasets": {}}
-    with rewards.RewardPool() as pool:
+    with rewards.RewardPool(timeout_s=cfg.rl.reward_timeout_s) as pool:
         for path in cfg.eval.datasets:
             name = os.path.splitext(os.path.basename(os.path.dirname(path) or path))[0] or "eval"
             name = (
@@ -173,7 +173,11 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
 
 
 def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The eval command: base model (+ adapter) in the config's quantization, on eval.datasets."""
+    """The eval command: base model (+ adapter) in the config's quantization, on eval.datasets.
+
+    The config is checked first (`validate.validate_config`), before anything is loaded.
+    """
+    validate.validate_config(cfg, "eval")
     policy = load_policy(cfg)
     adapter, scale = load_adapter(cfg, policy)
     params = {**policy.frozen, **({"lora": adapter} if adapter is not None else {})}

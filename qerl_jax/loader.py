@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 
@@ -49,8 +49,9 @@ def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} is missing: a Hugging Face checkpoint directory needs config.json")
-    with open(cfg_path) as f:
-        raw = json.load(f)
+    raw = read_json(cfg_path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
@@ -102,6 +103,20 @@ def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     return config, raw
 
 
+def read_json(path: str) -> Any:
+    """A JSON file of a checkpoint; CheckpointError naming the file if it is not valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is damaged: download it again") from None
+
+
+def unreadable_safetensors(file: str, error: Exception) -> str:
+    """The one-line message for a safetensors file that cannot be read."""
+    return f"{file} is not a readable safetensors file ({error}); it is truncated or damaged: download it again"
+
+
 def weight_files(path: str) -> list[str]:
     """The safetensors files of a checkpoint (single file or sharded with an index)."""
     single = os.path.join(path, SAFETENSORS_FILE)
@@ -109,8 +124,10 @@ def weight_files(path: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file)")
+        shards = sorted(set(weight_map.values()))
         files = [os.path.join(path, s) for s in shards]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
@@ -131,13 +148,16 @@ def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     from qerl_jax.quant.compressed_tensors import read_safetensors  # noqa: PLC0415
 
     for file in weight_files(path):
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                if f.get_slice(name).get_dtype().startswith("F8"):
-                    # safetensors' numpy backend has no float8 (NVFP4 block scales): read raw bytes.
-                    yield from read_safetensors(file, [name])
-                else:
-                    yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():
+                    if f.get_slice(name).get_dtype().startswith("F8"):
+                        # safetensors' numpy backend has no float8 (NVFP4 block scales): read raw bytes.
+                        yield from read_safetensors(file, [name])
+                    else:
+                        yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(unreadable_safetensors(file, e)) from None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,33 +1,23 @@
-"""Train: `python -m qerl_jax.main --config=configs/gsm8k.py [--config.rl.group_size=16 ...]`."""
+"""Train: `python -m qerl_jax.main --config=configs/gsm8k.py [--config.rollout.group_size=16 ...]`."""
 
 from __future__ import annotations
 
-import sys
+from absl import logging
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from qerl_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
+_CONFIG = cli.define_config_flag()
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from qerl_jax import policy, train  # noqa: PLC0415 (after flag parsing: fast --help)
-
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    from qerl_jax import train  # noqa: PLC0415 (after flag parsing: fast --help)
 
-    try:
-        train.train(_CONFIG.value)
-    except policy.UserFacingError as e:
-        logging.error("%s", e)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    cli.run_command(train.train, _CONFIG, argv)
 
 
 def run() -> None:
-    flags.mark_flags_as_required(["config"])
-    app.run(main)
+    cli.run(main)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Any, Mapping
 
 import jax
@@ -21,26 +23,44 @@ def device_memory_bytes() -> dict[str, float]:
 
 
 class MetricWriter:
-    """Scalars and text to a TensorBoard event file under `logdir`."""
+    """Scalars and text to a TensorBoard event file under `logdir`, on disk when each call returns.
+
+    Written synchronously (tensorboardX's record writer, without `SummaryWriter`'s background
+    queue), so a run that stops on an error, or is killed, keeps every step it logged.
+    """
 
     def __init__(self, logdir: str):
-        from tensorboardX import SummaryWriter  # noqa: PLC0415
+        from tensorboardX.event_file_writer import EventsWriter  # noqa: PLC0415
 
-        self._writer = SummaryWriter(logdir)
+        os.makedirs(logdir, exist_ok=True)
+        self._events = EventsWriter(os.path.join(logdir, "events"))
+
+    def _write(self, step: int, summaries: list) -> None:
+        from tensorboardX.proto import event_pb2, summary_pb2  # noqa: PLC0415
+
+        if summaries:
+            value = [v for s in summaries for v in s.value]
+            event = event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=value))
+            self._events.write_event(event)
+            self._events.flush()
 
     def scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
+        from tensorboardX import summary  # noqa: PLC0415
+
+        out = []
         for name, value in metrics.items():
             value = float(np.asarray(value))
             if math.isfinite(value):
-                self._writer.add_scalar(name, value, step)
-        self._writer.flush()
+                out.append(summary.scalar(name, value))
+        self._write(step, out)
 
     def text(self, step: int, tag: str, text: str) -> None:
-        self._writer.add_text(tag, text, step)
-        self._writer.flush()
+        from tensorboardX import summary  # noqa: PLC0415
+
+        self._write(step, [summary.text(tag, text)])
 
     def close(self) -> None:
-        self._writer.close()
+        self._events.close()
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:

@@ -20,6 +20,8 @@ from qerl_jax.rollout.sampling import SamplingConfig
 class UserFacingError(RuntimeError):
     """A problem the user can fix (bad path, out of memory, ...): printed without a traceback."""
 
+    exit_code = 1  # the commands' exit status for it
+
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -33,10 +35,15 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def tiny_model_dir(cfg: ml_collections.ConfigDict) -> str:
+    """Where model.tiny builds its random checkpoint."""
+    return os.path.join(cfg.workdir, "tiny_model")
+
+
 def resolve_model_dir(cfg: ml_collections.ConfigDict) -> str:
     """The local checkpoint directory; with model.tiny, a random tiny model built on first use."""
     if cfg.model.tiny:
-        return tiny.build_tiny_checkpoint(os.path.join(cfg.workdir, "tiny_model"))
+        return tiny.build_tiny_checkpoint(tiny_model_dir(cfg))
     path = cfg.model.path
     if not path or not os.path.isdir(path):
         raise UserFacingError(

@@ -93,6 +93,53 @@ def _check_tensor(name: str, array: np.ndarray, fmt: str, block: int) -> None:
         raise QuantizeError(f"tensor {name!r} has non-finite values (inf or nan); cannot quantize it")
 
 
+def argument_problems(model_dir: str, out_dir: str, fmt: str, *, overwrite: bool) -> list[str]:
+    """Every problem of the arguments, found before any work: the format, the input directory
+    (config.json, and every safetensors header, the shard index and the tensor shapes against
+    config.json, read without tensor data) and the output directory."""
+    from qerl_jax import loader, quant, validate  # noqa: PLC0415 (keeps `--help` fast)
+    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+
+    problems = []
+    if fmt not in ct.CT_FORMATS:
+        if fmt in quant.CONFIG_FORMATS:
+            problems.append(
+                f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"
+            )
+        else:
+            problems.append(f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        problems.append(f"model directory {model_dir!r} does not exist")
+    elif not os.path.isfile(config_path):
+        problems.append(f"{config_path} is missing: a Hugging Face checkpoint directory needs config.json")
+    else:
+        try:
+            raw = loader.read_json(config_path)
+            _shards(model_dir)
+        except (loader.CheckpointError, QuantizeError) as e:
+            problems.append(str(e))
+        else:
+            if "quantization_config" in raw:
+                method = raw["quantization_config"].get("quant_method")
+                problems.append(
+                    f"{config_path} already has a quantization_config (quant_method={method!r}); expected a dense checkpoint"
+                )
+            else:
+                try:  # shapes are checked when config.json describes a supported model
+                    config, _ = loader.read_config(model_dir)
+                except loader.CheckpointError:
+                    config = None
+                problems += validate.checkpoint_file_problems(model_dir, config, raw, need_tokenizer=False)
+    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
+        problems.append("--out must differ from --model")
+    elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        problems.append(f"output path {out_dir!r} is a file; expected a directory")
+    elif os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        problems.append(f"output directory {out_dir!r} is not empty (pass --overwrite to replace its files)")
+    return problems
+
+
 def quantize_checkpoint(
     model_dir: str,
     out_dir: str,
@@ -104,10 +151,11 @@ def quantize_checkpoint(
 ) -> str:
     """Writes the `fmt`-quantized compressed-tensors checkpoint of `model_dir` to `out_dir`.
 
-    Returns out_dir. Raises QuantizeError (a ValueError) for a missing directory or
-    config.json, pickle-only or already quantized checkpoints, formats without a
-    compressed-tensors representation, K not a multiple of the block size and non-finite
-    weights (naming the tensor).
+    Returns out_dir. Raises QuantizeError (a ValueError) listing every problem of
+    `argument_problems` (a missing directory or config.json, pickle-only, already quantized,
+    truncated or mismatched checkpoints, formats without a compressed-tensors representation,
+    a non-empty output) before anything is written, and later for K not a multiple of the
+    block size and non-finite weights (naming the tensor).
     """
     import jax  # noqa: PLC0415 (keeps `--help` fast)
     import jax.numpy as jnp  # noqa: PLC0415
@@ -117,30 +165,14 @@ def quantize_checkpoint(
 
     from qerl_jax import quant  # noqa: PLC0415
     from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+    from qerl_jax.validate import format_problems  # noqa: PLC0415
 
-    if fmt not in ct.CT_FORMATS:
-        if fmt in quant.CONFIG_FORMATS:
-            raise QuantizeError(
-                f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"
-            )
-        raise QuantizeError(f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}")
-    if not os.path.isdir(model_dir):
-        raise QuantizeError(f"model directory {model_dir!r} does not exist")
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise QuantizeError(f"{config_path} is missing: a Hugging Face checkpoint directory needs config.json")
-    with open(config_path) as f:
+    problems = argument_problems(model_dir, out_dir, fmt, overwrite=overwrite)
+    if problems:
+        raise QuantizeError(format_problems(problems))
+    with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    if "quantization_config" in config:
-        method = config["quantization_config"].get("quant_method")
-        raise QuantizeError(
-            f"{config_path} already has a quantization_config (quant_method={method!r}); expected a dense checkpoint"
-        )
     shards, index = _shards(model_dir)
-    if os.path.abspath(out_dir) == os.path.abspath(model_dir):
-        raise QuantizeError("--out must differ from --model")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise QuantizeError(f"output directory {out_dir!r} is not empty (pass --overwrite to replace its files)")
     block = quant.BLOCK_SIZES[fmt]
 
     def tensors(desc: str, only_quantizable: bool):

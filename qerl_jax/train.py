@@ -22,8 +22,8 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, evaluation, lora, memory, rewards, sharding
-from qerl_jax.checkpoint import Checkpointer
+from qerl_jax import aqn, evaluation, lora, memory, rewards, sharding, validate
+from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
 from qerl_jax.peft_adapter import export_peft_adapter
@@ -222,7 +222,13 @@ def _checkpoint_meta(cfg, step: int, loader: PromptLoader) -> dict[str, Any]:
 
 
 def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Runs cfg.train.total_steps QeRL steps; returns the last step's metrics."""
+    """Runs cfg.train.total_steps QeRL steps; returns the last step's metrics.
+
+    The config is checked first (`validate.validate_config`): nothing is loaded or written
+    before every problem of it is reported.
+    """
+    t_start = time.perf_counter()
+    validate.validate_config(cfg, "train")
     os.makedirs(cfg.workdir, exist_ok=True)
     sharding.maybe_initialize_distributed()
     policy = load_policy(cfg)
@@ -235,7 +241,10 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
             "each micro-batch is split over the data-parallel devices"
         )
     if cfg.mesh.data * cfg.mesh.model != 1:
-        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
+        try:
+            mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
+        except ValueError as e:
+            raise UserFacingError(f"config.mesh: {e}") from None
         policy.frozen = sharding.shard_params(policy.frozen, mesh, "tp")
         tqdm.write(
             f"mesh {dict(mesh.shape)}: base weights tensor-parallel over 'model', rollouts and training batches "
@@ -282,16 +291,14 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=cfg.seed)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
     start = 0
-    if cfg.resume and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(None, like=state)
-        loader.restore(meta["loader"])
-        start = int(meta["step"])
-        tqdm.write(f"resumed from step {start} in {ckpt.directory}")
+    if cfg.resume:
+        state, start = _resume(ckpt, state, loader)
 
     writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"))
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
-    with rewards.RewardPool() as pool:
+    eval_metrics: dict[str, float] = {}
+    with rewards.RewardPool(timeout_s=cfg.rl.reward_timeout_s) as pool:
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
         for step in bar:
@@ -302,12 +309,16 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                 "norms": noisy_norms(policy.frozen["norms"], step),
                 "lora": state.lora,
             }
+            pool_before = dict(pool.stats)
             try:
                 exp, metrics = collect_experience(
                     cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), batch_sharding
                 )
             except MemoryError as e:
                 raise UserFacingError(f"out of device memory in the rollout: {e}") from None
+            # Completions whose reward worker hung (timeouts) or died (crashes) scored 0.
+            for kind in ("timeouts", "crashes", "errors"):
+                metrics[f"reward/worker_{kind}"] = float(pool.stats[kind] - pool_before.get(kind, 0))
             metrics.update({"aqn/sigma": sigma, "optim/lr": float(lr_fn(int(state.step)))})
             if exp is None:
                 logging.warning("step %d: no group with varied rewards after refills; no update", step)
@@ -331,6 +342,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                     raise
                 dt = time.perf_counter() - t0
                 metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+                metrics["train/skipped_total"] = float(state.total_skips)  # non-finite steps so far
                 metrics["time/train_s"] = dt
                 metrics["train/tokens_per_s"] = float(np.asarray(batch["attention_mask"]).sum()) / max(dt, 1e-9)
                 if cfg.train.sample_every and step % cfg.train.sample_every == 0:
@@ -348,15 +360,16 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
             try:
                 rl_step.check_nonfinite(state, cfg.train.max_nonfinite)
             except rl_step.NonFiniteError as e:
-                ckpt.save(done, state, _checkpoint_meta(cfg, done, loader))
-                raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}.") from None
+                # Skipped steps leave the LoRA and optimizer state as the last good step made them.
+                _save(ckpt, done, state, _checkpoint_meta(cfg, done, loader))
+                raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}/{done}.") from None
             if done % cfg.train.checkpoint_every == 0 or done == end:
-                ckpt.save(done, state, _checkpoint_meta(cfg, done, loader))
+                _save(ckpt, done, state, _checkpoint_meta(cfg, done, loader))
             if cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total:
                 _periodic_eval(cfg, policy, state, writer, done)
     if end == total:
         if cfg.eval.num_examples:
-            _periodic_eval(cfg, policy, state, writer, total)
+            eval_metrics = _periodic_eval(cfg, policy, state, writer, total)
         export_peft_adapter(
             jax.device_get(state.lora),
             os.path.join(cfg.workdir, "adapter"),
@@ -367,7 +380,71 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         )
     writer.close()
     ckpt.close()
+    tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))
     return metrics
+
+
+def _resume(ckpt: Checkpointer, state: rl_step.TrainState, loader: PromptLoader) -> tuple[rl_step.TrainState, int]:
+    """(state, step) of the newest readable checkpoint, skipping damaged ones; step 0 if there is none."""
+    try:
+        found = ckpt.restore_latest(like=state)
+    except CheckpointReadError as e:
+        raise UserFacingError(
+            f"cannot resume: {e}. Not starting from scratch over an existing run: move {ckpt.directory} away "
+            "to start over"
+        ) from None
+    if found is None:
+        tqdm.write(f"resume: no checkpoint in {ckpt.directory} yet; starting at step 0")
+        return state, 0
+    for problem in found.skipped:
+        tqdm.write(f"resume: skipping the unreadable checkpoint {problem}")
+    loader.restore(found.meta["loader"])
+    tqdm.write(f"resumed from step {found.step} in {ckpt.directory}")
+    return found.state, int(found.meta["step"])
+
+
+def _save(ckpt: Checkpointer, step: int, state: rl_step.TrainState, meta: dict[str, Any]) -> None:
+    try:
+        ckpt.save(step, state, meta)
+    except CheckpointWriteError as e:
+        previous = ckpt.latest_step()
+        kept = (
+            f"the previous checkpoint (step {previous}) is intact" if previous is not None else "no earlier checkpoint"
+        )
+        raise UserFacingError(
+            f"{e}. Stopped; {kept}. Free space (or fix the cause) and continue with --config.resume=True"
+        ) from None
+
+
+def run_summary(
+    cfg: ml_collections.ConfigDict,
+    start: int,
+    end: int,
+    metrics: dict[str, Any],
+    eval_metrics: dict[str, float],
+    checkpoint_dir: str,
+    seconds: float,
+) -> str:
+    """The lines printed when a run (or an invocation of it) ends: what it did and where its outputs are."""
+    total = cfg.train.total_steps
+    lines = [f"done: steps {start} -> {end} of {total} in {seconds / 60:.1f} min"]
+    if "reward/mean" in metrics:
+        lines.append(
+            f"  last step: reward {metrics['reward/mean']:.3f}, accuracy {metrics.get('reward/accuracy', 0.0):.3f}"
+        )
+    for name, value in sorted(eval_metrics.items()):
+        if not name.endswith(("_seconds", "_response_length")):
+            lines.append(f"  eval {name}: {value:.3f}")
+    steps = validate.saved_steps(checkpoint_dir)
+    if steps:
+        lines.append(f"  last checkpoint: {os.path.join(checkpoint_dir, str(steps[-1]))}")
+    if end == total:
+        lines.append(f"  adapter (PEFT): {os.path.abspath(os.path.join(cfg.workdir, 'adapter'))}")
+    else:
+        lines.append(f"  continue with: --config.resume=True (workdir {os.path.abspath(cfg.workdir)})")
+    logdir = os.path.abspath(os.path.join(cfg.workdir, "tensorboard"))
+    lines.append(f"  TensorBoard: tensorboard --logdir {logdir}")
+    return "\n".join(lines)
 
 
 def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.LoraConfig) -> ml_collections.ConfigDict:
@@ -433,10 +510,10 @@ def _samples_markdown(exp: Experience, n: int = 2) -> str:
     return "\n\n---\n\n".join(out)
 
 
-def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) -> None:
+def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) -> dict[str, float]:
     params = {**policy.frozen, "lora": state.lora}
     output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
-    evaluation.evaluate_params(
+    summary = evaluation.evaluate_params(
         cfg,
         policy,
         params,
@@ -445,3 +522,4 @@ def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) 
         writer=writer,
         step=step,
     )
+    return summary["metrics"]

@@ -77,6 +77,32 @@ def tiny_model_dir(tmp_path_factory):
     return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))
 
 
+def faulty_json_save(step: int, fault: str):
+    """A replacement for orbax's `JsonCheckpointHandler.async_save` that breaks the save of `step`
+    from inside it (after orbax created the step's temporary directory): fault "kill" SIGKILLs
+    this process, "disk_full" raises OSError(ENOSPC). Other steps save normally.
+
+    Install with monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", ...)."""
+    import errno
+    import pathlib
+    import signal
+
+    import orbax.checkpoint as ocp
+
+    original = ocp.handlers.JsonCheckpointHandler.async_save
+    if fault not in ("kill", "disk_full"):
+        raise ValueError(fault)
+
+    async def async_save(self, directory, *args, **kwargs):
+        if any(p == str(step) or p.startswith(f"{step}.") for p in pathlib.Path(str(directory)).parts):
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+        return await original(self, directory, *args, **kwargs)
+
+    return async_save
+
+
 def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
     """The wgmma kernel's output, emulated (jnp, so it also runs traced): per CTA of
     `stream_plan`'s contiguous ranges of (row group, K step) items, per row group its range

@@ -1,12 +1,20 @@
-"""Orbax checkpoints: exact round trip of the train state, PRNG key and metadata."""
+"""Orbax checkpoints: exact round trip of the train state, PRNG key and metadata; faults in a save
+(disk full, process killed) and corrupted checkpoints on resume."""
+
+import os
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from conftest import REPO, faulty_json_save
 
-from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
 
 
 def _state(seed):
@@ -50,3 +58,90 @@ def test_keeps_latest_and_prunes(tmp_path):
 def test_restore_without_checkpoint_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Checkpointer(str(tmp_path / "empty")).restore(None, like=_state(0))
+
+
+def _leaves_equal(a, b):
+    for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_failed_save_names_the_cause_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, _state(2), {"step": 2})
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", faulty_json_save(4, "disk_full"))
+    with pytest.raises(
+        CheckpointWriteError, match=r"checkpoint step 4 to .*ckpt: \[Errno 28\] No space left on device"
+    ):
+        ckpt.save(4, _state(4), {"step": 4})
+    monkeypatch.undo()
+    again = Checkpointer(str(tmp_path / "ckpt"))
+    assert again.latest_step() == 2
+    restored, meta = again.restore(2, like=_state(0))
+    assert meta == {"step": 2}
+    _leaves_equal(restored, _state(2))
+    again.save(4, _state(4), {"step": 4})  # the failed step can be written once the cause is gone
+    assert again.latest_step() == 4
+
+
+def test_a_process_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path):
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import orbax.checkpoint as ocp\n"
+        "from conftest import faulty_json_save\n"
+        "from test_checkpoint import _state\n"
+        "from qerl_jax.checkpoint import Checkpointer\n"
+        f"ckpt = Checkpointer({str(tmp_path / 'ckpt')!r})\n"
+        "ckpt.save(2, _state(2), {'step': 2})\n"
+        "ocp.handlers.JsonCheckpointHandler.async_save = faulty_json_save(4, 'kill')\n"
+        "ckpt.save(4, _state(4), {'step': 4})\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    assert any(n.startswith("4.") for n in os.listdir(tmp_path / "ckpt"))  # the killed save's partial write
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    assert ckpt.latest_step() == 2
+    found = ckpt.restore_latest(like=_state(0))
+    assert found.step == 2 and found.skipped == []
+    _leaves_equal(found.state, _state(2))
+    ckpt.save(4, _state(4), {"step": 4})
+    assert ckpt.latest_step() == 4
+
+
+def _garble(step_dir):
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            with open(path, "wb") as f:
+                f.write(b"\x00garbage" * max(1, size // 8))
+
+
+def test_restore_latest_skips_a_corrupted_newest_checkpoint(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    assert ckpt.restore_latest(like=_state(0)) is None  # nothing saved yet
+    for step in (2, 4):
+        ckpt.save(step, _state(step), {"step": step})
+    _garble(tmp_path / "ckpt" / "4")
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    found = ckpt.restore_latest(like=_state(0))
+    assert found.step == 2 and found.meta == {"step": 2}
+    _leaves_equal(found.state, _state(2))
+    assert len(found.skipped) == 1 and found.skipped[0].startswith("step 4: ")
+    assert "4.unreadable" in found.skipped[0] and os.path.isdir(tmp_path / "ckpt" / "4.unreadable")
+    ckpt.save(4, _state(5), {"step": 4})  # the run writes step 4 again
+    assert ckpt.restore_latest(like=_state(0)).step == 4
+
+
+def test_restore_latest_refuses_when_no_checkpoint_reads_back(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    for step in (2, 4):
+        ckpt.save(step, _state(step), {"step": step})
+    _garble(tmp_path / "ckpt" / "2")
+    _garble(tmp_path / "ckpt" / "4")
+    with pytest.raises(CheckpointReadError, match=r"no checkpoint in .*ckpt can be read \(step 4: .*; step 2: "):
+        Checkpointer(str(tmp_path / "ckpt")).restore_latest(like=_state(0))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]  # nothing moved

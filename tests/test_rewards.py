@@ -3,9 +3,11 @@
 import concurrent.futures
 import fractions
 import json
+import os
 import pathlib
 import random
 import re
+import signal
 import threading
 import time
 
@@ -32,6 +34,13 @@ def _raising_reward(completion: str, answer: str) -> float:
     if completion == "boom":
         raise RuntimeError("boom")
     return 0.5
+
+
+def _dying_reward(completion: str, answer: str) -> float:
+    """Test reward: its worker process is killed (as by the OOM killer) on "die"."""
+    if completion == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0 if completion == answer else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +260,44 @@ def test_timeout_kills_hung_worker_and_recovers(pool):
     # The replaced worker serves later batches.
     got = pool.score(["\\boxed{3}"] * 4, ["3"] * 4)
     np.testing.assert_array_equal(got, np.ones(4, np.float32))
+
+
+def test_killed_worker_scores_zero_and_is_replaced(pool):
+    crashes_before = pool.stats["crashes"]
+    got = pool.score(["a", "die", "b", "c"], ["a", "die", "x", "c"], _dying_reward, timeout_s=60.0)
+    np.testing.assert_array_equal(got, [1.0, 0.0, 0.0, 1.0])
+    assert pool.stats["crashes"] == crashes_before + 1
+    assert all(w.proc.poll() is None for w in pool._workers)  # the dead worker was replaced
+    np.testing.assert_array_equal(pool.score(["\\boxed{3}"] * 4, ["3"] * 4), np.ones(4, np.float32))
+
+
+def test_code_and_explosive_latex_score_zero_without_running(pool, tmp_path):
+    """Completions that are code, LaTeX that blows up a parser or 1 MB answers score 0 within the
+    pool's per-item limit, and nothing in them runs."""
+    pwned = tmp_path / "PWNED"
+    shell = f"__import__('os').system('touch {pwned}')"
+    cases = [
+        (shell, "-5"),  # GSM8K-style: the last number is taken, the text never evaluated
+        (shell, "x^2"),
+        ("\\boxed{" + shell + "}", "x"),  # math-verify's LaTeX parser sees it
+        ("\\boxed{exec(\"import os; os.system('touch " + str(pwned) + "')\")}", "2"),
+        ("\\boxed{(10^{10^{10}})!}", "3"),
+        ("\\boxed{9^{9^{9^{9^{9^{9}}}}}}", "x+1"),
+        ("\\boxed{100000000!}", "x"),
+        ("\\boxed{\\binom{10^{10}}{10^{5}}}", "x"),
+        ("\\boxed{\\sqrt{-1}^{10^{100}}}", "x"),
+        ("\\boxed{" + "\\left(" * 2000 + "}", "x"),
+        ("\\boxed{" + "1" * 1_000_000 + "}", "1"),  # a 1 MB answer
+        ("x" * 1_000_000 + " so 1", "x"),
+    ]
+    t0 = time.monotonic()
+    got = pool.score([c for c, _ in cases] + ["\\boxed{7}"], [a for _, a in cases] + ["7"])
+    elapsed = time.monotonic() - t0
+    np.testing.assert_array_equal(got, [0.0] * len(cases) + [1.0])
+    assert not pwned.exists()
+    # Two workers, each item cut at the pool's 20 s limit at worst (math-verify's own alarms stop
+    # the slow ones after ~3 s).
+    assert elapsed < 20.0 * (len(cases) + 1) / 2, elapsed
 
 
 def test_reward_fn_exception_scores_zero(pool):

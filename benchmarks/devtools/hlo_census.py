@@ -14,8 +14,8 @@ weight copies `generate` makes on a Hopper GPU (`decode_weight_names`; the wgmma
 taken as available), compiled for the H100, and the while loop's body (one decode step) of
 the optimized HLO is walked: every instruction that launches a kernel is counted, by kind.
 
-What it is for: in a decode step each launch costs ~2 us with its gap (KERNEL_NOTES.md, session
-6), so launches are a cost a CPU machine can measure. What it cannot do: time anything, and
+What it is for: in a decode step each launch costs ~2 us with its gap (KERNEL_NOTES.md, "The 7B
+decode step"), so launches are a cost a CPU machine can measure. What it cannot do: time anything, and
 autotune. GEMM configurations (split-K, so an extra reduce fusion) are XLA's untuned defaults
 and may differ on the device; fusion decisions do not depend on autotuning.
 """

@@ -1,0 +1,482 @@
+"""Checks a run's whole config before any work, and reports every problem at once.
+
+`validate_config(cfg, command)` runs before the model is loaded or anything is written to the
+workdir (`train.train` and `evaluation.evaluate` call it first). It checks each field's type
+and range, the rules that tie fields together (group size >= 2, the micro-batch divides the
+batch, prompt + completion within the model's context, AQN stages vs steps, the quantization
+block size vs the model's shapes), and the files the run will read: the model directory
+(config.json, every safetensors header, the shard index, tensor shapes against config.json,
+tokenizer files; headers only, no tensor data) and the datasets. Each problem names its config
+path (`rollout.group_size`); `ConfigError` carries them all and the commands print it without a
+traceback, exit status 2. `qerl_jax.quantize` checks its arguments with `checkpoint_file_problems`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import ml_collections
+from safetensors import SafetensorError, safe_open
+
+from qerl_jax import aqn, linear, loader, optim, rewards
+from qerl_jax.data import ALIASES, KNOWN_DATASETS
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
+from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
+from qerl_jax.quant import BLOCK_SIZES, CONFIG_FORMATS, FORMATS
+from qerl_jax.rl.losses import LOSS_KINDS
+
+COMMANDS = ("train", "eval")
+BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
+DTYPES = ("bfloat16", "float32", "float16")  # what loader.load_model reads dense tensors as
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json")
+
+
+class ConfigError(UserFacingError):
+    """Every problem of a config (or of a command's arguments), each a line naming its field."""
+
+    exit_code = 2
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__(format_problems(self.problems))
+
+
+def format_problems(problems: Sequence[str]) -> str:
+    """One problem as is; several as "N problems:" and one indented line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems)
+
+
+# ----------------------------------------------------------------------------- one field
+
+Check = Callable[[Any], "str | None"]  # value -> what is wrong with it, or None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def integer(lo: int | None = None, why: str = "") -> Check:
+    def check(v):
+        if not _is_int(v):
+            return f"expected an integer, got {type(v).__name__}"
+        if lo is not None and v < lo:
+            return f"must be >= {lo}{why}"
+        return None
+
+    return check
+
+
+def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> Check:
+    def check(v):
+        if not _is_number(v):
+            return f"expected a finite number, got {v!r}"
+        too_low = lo is not None and (v <= lo if lo_open else v < lo)
+        too_high = hi is not None and (v >= hi if hi_open else v > hi)
+        if too_low or too_high:
+            left = "(" if lo_open else "["
+            right = ")" if hi_open else "]"
+            return f"must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+        return None
+
+    return check
+
+
+def boolean(optional: bool = False) -> Check:
+    def check(v):
+        if isinstance(v, bool) or (optional and v is None):
+            return None
+        return f"expected True or False{' or None' if optional else ''}, got {v!r}"
+
+    return check
+
+
+def text(nonempty: bool = False, optional: bool = False) -> Check:
+    def check(v):
+        if optional and v is None:
+            return None
+        if not isinstance(v, str):
+            return f"expected a string, got {type(v).__name__}"
+        if nonempty and not v:
+            return "must not be empty"
+        return None
+
+    return check
+
+
+def choice(options: Sequence[str]) -> Check:
+    def check(v):
+        return None if v in options else f"expected one of {', '.join(map(str, options))}"
+
+    return check
+
+
+def names(options: Sequence[str], nonempty: bool) -> Check:
+    def check(v):
+        if isinstance(v, str) or not isinstance(v, (tuple, list)):
+            return f"expected a tuple of names, got {v!r}"
+        unknown = [x for x in v if x not in options]
+        if unknown:
+            return f"unknown name(s) {unknown}; expected names from {', '.join(options)}"
+        if len(set(v)) != len(v):
+            return "has duplicates"
+        if nonempty and not v:
+            return f"must not be empty; expected names from {', '.join(options)}"
+        return None
+
+    return check
+
+
+def paths(nonempty: bool) -> Check:
+    def check(v):
+        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
+            return f"expected a tuple of file paths, got {v!r}"
+        return "must not be empty" if nonempty and not v else None
+
+    return check
+
+
+def _mesh_axis(v):
+    if not _is_int(v) or (v < 1 and v != -1):
+        return f"expected a positive integer or -1 (all remaining devices), got {v!r}"
+    return None
+
+
+FIELDS: dict[str, Check] = {
+    "seed": integer(),
+    "workdir": text(nonempty=True),
+    "resume": boolean(),
+    "model.path": text(),
+    "model.tiny": boolean(),
+    "model.dtype": choice(DTYPES),
+    "model.quant": choice(CONFIG_FORMATS),
+    "model.quant_skip": names(PROJECTIONS, nonempty=False),
+    "model.backend": choice(BACKENDS),
+    "data.train": text(nonempty=True),
+    "data.eval": text(),
+    "data.system_prompt": text(optional=True),
+    "data.template": text(nonempty=True),
+    "data.max_prompt_len": integer(1),
+    "data.max_bad_fraction": number(0.0, 1.0),
+    "rollout.prompts_per_step": integer(1),
+    "rollout.group_size": integer(2, " (GRPO scores each completion against the others of its prompt's group)"),
+    "rollout.max_new_tokens": integer(1),
+    "rollout.temperature": number(0.0, lo_open=True),
+    "rollout.top_p": number(0.0, 1.0, lo_open=True),
+    "rollout.top_k": integer(0),
+    "rollout.max_batch": integer(1),
+    "rl.loss": choice(LOSS_KINDS),
+    "rl.eps_low": number(0.0, 1.0, hi_open=True),
+    "rl.eps_high": number(0.0),
+    "rl.beta": number(0.0),
+    "rl.reward": text(nonempty=True),
+    "rl.reward_timeout_s": number(0.0, lo_open=True),
+    "rl.dynamic_sampling": boolean(),
+    "rl.max_refill_rounds": integer(0),
+    "rl.mask_truncated": boolean(),
+    "rl.overlong_cache": integer(0),
+    "rl.overlong_penalty": number(0.0),
+    "rl.micro_batch_size": integer(1),
+    "rl.ppo_epochs": integer(1),
+    "rl.logprob_chunk": integer(0),
+    "rl.remat": boolean(),
+    "lora.rank": integer(1),
+    "lora.alpha": number(0.0, lo_open=True),
+    "lora.targets": names(PROJECTIONS, nonempty=True),
+    "lora.rslora": boolean(),
+    "aqn.enabled": boolean(optional=True),
+    "aqn.sigma_start": number(0.0),
+    "aqn.sigma_end": number(0.0),
+    "aqn.num_stages": integer(2, " (stage 0 is noise-free)"),
+    "aqn.decay": choice(aqn.DECAYS),
+    "optim.lr": number(0.0, lo_open=True),
+    "optim.warmup_frac": number(0.0, 1.0),
+    "optim.schedule": choice(optim.SCHEDULES),
+    "optim.b1": number(0.0, 1.0, hi_open=True),
+    "optim.b2": number(0.0, 1.0, hi_open=True),
+    "optim.weight_decay": number(0.0),
+    "optim.clip_norm": number(0.0),
+    "train.total_steps": integer(1),
+    "train.log_every": integer(1),
+    "train.sample_every": integer(0),
+    "train.checkpoint_every": integer(1),
+    "train.eval_every": integer(0),
+    "train.max_nonfinite": integer(1),
+    "train.stop_after_steps": integer(0),
+    "eval.checkpoint": text(),
+    "eval.datasets": paths(nonempty=False),
+    "eval.num_examples": integer(0),
+    "eval.batch_size": integer(1),
+    "eval.max_new_tokens": integer(1),
+    "eval.num_samples": integer(0),
+    "eval.temperature": number(0.0),
+    "eval.top_p": number(0.0, 1.0, lo_open=True),
+    "eval.output_dir": text(),
+    "mesh.data": _mesh_axis,
+    "mesh.model": _mesh_axis,
+}
+
+
+def _get(cfg: ml_collections.ConfigDict, path: str) -> Any:
+    node = cfg
+    for part in path.split("."):
+        node = node[part]  # KeyError when missing
+    return node
+
+
+# ----------------------------------------------------------------------------- the whole config
+
+
+def config_problems(cfg: ml_collections.ConfigDict, command: str = "train") -> list[str]:
+    """Every problem of `cfg` for `command` ("train" or "eval"), each "path: what is wrong"."""
+    if command not in COMMANDS:
+        raise ValueError(f"command {command!r} is unknown; expected one of {COMMANDS}")
+    problems, good = [], {}  # good: path -> value of the fields that passed their own check
+    for path, check in FIELDS.items():
+        try:
+            value = _get(cfg, path)
+        except (KeyError, AttributeError):
+            problems.append(f"{path}: missing (a config file should start from qerl_jax.config.default_config())")
+            continue
+        msg = check(value)
+        if msg is None:
+            good[path] = value
+        else:
+            problems.append(f"{path} = {value!r}: {msg}")
+    problems += _rule_problems(good, command)
+    problems += _file_problems(cfg, good, command)
+    return problems
+
+
+def validate_config(cfg: ml_collections.ConfigDict, command: str = "train") -> None:
+    """Raises ConfigError listing every problem of `cfg` for `command`; returns None if there is none."""
+    problems = config_problems(cfg, command)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
+    """The rules between fields, each checked when its fields passed their own checks."""
+    has = lambda *paths: all(p in f for p in paths)  # noqa: E731
+    train = command == "train"
+    out = []
+    if train and has("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size"):
+        batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
+        if batch % f["rl.micro_batch_size"]:
+            out.append(
+                f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
+                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
+            )
+    if train and has("rl.micro_batch_size", "mesh.data") and f["mesh.data"] > 1:
+        if f["rl.micro_batch_size"] % f["mesh.data"]:
+            out.append(
+                f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
+                f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"
+            )
+    if has("mesh.data", "mesh.model") and f["mesh.data"] == f["mesh.model"] == -1:
+        out.append("mesh.data = mesh.model = -1: only one axis may take all remaining devices")
+    if train and has("rl.overlong_cache", "rollout.max_new_tokens"):
+        if 0 < f["rollout.max_new_tokens"] <= f["rl.overlong_cache"]:
+            out.append(
+                f"rl.overlong_cache = {f['rl.overlong_cache']}: the penalty window must be shorter than "
+                f"rollout.max_new_tokens ({f['rollout.max_new_tokens']})"
+            )
+    if train and has("aqn.enabled", "model.quant", "aqn.num_stages", "train.total_steps", "aqn.sigma_start"):
+        enabled = aqn.default_aqn_enabled(f["model.quant"]) if f["aqn.enabled"] is None else f["aqn.enabled"]
+        if enabled and f["aqn.num_stages"] > f["train.total_steps"]:
+            out.append(
+                f"aqn.num_stages = {f['aqn.num_stages']}: more noise stages than train.total_steps "
+                f"({f['train.total_steps']}); every stage needs at least one step"
+            )
+        if enabled and f["aqn.sigma_start"] <= 0:
+            out.append("aqn.sigma_start = 0: AQN is on, so the first noise stage needs sigma_start > 0")
+        if enabled and has("aqn.decay", "aqn.sigma_end") and f["aqn.decay"] == "exponential":
+            if f["aqn.sigma_end"] <= 0:
+                out.append("aqn.sigma_end = 0: the exponential decay needs sigma_end > 0 (or aqn.decay=linear)")
+    if has("eval.num_samples", "eval.temperature") and f["eval.num_samples"] and f["eval.temperature"] == 0:
+        out.append(
+            f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
+        )
+    if train and has("rl.reward"):
+        try:
+            rewards.get_reward_fn(f["rl.reward"])
+        except ValueError as e:
+            out.append(f"rl.reward = {f['rl.reward']!r}: {e}")
+    if train and has("workdir", "resume") and not f["resume"]:
+        steps = saved_steps(os.path.join(f["workdir"], "checkpoints"))
+        if steps:
+            out.append(
+                f"resume = False, but workdir {f['workdir']!r} holds a run's checkpoints (steps {steps}): pass "
+                "--config.resume=True to continue it, or a new --config.workdir to start over"
+            )
+    return out
+
+
+def _file_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any], command: str) -> list[str]:
+    """The files the command reads: datasets, the adapter to evaluate, the model directory."""
+    out = []
+    if command == "train" and "data.train" in f:
+        out += _dataset_problems("data.train", f["data.train"])
+    if "eval.datasets" in f and "eval.num_examples" in f and (command == "eval" or f["eval.num_examples"]):
+        if not f["eval.datasets"]:
+            out.append("eval.datasets = (): must name at least one dataset")
+        for i, name in enumerate(f["eval.datasets"]):
+            out += _dataset_problems(f"eval.datasets[{i}]", name)
+    if command == "eval" and f.get("eval.checkpoint"):
+        out += _adapter_problems(f["eval.checkpoint"])
+    if all(p in f for p in ("model.tiny", "model.path", "workdir")):
+        config, raw, model_problems = _model_problems(cfg, f["model.tiny"])
+        out += [f"model.path: {p}" for p in model_problems]
+        if config is not None:
+            out += _model_fit_problems(config, raw, f, command)
+    return out
+
+
+def saved_steps(checkpoint_dir: str) -> list[int]:
+    """The steps of the finished checkpoints in a run's checkpoint directory (orbax names them by step)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit())
+
+
+def _dataset_problems(path: str, name: str) -> list[str]:
+    if os.path.exists(os.path.expanduser(name)) or ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
+        return []
+    known = ", ".join(sorted(KNOWN_DATASETS) + sorted(ALIASES))
+    return [f"{path} = {name!r}: no such file or directory, and not a known dataset name ({known})"]
+
+
+def _adapter_problems(path: str) -> list[str]:
+    from qerl_jax.peft_adapter import ADAPTER_CONFIG  # noqa: PLC0415 (imports torch-free safetensors only)
+
+    if not os.path.isdir(path):
+        return [f"eval.checkpoint = {path!r}: does not exist (expected a run's workdir or a PEFT adapter)"]
+    run_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) or saved_steps(run_dir):
+        return []
+    return [f"eval.checkpoint = {path!r}: holds no orbax checkpoint and no {ADAPTER_CONFIG}"]
+
+
+def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, list[str]]:
+    """(config, raw config.json, problems) of the model directory; tiny: only if already built."""
+    if tiny:
+        model_dir = tiny_model_dir(cfg)
+        if not os.path.isdir(model_dir):
+            return None, None, []  # built by the run
+    else:
+        try:
+            model_dir = resolve_model_dir(cfg)
+        except UserFacingError as e:
+            return None, None, [str(e)]
+    if not os.path.isdir(model_dir):
+        return None, None, []  # a single-file format: checked by its reader
+    try:
+        config, raw = loader.read_config(model_dir)
+    except loader.CheckpointError as e:
+        return None, None, [str(e)]
+    return config, raw, checkpoint_file_problems(model_dir, config, raw)
+
+
+def checkpoint_file_problems(
+    model_dir: str, config: ModelConfig | None, raw: dict, *, need_tokenizer: bool = True
+) -> list[str]:
+    """Problems of a checkpoint's weight and tokenizer files, from their headers (no tensor data).
+
+    Each names the file: unreadable (truncated, garbled) safetensors, a shard the index names
+    that is missing or lacks a tensor it maps there, tensors missing or shaped unlike config.json
+    (skipped when `config` is None), tokenizer JSON files that do not parse, or none at all
+    (when `need_tokenizer`).
+    """
+    problems = []
+    try:
+        files = loader.weight_files(model_dir)
+    except loader.CheckpointError as e:
+        return [str(e)]
+    shapes: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    owner[name] = file
+        except (SafetensorError, OSError) as e:
+            problems.append(loader.unreadable_safetensors(file, e))
+    if problems:
+        return problems
+    index_file = os.path.join(model_dir, loader.SAFETENSORS_INDEX)
+    if len(files) > 1 or not os.path.isfile(os.path.join(model_dir, loader.SAFETENSORS_FILE)):
+        weight_map = loader.read_json(index_file)["weight_map"]
+        wrong = [n for n, shard in weight_map.items() if owner.get(n) != os.path.join(model_dir, shard)]
+        if wrong:
+            problems.append(
+                f"{index_file} maps {len(wrong)} tensor(s) to a shard that does not hold them: "
+                + ", ".join(f"{n} -> {weight_map[n]}" for n in wrong[:3])
+            )
+    quantized = "quantization_config" in raw
+    missing, misshapen = [], []
+    for name, shape in (loader.expected_shapes(config) if config is not None else {}).items():
+        if quantized and name.endswith("_proj.weight"):
+            continue  # stored packed (weight_packed, weight_scale, ...), checked when read
+        if name not in shapes:
+            missing.append(name)
+        elif shapes[name] != shape:
+            misshapen.append(f"{owner[name]}: tensor {name!r} has shape {shapes[name]}; config.json implies {shape}")
+    problems += misshapen[:3]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
+        problems.append(f"{model_dir}: missing {len(missing)} tensor(s) that config.json implies: {shown}")
+    present = [f for f in TOKENIZER_JSON if os.path.isfile(os.path.join(model_dir, f))]
+    if need_tokenizer and not present:
+        problems.append(f"{model_dir}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")
+    for f in present:
+        try:
+            loader.read_json(os.path.join(model_dir, f))
+        except loader.CheckpointError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _model_fit_problems(config: ModelConfig, raw: dict, f: dict[str, Any], command: str) -> list[str]:
+    """Rules between the config and the model: context length, stored format, quantization block size."""
+    out = []
+    context = config.max_position_embeddings
+    generated = {
+        "rollout.max_new_tokens": command == "train",
+        "eval.max_new_tokens": command == "eval" or bool(f.get("eval.num_examples")),
+    }
+    for path, used in generated.items():
+        if used and "data.max_prompt_len" in f and path in f:
+            total = f["data.max_prompt_len"] + f[path]
+            if total > context:
+                out.append(
+                    f"data.max_prompt_len + {path} = {f['data.max_prompt_len']} + {f[path]} = {total}: exceeds the "
+                    f"model's context of {context} tokens (max_position_embeddings in config.json)"
+                )
+    quant = f.get("model.quant")
+    if "quantization_config" in raw:
+        from qerl_jax.quant import compressed_tensors  # noqa: PLC0415
+
+        try:
+            stored = compressed_tensors.detect_format(raw)
+        except ValueError as e:
+            return out + [f"model.path: {e}"]
+        if quant not in (None, "bf16", stored):
+            out.append(f"model.quant = {quant!r}: the checkpoint is stored as {stored}; set model.quant={stored}")
+    elif quant in FORMATS and "model.quant_skip" in f:
+        block = BLOCK_SIZES[quant]
+        shapes = projection_shapes(config)
+        bad = [f"{p} (K = {k})" for p, (_, k) in shapes.items() if k % block and p not in f["model.quant_skip"]]
+        if bad:
+            out.append(
+                f"model.quant = {quant!r}: needs each quantized projection's input size K to be a multiple of {block}; "
+                f"{', '.join(bad)} is not (add them to model.quant_skip or pick another format)"
+            )
+    return out

@@ -1,0 +1,330 @@
+"""qerl_jax.validate: every problem of a config at once, by its path, before any work; and the commands
+(`qerl_jax.main`, `qerl_jax.eval`, `qerl_jax.quantize`) answering bad input with lines, not tracebacks."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, load_config
+
+from qerl_jax import validate
+from qerl_jax.validate import ConfigError, config_problems
+
+
+def _tiny(tmp_path, model_dir, **overrides):
+    cfg = load_config("tiny")
+    cfg.workdir = str(tmp_path / "run")
+    cfg.model.tiny = False
+    cfg.model.path = model_dir
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def _paths(problems):
+    return [p.split(" ")[0].rstrip(":") for p in problems]
+
+
+@pytest.fixture
+def model_copy(tmp_path, tiny_model_dir):
+    """A copy of the tiny checkpoint that a test may damage."""
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+def test_shipped_configs_are_valid(tmp_path, tiny_model_dir):
+    assert config_problems(_tiny(tmp_path, tiny_model_dir), "train") == []
+    assert config_problems(_tiny(tmp_path, tiny_model_dir), "eval") == []
+    tiny = load_config("tiny")
+    tiny.workdir = str(tmp_path / "fresh")  # model.tiny: the model is built by the run
+    assert config_problems(tiny) == []
+    for name, arg in (("gsm8k", None), ("bigmath", "32b"), ("baselines", "bf16"), ("baselines", "nf4_aqn")):
+        cfg = load_config(name, arg)
+        cfg.workdir = str(tmp_path / name)
+        assert _paths(config_problems(cfg)) == ["model.path"], (name, arg)  # only the model is not here
+
+
+def test_every_problem_is_reported_at_once_by_its_path(tmp_path, tiny_model_dir):
+    cfg = _tiny(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "rollout.group_size": 1,
+            "rl.overlong_cache": 40,
+            "optim.lr": -1.0,
+            "lora.targets": ("q_proj", "qkv"),
+            "rollout.top_p": 1.5,
+            "train.total_steps": 1,
+            "data.train": str(tmp_path / "missing.jsonl"),
+            "rl.reward": "nope",
+        },
+    )
+    problems = config_problems(cfg)
+    assert sorted(_paths(problems)) == sorted(
+        [
+            "rollout.group_size",
+            "optim.lr",
+            "lora.targets",
+            "rollout.top_p",
+            "rl.overlong_cache",  # a penalty window longer than the 32 new tokens
+            "aqn.num_stages",  # 2 stages in 1 step
+            "rl.reward",
+            "data.train",
+        ]
+    ), problems
+    with pytest.raises(ConfigError) as e:
+        validate.validate_config(cfg)
+    assert e.value.exit_code == 2
+    assert str(e.value).startswith("8 problems:\n  ")
+    assert "rollout.group_size = 1: must be >= 2 (GRPO scores each completion" in str(e.value)
+
+
+def test_types_and_missing_fields(tmp_path, tiny_model_dir):
+    cfg = _tiny(tmp_path, tiny_model_dir)
+    with cfg.unlocked():
+        del cfg.rollout["group_size"]
+        cfg.rollout.group_size = "8"  # as a hand-written config file could set it
+        del cfg.rl["remat"]
+        cfg.rl.remat = 1
+        del cfg.train["max_nonfinite"]
+    problems = config_problems(cfg)
+    assert "rollout.group_size = '8': expected an integer, got str" in problems
+    assert "rl.remat = 1: expected True or False, got 1" in problems
+    assert any(p.startswith("train.max_nonfinite: missing") for p in problems)
+
+
+def test_context_length_and_block_size_come_from_config_json(tmp_path, tiny_model_dir):
+    # The tiny model's context is 2048 tokens, its hidden size 64.
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"data.max_prompt_len": 2000, "rollout.max_new_tokens": 64})
+    (problem,) = config_problems(cfg)
+    assert problem.startswith("data.max_prompt_len + rollout.max_new_tokens = 2000 + 64 = 2064: exceeds the model's")
+    assert config_problems(cfg, "eval") == []  # eval generates eval.max_new_tokens (32)
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"data.max_prompt_len": 2030, "rollout.max_new_tokens": 8})
+    assert _paths(config_problems(cfg, "eval")) == ["data.max_prompt_len"]  # 2030 + 32 > 2048
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"model.quant": "nf4"})
+    assert hidden % 64 == 0 and config_problems(cfg) == []
+    odd = shutil.copytree(tiny_model_dir, tmp_path / "odd")
+    raw = json.load(open(odd / "config.json"))
+    raw["intermediate_size"] += 16  # down_proj's K, no longer a multiple of nf4's 64-element blocks
+    json.dump(raw, open(odd / "config.json", "w"))
+    problems = config_problems(_tiny(tmp_path, str(odd), **{"model.quant": "nf4"}))
+    assert any(p.startswith("model.quant = 'nf4': needs each quantized projection's input size K") for p in problems)
+    assert any("down_proj (K = " in p for p in problems)
+    assert any("has shape" in p and "config.json implies" in p for p in problems)  # and the tensors disagree
+
+
+def test_a_run_is_not_restarted_over_its_checkpoints(tmp_path, tiny_model_dir):
+    cfg = _tiny(tmp_path, tiny_model_dir)
+    os.makedirs(os.path.join(cfg.workdir, "checkpoints", "3"))
+    os.makedirs(os.path.join(cfg.workdir, "checkpoints", "6"))
+    (problem,) = config_problems(cfg)
+    assert problem.startswith("resume = False, but workdir") and "(steps [3, 6])" in problem
+    assert "--config.resume=True" in problem
+    cfg.resume = True
+    assert config_problems(cfg) == []
+    assert config_problems(_tiny(tmp_path, tiny_model_dir), "eval") == []  # eval reads runs, never writes them
+
+
+def test_eval_checks_its_checkpoint_and_datasets(tmp_path, tiny_model_dir):
+    cfg = _tiny(
+        tmp_path,
+        tiny_model_dir,
+        **{"eval.checkpoint": str(tmp_path / "no_run"), "eval.datasets": ("gsm8k", str(tmp_path / "none.jsonl"))},
+    )
+    assert _paths(config_problems(cfg, "eval")) == ["eval.datasets[1]", "eval.checkpoint"]
+    assert _paths(config_problems(cfg, "train")) == ["eval.datasets[1]"]  # the run's own evaluation reads it
+    cfg.eval.num_examples = 0
+    assert config_problems(cfg, "train") == []  # ... when it evaluates (eval.num_examples > 0)
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"eval.checkpoint": str(empty)})
+    assert config_problems(cfg, "eval") == [
+        f"eval.checkpoint = {str(empty)!r}: holds no orbax checkpoint and no adapter_config.json"
+    ]
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _file_problems(model_dir):
+    from qerl_jax import loader
+
+    config, raw = loader.read_config(str(model_dir))
+    return validate.checkpoint_file_problems(str(model_dir), config, raw)
+
+
+def test_truncated_and_garbled_safetensors_name_the_file(model_copy):
+    weights = model_copy / "model.safetensors"
+    assert _file_problems(model_copy) == []
+    data = weights.read_bytes()
+    for damaged in (data[:3000], data[:-100], b"\x07" * 64 + data[64:]):
+        weights.write_bytes(damaged)
+        (problem,) = _file_problems(model_copy)
+        assert problem.startswith(f"{weights} is not a readable safetensors file (")
+        assert problem.endswith("it is truncated or damaged: download it again")
+
+
+def test_sharded_checkpoint_problems_name_the_shard(tmp_path):
+    from conftest import make_hf_model, save_hf_model
+
+    src = save_hf_model(make_hf_model(), tmp_path / "sharded", shard_size="40KB")
+    with open(os.path.join(src, "tokenizer.json"), "w") as f:
+        f.write('{"fake": true}')
+    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and _file_problems(src) == []
+    # A tensor the index maps to the wrong shard.
+    counts = {s: list(index["weight_map"].values()).count(s) for s in shards}
+    name = next(n for n, s in index["weight_map"].items() if counts[s] > 1)  # its shard stays listed
+    wrong = dict(
+        index, weight_map={**index["weight_map"], name: next(s for s in shards if s != index["weight_map"][name])}
+    )
+    json.dump(wrong, open(os.path.join(src, "model.safetensors.index.json"), "w"))
+    (problem,) = _file_problems(src)
+    assert (
+        "model.safetensors.index.json maps 1 tensor(s) to a shard that does not hold them" in problem
+        and name in problem
+    )
+    json.dump(index, open(os.path.join(src, "model.safetensors.index.json"), "w"))
+    os.remove(os.path.join(src, shards[1]))
+    (problem,) = _file_problems(src)
+    assert "lists shard(s) that do not exist" in problem and shards[1] in problem
+
+
+def test_shapes_against_config_json_and_tokenizer_files(model_copy):
+    raw = json.load(open(model_copy / "config.json"))
+    raw["num_hidden_layers"] += 1
+    json.dump(raw, open(model_copy / "config.json", "w"))
+    (problem,) = _file_problems(model_copy)
+    assert problem.startswith(f"{model_copy}: missing ") and "model.layers.2." in problem
+    raw["num_hidden_layers"] -= 1
+    raw["hidden_size"] *= 2
+    raw["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // 2 // raw["num_attention_heads"]
+    json.dump(raw, open(model_copy / "config.json", "w"))
+    problems = _file_problems(model_copy)
+    assert (
+        problems[0].startswith(f"{model_copy / 'model.safetensors'}: tensor ") and "config.json implies" in problems[0]
+    )
+    raw["hidden_size"] //= 2
+    json.dump(raw, open(model_copy / "config.json", "w"))
+    (model_copy / "tokenizer.json").write_text('{"truncated": ')
+    (problem,) = _file_problems(model_copy)
+    assert problem.startswith(f"{model_copy / 'tokenizer.json'} is not valid JSON")
+    os.remove(model_copy / "tokenizer.json")
+    os.remove(model_copy / "tokenizer_config.json")
+    assert _file_problems(model_copy) == [
+        f"{model_copy}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)"
+    ]
+
+
+def test_garbled_config_json_is_one_line(model_copy, tmp_path):
+    (model_copy / "config.json").write_text("{nope")
+    (problem,) = config_problems(_tiny(tmp_path, str(model_copy)))
+    assert problem.startswith(f"model.path: {model_copy / 'config.json'} is not valid JSON (")
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def _run(module, *args, cwd=REPO):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _assert_one_error(out, message, status=2):
+    assert out.returncode == status, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, out.stderr[-3000:]  # printed once, not also as a log line
+    assert message in errors[0], errors[0]
+
+
+def test_main_answers_bad_input_with_one_line(tmp_path, model_copy):
+    workdir = tmp_path / "run"
+    base = ["--config=configs/tiny.py", f"--config.workdir={workdir}"]
+    out = _run("qerl_jax.main", *base, "--config.model.tiny=False", "--config.model.path=/nonexistent")
+    _assert_one_error(out, "error: model.path: model path '/nonexistent' does not exist")
+    out = _run("qerl_jax.main", *base, "--config.rollout.grop_size=3")
+    _assert_one_error(
+        out, "error: --config.rollout.grop_size: the config has no field 'grop_size'; did you mean \"group_size\"?"
+    )
+    out = _run("qerl_jax.main", *base, "--config.rollout.group_size=0")
+    _assert_one_error(out, "error: rollout.group_size = 0: must be >= 2 (GRPO scores each completion")
+    assert "rollout_batch" not in out.stderr
+    weights = model_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    out = _run("qerl_jax.main", *base, "--config.model.tiny=False", f"--config.model.path={model_copy}")
+    _assert_one_error(out, f"error: model.path: {weights} is not a readable safetensors file")
+    out = _run("qerl_jax.main", "--config=configs/missing.py")
+    _assert_one_error(out, "error: --config=configs/missing.py: cannot load the config file (No such file")
+    out = _run("qerl_jax.main", "--config=configs/baselines.py:fp3")
+    _assert_one_error(out, "error: the config file failed to load: ValueError: unknown baseline 'fp3'")
+    out = _run("qerl_jax.main", *base, "--config.rollout.group_size=two")
+    _assert_one_error(out, "error: flag --config.rollout.group_size=two: invalid literal for int()")
+    assert not workdir.exists()  # nothing was written before the problems were found
+
+
+def test_main_lists_every_problem(tmp_path, tiny_model_dir):
+    args = [
+        "--config=configs/tiny.py",
+        f"--config.workdir={tmp_path / 'run'}",
+        "--config.model.tiny=False",
+        f"--config.model.path={tiny_model_dir}",
+        "--config.rollout.top_p=0",
+        "--config.rl.micro_batch_size=5",
+        "--config.data.max_prompt_len=4000",
+    ]
+    out = _run("qerl_jax.main", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == "error: 4 problems:"
+    assert [line.split()[0] for line in lines[1:]] == [
+        "rollout.top_p",
+        "rl.micro_batch_size",  # 4 x 4 = 16 sequences: 5 does not divide them
+        "data.max_prompt_len",
+        "data.max_prompt_len",
+    ]
+
+
+def test_eval_answers_bad_input_with_lines(tmp_path, tiny_model_dir):
+    args = [
+        "--config=configs/tiny.py",
+        f"--config.workdir={tmp_path / 'run'}",
+        "--config.model.tiny=False",
+        f"--config.model.path={tiny_model_dir}",
+        f"--config.eval.checkpoint={tmp_path / 'no_run'}",
+        "--config.eval.batch_size=0",
+    ]
+    out = _run("qerl_jax.eval", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.splitlines()[0] == "error: 2 problems:"
+    assert "  eval.batch_size = 0: must be >= 1" in out.stderr and "  eval.checkpoint = " in out.stderr
+    out = _run("qerl_jax.eval", "--config=configs/tiny.py", "--config.eval.numexamples=3")
+    _assert_one_error(out, "error: --config.eval.numexamples: the config has no field 'numexamples'; did you mean")
+
+
+def test_quantize_lists_every_problem_and_writes_nothing(tmp_path, model_copy):
+    weights = model_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    out_dir = tmp_path / "out"
+    out = _run("qerl_jax.quantize", "--model", str(model_copy), "--out", str(out_dir), "--format", "nf4")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    first = lines.index("qerl-quantize: error: 2 problems:")
+    assert lines[first:] == [
+        "qerl-quantize: error: 2 problems:",
+        "  --format 'nf4' cannot be written as a compressed-tensors checkpoint; expected one of ('nvfp4', 'mxfp4')",
+        f"  {weights} is not a readable safetensors file (Error while deserializing header: incomplete metadata, "
+        "file not fully covered); it is truncated or damaged: download it again",
+    ]
+    assert not out_dir.exists()
