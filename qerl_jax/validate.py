@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from qerl_jax import aqn, linear, loader, optim, rewards
 from qerl_jax.data import ALIASES, KNOWN_DATASETS
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
+from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
 from qerl_jax.quant import BLOCK_SIZES, CONFIG_FORMATS, FORMATS
 from qerl_jax.rl.losses import LOSS_KINDS
@@ -186,7 +186,8 @@ FIELDS: dict[str, Check] = {
     "rl.micro_batch_size": integer(1),
     "rl.ppo_epochs": integer(1),
     "rl.logprob_chunk": integer(0),
-    "rl.remat": boolean(),
+    "rl.remat": choice(("auto", *REMAT_MODES)),
+    "rl.attention": choice(ATTENTION_MODES),
     "lora.rank": integer(1),
     "lora.alpha": number(0.0, lo_open=True),
     "lora.targets": names(PROJECTIONS, nonempty=True),

@@ -91,11 +91,11 @@ def test_types_and_missing_fields(tmp_path, tiny_model_dir):
         del cfg.rollout["group_size"]
         cfg.rollout.group_size = "8"  # as a hand-written config file could set it
         del cfg.rl["remat"]
-        cfg.rl.remat = 1
+        cfg.rl.remat = True  # a bool, as configs set it before remat had modes
         del cfg.train["max_nonfinite"]
     problems = config_problems(cfg)
     assert "rollout.group_size = '8': expected an integer, got str" in problems
-    assert "rl.remat = 1: expected True or False, got 1" in problems
+    assert "rl.remat = True: expected one of auto, none, full, proj" in problems
     assert any(p.startswith("train.max_nonfinite: missing") for p in problems)
 
 
