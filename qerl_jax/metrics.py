@@ -1,8 +1,11 @@
-"""TensorBoard logging (tensorboardX: no TensorFlow needed) and device-memory readings."""
+"""TensorBoard logging (tensorboardX: no TensorFlow needed), a JSON-lines copy of the scalars,
+and device-memory readings."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any, Mapping
 
 import jax
@@ -20,20 +23,29 @@ def device_memory_bytes() -> dict[str, float]:
     return out
 
 
+SCALARS_JSONL = "scalars.jsonl"
+
+
 class MetricWriter:
-    """Scalars and text to a TensorBoard event file under `logdir`."""
+    """Scalars and text to a TensorBoard event file under `logdir`; the scalars also to
+    `logdir/scalars.jsonl`, one {"step": ..., name: value} line per call (finite values only)."""
 
     def __init__(self, logdir: str):
         from tensorboardX import SummaryWriter  # noqa: PLC0415
 
         self._writer = SummaryWriter(logdir)
+        self._jsonl = open(os.path.join(logdir, SCALARS_JSONL), "a")
 
     def scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
+        row: dict[str, float] = {}
         for name, value in metrics.items():
             value = float(np.asarray(value))
             if math.isfinite(value):
                 self._writer.add_scalar(name, value, step)
+                row[name] = value
         self._writer.flush()
+        self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
+        self._jsonl.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         self._writer.add_text(tag, text, step)
@@ -41,6 +53,21 @@ class MetricWriter:
 
     def close(self) -> None:
         self._writer.close()
+        self._jsonl.close()
+
+
+def read_jsonl_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of `logdir/scalars.jsonl`: tag -> [(step, value)], the last value of a repeated
+    step winning (a resumed run logs its steps again from its checkpoint)."""
+    by_tag: dict[str, dict[int, float]] = {}
+    with open(os.path.join(logdir, SCALARS_JSONL)) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                step = row.pop("step")
+                for tag, value in row.items():
+                    by_tag.setdefault(tag, {})[step] = value
+    return {tag: sorted(values.items()) for tag, values in by_tag.items()}
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:

@@ -352,9 +352,8 @@ def test_smollm2_path_names_the_missing_package(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = qgguf.smollm2_gguf_path()  # fails (not skips) with the pip command when the package is missing
-    return path, qerl_jax.load_tokenizer(path)
+def smollm2(smollm2_tokenizer):
+    return qgguf.smollm2_gguf_path(), smollm2_tokenizer
 
 
 def test_smollm2_logits_match_transformers_gguf_loading(smollm2):
