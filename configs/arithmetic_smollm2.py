@@ -80,7 +80,7 @@ def get_config(arm: str = "nvfp4_aqn"):
     c.train.checkpoint_every = 20
 
     c.eval.datasets = ("arithmetic:test",)
-    c.eval.num_examples = 200
-    c.eval.batch_size = 200
+    c.eval.num_examples = 256
+    c.eval.batch_size = 128  # = rollout.max_batch: one decode shape
     c.eval.max_new_tokens = 128
     return c

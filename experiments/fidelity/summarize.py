@@ -185,6 +185,14 @@ def _growth_claim(name_a: str, a: list[float], name_b: str, b: list[float], *, a
         f"reward slope per 100 steps (mean ± std over seeds): {name_b} {mb:+.4f} ± {sb:.4f}, {name_a} {ma:+.4f} ± {sa:.4f}; "
         f"difference {diff:+.4f} (standard error {se:.4f})"
     )
+    grew = [m > 2 * sd / math.sqrt(len(x)) for (m, sd), x in (((ma, sa), a), ((mb, sb), b))]
+    if not any(grew):
+        return {
+            "verdict": "inconclusive",
+            "text": numbers + "; the reward did not grow in either arm",
+            "diff": diff,
+            "se": se,
+        }
     if at_least:
         verdict = "supported" if diff >= 0 else ("not supported" if diff < -2 * se else "inconclusive")
     else:
@@ -196,15 +204,13 @@ def _growth_claim(name_a: str, a: list[float], name_b: str, b: list[float], *, a
 
 
 def _smooth(x: np.ndarray, w: int) -> np.ndarray:
-    if w <= 1 or len(x) < w:
-        return x
-    kernel = np.ones(w) / w
+    """Trailing moving average over the last w steps (fewer at the start), ignoring NaNs."""
     valid = np.isfinite(x)
-    num = np.convolve(np.where(valid, x, 0.0), kernel, mode="valid")
-    den = np.convolve(valid.astype(float), kernel, mode="valid")
-    out = np.full(len(x), np.nan)
-    out[w - 1 :] = num / np.maximum(den, 1e-12)
-    return out
+    num = np.cumsum(np.where(valid, x, 0.0))
+    den = np.cumsum(valid.astype(float))
+    shift = lambda c: np.concatenate([np.zeros(min(w, len(c))), c[:-w]]) if w < len(c) else np.zeros(len(c))  # noqa: E731
+    n, d = num - shift(num), den - shift(den)
+    return np.where(d > 0, n / np.maximum(d, 1), np.nan)
 
 
 def plot(curves_by_arm: dict[str, list[dict]], path: str, n_common: int) -> None:
@@ -222,7 +228,9 @@ def plot(curves_by_arm: dict[str, list[dict]], path: str, n_common: int) -> None
         for arm, runs in curves_by_arm.items():
             n = min(len(r[key]) for r in runs)
             ys = np.stack([_smooth(r[key][:n], w) for r in runs])
-            mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
+            if not np.isfinite(ys).any():
+                continue
+            mean, std = ys.mean(0), ys.std(0)
             steps = np.arange(n)
             ax.plot(steps, mean, label=f"{ARM_LABELS[arm]} ({len(runs)} seeds)")
             ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
