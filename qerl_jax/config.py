@@ -36,7 +36,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.backend = "auto"  # linear backend: auto (pallas on GPU, xla on CPU) | pallas | xla
 
     c.data = ml_collections.ConfigDict()
-    c.data.train = data_path("gsm8k/train.jsonl")
+    c.data.train = data_path("gsm8k/train.jsonl")  # a file, a known dataset name, or "arithmetic:train" (generated)
     c.data.eval = data_path("gsm8k/test.jsonl")
     c.data.system_prompt = DEFAULT_SYSTEM_PROMPT
     c.data.template = DEFAULT_USER_TEMPLATE  # user message; "{prompt}" is replaced by the problem
@@ -57,6 +57,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rl.eps_low = 0.2
     c.rl.eps_high = 0.28
     c.rl.beta = 0.0  # KL weight to the LoRA-free reference (GRPO uses 0.04)
+    # The ratio's denominator: "rollout" = the sampler's log-probs (quantized, AQN noise in the norms);
+    # "current" = the train forward's own (ratio 1 with one update per rollout, as TRL).
+    c.rl.old_logp_source = "rollout"
     c.rl.reward = "accuracy"  # a registered reward (accuracy | format | accuracy_format) or "module:function"
     c.rl.reward_timeout_s = 10.0  # per completion; a reward worker past it is restarted and the item scores 0
     c.rl.dynamic_sampling = True  # DAPO: drop groups with equal rewards, refill
@@ -71,6 +74,7 @@ def default_config() -> ml_collections.ConfigDict:
     # matmul recompute) where the memory plan fits it, else "full"; "full" on a device of unknown size.
     c.rl.remat = "auto"
     c.rl.attention = "flash"  # the train forward's attention: flash (cuDNN's on GPU) | xla
+    c.rl.reward_workers = 0  # reward-scoring worker processes; 0 = min(8, cpus / 2)
 
     c.lora = ml_collections.ConfigDict()
     c.lora.rank = 16
@@ -102,6 +106,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # 0 = only at the end (when eval.num_examples > 0)
     c.train.max_nonfinite = 5  # stop after this many non-finite updates in a row
     c.train.stop_after_steps = 0  # end this invocation after N steps (checkpointed); resume later. 0 = off
+    c.train.stop_after_minutes = 0.0  # end it after the first step that ends past N minutes (checkpointed). 0 = off
 
     c.eval = ml_collections.ConfigDict()
     c.eval.checkpoint = ""  # a run's workdir/checkpoint dir, or a PEFT adapter dir; "" = base model

@@ -76,7 +76,7 @@ def evaluate_params(
             name = (
                 f"{name}_{os.path.splitext(os.path.basename(path))[0]}"
                 if os.path.exists(path)
-                else path.replace("/", "_")
+                else path.replace("/", "_").replace(":", "_")
             )
             result = _evaluate_dataset(
                 cfg, policy, params, lora_scale, path, pool, os.path.join(output_dir, f"{name}.jsonl")

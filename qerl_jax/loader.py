@@ -205,6 +205,17 @@ class _StackedBuffers:
         return jax.tree_util.tree_unflatten(treedef, stacked)
 
 
+def _open_checkpoint(path: str) -> tuple[ModelConfig, dict[str, Any], Iterator[tuple[str, np.ndarray]]]:
+    """(config, raw config.json dict, tensor iterator) of a HF directory or a GGUF file (validated first)."""
+    from qerl_jax import gguf  # noqa: PLC0415 (imports this module)
+
+    if gguf.find_gguf_file(path) is not None:
+        model = gguf.open_gguf(path)
+        return model.config, {}, model.tensors()
+    config, raw = read_config(path)
+    return config, raw, iter_tensors(path)
+
+
 def load_model(
     path: str,
     dtype: str = "bfloat16",
@@ -215,7 +226,8 @@ def load_model(
     """Loads a local HF Qwen2/Qwen2.5/Llama checkpoint.
 
     Args:
-      path: directory with config.json and model.safetensors (or sharded + index).
+      path: directory with config.json and model.safetensors (or sharded + index), or a llama.cpp
+        GGUF file (or a directory holding one and no config.json): see `qerl_jax.gguf`.
       dtype: "bfloat16" | "float32" | "float16" for the dense tensors.
       quant: None/"bf16" to keep linears dense, or "nvfp4" | "mxfp4" | "nf4" to quantize every
         linear projection while loading. A compressed-tensors NVFP4 checkpoint is read as packed
@@ -228,7 +240,7 @@ def load_model(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
     np_dtype = _DTYPES[dtype]
-    config, raw = read_config(path)
+    config, raw, tensors = _open_checkpoint(path)
     stored_fmt = None
     if quant not in (None, "bf16") or "quantization_config" in raw:
         from qerl_jax import quant as quantlib  # noqa: PLC0415 (only needed for quantized models)
@@ -262,7 +274,7 @@ def load_model(
             packed = quantlib.quantize(w, quant, amax=amax) if amax is not None else quantlib.quantize(w, quant)
             layers.put(("base", proj, "w"), layer, jax.device_get(packed))
 
-    for name, array in iter_tensors(path):
+    for name, array in tensors:
         if name.startswith("model.rotary_emb") or name.endswith(".inv_freq"):
             continue
         m = _LAYER_RE.match(name)
@@ -334,9 +346,14 @@ def load_model(
 
 
 def load_tokenizer(path: str):
-    """The checkpoint's tokenizer (transformers AutoTokenizer, with its chat template), offline."""
+    """The checkpoint's tokenizer (transformers AutoTokenizer, with its chat template), offline; a GGUF
+    file's from its metadata."""
     from transformers import AutoTokenizer  # noqa: PLC0415 (heavy import, only when asked)
 
+    from qerl_jax import gguf  # noqa: PLC0415 (imports this module)
+
+    if gguf.find_gguf_file(path) is not None:
+        return gguf.load_tokenizer(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"tokenizer directory {path!r} does not exist")
     if not any(

@@ -1,7 +1,9 @@
-"""TensorBoard logging (tensorboardX: no TensorFlow needed) and device-memory readings."""
+"""TensorBoard logging (tensorboardX: no TensorFlow needed), a JSON-lines copy of the scalars,
+and device-memory readings."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -22,8 +24,13 @@ def device_memory_bytes() -> dict[str, float]:
     return out
 
 
+SCALARS_JSONL = "scalars.jsonl"
+
+
 class MetricWriter:
-    """Scalars and text to a TensorBoard event file under `logdir`, on disk when each call returns.
+    """Scalars and text to a TensorBoard event file under `logdir`, on disk when each call returns;
+    the scalars also to `logdir/scalars.jsonl`, one {"step": ..., name: value} line per call
+    (finite values only).
 
     Written synchronously (tensorboardX's record writer, without `SummaryWriter`'s background
     queue), so a run that stops on an error, or is killed, keeps every step it logged.
@@ -34,6 +41,7 @@ class MetricWriter:
 
         os.makedirs(logdir, exist_ok=True)
         self._events = EventsWriter(os.path.join(logdir, "events"))
+        self._jsonl = open(os.path.join(logdir, SCALARS_JSONL), "a")
 
     def _write(self, step: int, summaries: list) -> None:
         from tensorboardX.proto import event_pb2, summary_pb2  # noqa: PLC0415
@@ -47,12 +55,15 @@ class MetricWriter:
     def scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
         from tensorboardX import summary  # noqa: PLC0415
 
-        out = []
+        out, row = [], {}
         for name, value in metrics.items():
             value = float(np.asarray(value))
             if math.isfinite(value):
                 out.append(summary.scalar(name, value))
+                row[name] = value
         self._write(step, out)
+        self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
+        self._jsonl.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         from tensorboardX import summary  # noqa: PLC0415
@@ -61,6 +72,7 @@ class MetricWriter:
 
     def close(self) -> None:
         self._events.close()
+        self._jsonl.close()
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -70,3 +82,17 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(logdir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_jsonl_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of `logdir/scalars.jsonl`: tag -> [(step, value)], the last value of a repeated
+    step winning (a resumed run logs its steps again from its checkpoint)."""
+    by_tag: dict[str, dict[int, float]] = {}
+    with open(os.path.join(logdir, SCALARS_JSONL)) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                step = row.pop("step")
+                for tag, value in row.items():
+                    by_tag.setdefault(tag, {})[step] = value
+    return {tag: sorted(values.items()) for tag, values in by_tag.items()}

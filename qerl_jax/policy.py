@@ -41,11 +41,11 @@ def tiny_model_dir(cfg: ml_collections.ConfigDict) -> str:
 
 
 def resolve_model_dir(cfg: ml_collections.ConfigDict) -> str:
-    """The local checkpoint directory; with model.tiny, a random tiny model built on first use."""
+    """The local checkpoint directory (or GGUF file); with model.tiny, a random tiny model built on first use."""
     if cfg.model.tiny:
         return tiny.build_tiny_checkpoint(tiny_model_dir(cfg))
     path = cfg.model.path
-    if not path or not os.path.isdir(path):
+    if not path or not (os.path.isdir(path) or path.endswith(".gguf") and os.path.isfile(path)):
         raise UserFacingError(
             f"model path {path!r} does not exist, and qerl-jax never downloads from the Hugging Face hub at run "
             "time. Download the checkpoint once (e.g. `huggingface-cli download Qwen/Qwen2.5-7B-Instruct "

@@ -2,6 +2,9 @@
 
   python -m qerl_jax.quantize --model DIR --format nvfp4 --out DIR2     (or: qerl-quantize ...)
 
+DIR may also be a llama.cpp GGUF file: it is first exported as a float32 HF checkpoint
+(qerl_jax.gguf.export_hf_checkpoint, in a temporary directory next to DIR2).
+
 Every 2-D `model.layers.*.(self_attn|mlp).*_proj.weight` becomes `weight_packed`,
 `weight_scale` (+ `weight_global_scale` for nvfp4); all other tensors are copied unchanged.
 Shards mirror the input's (single `model.safetensors` or sharded with an index). For nvfp4
@@ -93,21 +96,25 @@ def _check_tensor(name: str, array: np.ndarray, fmt: str, block: int) -> None:
         raise QuantizeError(f"tensor {name!r} has non-finite values (inf or nan); cannot quantize it")
 
 
+def format_problems_of(fmt: str) -> list[str]:
+    """What is wrong with --format (empty: nothing)."""
+    from qerl_jax import quant  # noqa: PLC0415 (keeps `--help` fast)
+    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+
+    if fmt in ct.CT_FORMATS:
+        return []
+    if fmt in quant.CONFIG_FORMATS:
+        return [f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"]
+    return [f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}"]
+
+
 def argument_problems(model_dir: str, out_dir: str, fmt: str, *, overwrite: bool) -> list[str]:
     """Every problem of the arguments, found before any work: the format, the input directory
     (config.json, and every safetensors header, the shard index and the tensor shapes against
     config.json, read without tensor data) and the output directory."""
-    from qerl_jax import loader, quant, validate  # noqa: PLC0415 (keeps `--help` fast)
-    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+    from qerl_jax import loader, validate  # noqa: PLC0415 (keeps `--help` fast)
 
-    problems = []
-    if fmt not in ct.CT_FORMATS:
-        if fmt in quant.CONFIG_FORMATS:
-            problems.append(
-                f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"
-            )
-        else:
-            problems.append(f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}")
+    problems = format_problems_of(fmt)
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isdir(model_dir):
         problems.append(f"model directory {model_dir!r} does not exist")
@@ -167,6 +174,11 @@ def quantize_checkpoint(
     from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
     from qerl_jax.validate import format_problems  # noqa: PLC0415
 
+    if _gguf_file(model_dir) is not None:  # exported to a float32 HF checkpoint, then quantized
+        problems = format_problems_of(fmt)
+        if problems:
+            raise QuantizeError(format_problems(problems))
+        return _quantize_gguf(model_dir, out_dir, fmt, fuse_global_scale, overwrite, progress)
     problems = argument_problems(model_dir, out_dir, fmt, overwrite=overwrite)
     if problems:
         raise QuantizeError(format_problems(problems))
@@ -256,12 +268,45 @@ def quantize_checkpoint(
     return out_dir
 
 
+def _gguf_file(model_dir: str) -> str | None:
+    from qerl_jax import gguf  # noqa: PLC0415
+    from qerl_jax.loader import CheckpointError  # noqa: PLC0415
+
+    try:
+        return gguf.find_gguf_file(model_dir)
+    except CheckpointError as e:
+        raise QuantizeError(str(e)) from None
+
+
+def _quantize_gguf(path: str, out_dir: str, fmt: str, fuse_global_scale: bool, overwrite: bool, progress: bool) -> str:
+    """A GGUF file: exported (float32, next to out_dir, removed after) as a HF checkpoint, then quantized."""
+    import tempfile  # noqa: PLC0415
+
+    from qerl_jax import gguf  # noqa: PLC0415
+    from qerl_jax.loader import CheckpointError  # noqa: PLC0415
+
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise QuantizeError(f"output directory {out_dir!r} is not empty (pass --overwrite to replace its files)")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        try:
+            gguf.export_hf_checkpoint(path, tmp)
+        except CheckpointError as e:
+            raise QuantizeError(str(e)) from None
+        return quantize_checkpoint(
+            tmp, out_dir, fmt, fuse_global_scale=fuse_global_scale, overwrite=overwrite, progress=progress
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="qerl-quantize",
         description="Quantize a Hugging Face safetensors checkpoint to a compressed-tensors (vLLM) checkpoint.",
     )
-    parser.add_argument("--model", required=True, help="input checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument(
+        "--model", required=True, help="input checkpoint directory (config.json + *.safetensors) or a GGUF file"
+    )
     parser.add_argument("--out", required=True, help="output directory (created; must be empty unless --overwrite)")
     parser.add_argument("--format", default="nvfp4", help="nvfp4 (default) or mxfp4")
     parser.add_argument(

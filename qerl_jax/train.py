@@ -76,6 +76,7 @@ def collect_experience(
     timing = {"rollout": 0.0, "reward": 0.0}
     kept = {"rollouts": [], "answers": [], "completions": [], "prompts": [], "rewards": [], "accuracy": []}
     sampled = kept_count = gen_tokens = 0
+    all_raw, all_shaped, neg_logp_sum = [], [], 0.0  # every sampled row, kept or not
     for round_ in range(1 + (cfg.rl.max_refill_rounds if cfg.rl.dynamic_sampling else 0)):
         prompts = next(loader)
         tok = tokenize_prompts(
@@ -121,6 +122,9 @@ def collect_experience(
                     lengths, cfg.rollout.max_new_tokens, cfg.rl.overlong_cache, cfg.rl.overlong_penalty
                 )
             )
+        all_raw.append(raw)
+        all_shaped.append(shaped)
+        neg_logp_sum -= float(np.asarray(batch.logprobs, np.float64)[np.asarray(batch.response_mask, bool)].sum())
         n_groups = len(tok.kept_indices)
         sampled += n_groups
         keep = np.ones(n_groups, bool)
@@ -145,6 +149,12 @@ def collect_experience(
         "rollout/groups_sampled": float(sampled),
         "rollout/groups_kept": float(kept_count),
     }
+    if all_raw:  # over every sampled row (DAPO's kept groups are biased to varied rewards)
+        stats["reward/mean_sampled"] = float(np.concatenate(all_shaped).mean())
+        stats["reward/accuracy_sampled"] = float((np.concatenate(all_raw) >= 1.0).mean())
+        # -log p of the sampled tokens under the sampler (quantized, AQN noise in its norms): a
+        # Monte Carlo estimate of the sampling policy's entropy per token
+        stats["rollout/entropy_mc"] = neg_logp_sum / max(gen_tokens, 1)
     if not kept["rollouts"]:
         return None, stats
     exp = Experience(
@@ -260,7 +270,13 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     if mesh is not None:
         init = sharding.shard_like_lora(init, mesh, "tp")
     state = rl_step.init_train_state(init, optimizer)
-    loss_cfg = losses.LossConfig(kind=cfg.rl.loss, eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high, beta=cfg.rl.beta)
+    loss_cfg = losses.LossConfig(
+        kind=cfg.rl.loss,
+        eps_low=cfg.rl.eps_low,
+        eps_high=cfg.rl.eps_high,
+        beta=cfg.rl.beta,
+        old_logp_source=cfg.rl.old_logp_source,
+    )
     train_step = rl_step.make_train_step(
         policy.config,
         loss_cfg,
@@ -298,7 +314,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}
-    with rewards.RewardPool(timeout_s=cfg.rl.reward_timeout_s) as pool:
+    with rewards.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
         for step in bar:
@@ -363,8 +379,16 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                 # Skipped steps leave the LoRA and optimizer state as the last good step made them.
                 _save(ckpt, done, state, _checkpoint_meta(cfg, done, loader))
                 raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}/{done}.") from None
-            if done % cfg.train.checkpoint_every == 0 or done == end:
+            out_of_time = 0 < cfg.train.stop_after_minutes < (time.perf_counter() - t_start) / 60
+            if done % cfg.train.checkpoint_every == 0 or done == end or out_of_time:
                 _save(ckpt, done, state, _checkpoint_meta(cfg, done, loader))
+            if out_of_time and done < end:
+                tqdm.write(
+                    f"stopping after step {done}: train.stop_after_minutes={cfg.train.stop_after_minutes} reached; "
+                    "continue with --config.resume=True"
+                )
+                end = done
+                break
             if cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total:
                 _periodic_eval(cfg, policy, state, writer, done)
     if end == total:

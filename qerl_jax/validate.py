@@ -25,7 +25,7 @@ from qerl_jax.data import ALIASES, KNOWN_DATASETS
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
 from qerl_jax.quant import BLOCK_SIZES, CONFIG_FORMATS, FORMATS
-from qerl_jax.rl.losses import LOSS_KINDS
+from qerl_jax.rl.losses import LOSS_KINDS, OLD_LOGP_SOURCES
 
 COMMANDS = ("train", "eval")
 BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
@@ -178,6 +178,8 @@ FIELDS: dict[str, Check] = {
     "rl.beta": number(0.0),
     "rl.reward": text(nonempty=True),
     "rl.reward_timeout_s": number(0.0, lo_open=True),
+    "rl.reward_workers": integer(0),
+    "rl.old_logp_source": choice(OLD_LOGP_SOURCES),
     "rl.dynamic_sampling": boolean(),
     "rl.max_refill_rounds": integer(0),
     "rl.mask_truncated": boolean(),
@@ -211,6 +213,7 @@ FIELDS: dict[str, Check] = {
     "train.eval_every": integer(0),
     "train.max_nonfinite": integer(1),
     "train.stop_after_steps": integer(0),
+    "train.stop_after_minutes": number(0.0),
     "eval.checkpoint": text(),
     "eval.datasets": paths(nonempty=False),
     "eval.num_examples": integer(0),

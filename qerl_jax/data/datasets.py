@@ -1,4 +1,4 @@
-"""Math datasets (GSM8K, MATH, BigMath, AIME, AMC) mapped to one schema.
+"""Math datasets (GSM8K, MATH, BigMath, AIME, AMC, generated arithmetic) mapped to one schema.
 
 Every loader returns a `datasets.Dataset` with three string columns:
   prompt:    the problem text,
@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import datasets
 
 from qerl_jax import rewards
+from qerl_jax.data import arithmetic
 
 log = logging.getLogger(__name__)
 
@@ -226,14 +227,21 @@ def load_math_dataset(
 
     Args:
       name_or_path: a local .jsonl/.json/.parquet file, a folder holding
-        `<split>.<ext>` files, or a known hub name (see KNOWN_DATASETS and ALIASES;
-        needs network access).
+        `<split>.<ext>` files, "arithmetic:train" / "arithmetic:test" (generated,
+        `qerl_jax.data.arithmetic`), or a known hub name (see KNOWN_DATASETS and
+        ALIASES; needs network access).
       split: split name (default: the file stem / the hub dataset's default split).
       max_bad_fraction: rows missing fields or with unparsable answers are skipped
         and counted; above this fraction a ValueError is raised instead.
     """
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction}.")
+    arithmetic_split = arithmetic.parse_name(str(name_or_path))
+    if arithmetic_split is not None:
+        if split not in (None, arithmetic_split):
+            raise ValueError(f"dataset {name_or_path!r} is the {arithmetic_split} split; got split={split!r}.")
+        rows = arithmetic.arithmetic_rows(arithmetic_split)
+        return rows_to_dataset(rows, tag="arithmetic", split=arithmetic_split, origin=str(name_or_path))
     path = pathlib.Path(os.path.expanduser(str(name_or_path)))
     name = str(name_or_path)
     if path.exists():

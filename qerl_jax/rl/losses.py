@@ -185,7 +185,9 @@ def policy_loss(
         full batch's value so that their losses (and gradients) sum to the full-batch ones.
     Returns:
       (loss scalar, metrics dict of float32 scalars: loss, pg_loss, clip_frac, approx_kl,
-       ratio_mean/min/max, adv_mean/std, response_tokens, and entropy / kl_ref when available).
+       ratio_mean/min/max, adv_mean/std, response_tokens, sampler_clip_frac and
+       sampler_abs_log_ratio (clip fraction and mean |logp - old_logp| against the batch's
+       old_logp even when old_logp_source="current"), and entropy / kl_ref when available).
     """
     b, t = logp.shape
     for name, x in (
@@ -202,6 +204,12 @@ def policy_loss(
     maskf = mask.astype(jnp.float32)
     advantages = jnp.where(mask.any(axis=1), advantages.astype(jnp.float32), 0.0)  # rows without tokens: inert
     terms = per_token_terms(logp, jnp.where(mask, old_logp, logp), advantages, cfg, ref_logp)
+    # The train forward against the batch's old_logp (the sampler's), whatever old_logp_source:
+    # how far the sampler (quantized, noisy norms) is from the policy the loss differentiates.
+    sampler_cfg = dataclasses.replace(cfg, old_logp_source="rollout", beta=0.0)
+    sampler_terms = (
+        terms if cfg.old_logp_source == "rollout" else per_token_terms(logp, old_logp, advantages, sampler_cfg)
+    )
     masked = lambda x: jnp.where(mask, x, 0.0)  # noqa: E731  (where, not *, so garbage at padding cannot leak NaN)
 
     if normalizer is None:
@@ -224,6 +232,8 @@ def policy_loss(
         "loss": jax.lax.stop_gradient(loss),
         "pg_loss": jax.lax.stop_gradient(agg(terms["pg"])),
         "clip_frac": tok_mean(terms["clipped"].astype(jnp.float32)),
+        "sampler_clip_frac": tok_mean(sampler_terms["clipped"].astype(jnp.float32)),
+        "sampler_abs_log_ratio": tok_mean(jnp.abs(jax.lax.stop_gradient(logp) - old_logp)),
         "approx_kl": tok_mean(terms["kl_old"]),
         "ratio_mean": tok_mean(ratio),
         "ratio_min": jnp.where(n_tok > 0, jnp.min(jnp.where(mask, ratio, jnp.inf)), 1.0),
