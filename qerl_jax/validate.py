@@ -21,7 +21,7 @@ import ml_collections
 from safetensors import SafetensorError, safe_open
 
 from qerl_jax import aqn, linear, loader, optim, rewards
-from qerl_jax.data import ALIASES, KNOWN_DATASETS
+from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
 from qerl_jax.quant import BLOCK_SIZES, CONFIG_FORMATS, FORMATS
@@ -351,9 +351,14 @@ def saved_steps(checkpoint_dir: str) -> list[int]:
 
 
 def _dataset_problems(path: str, name: str) -> list[str]:
+    try:
+        if arithmetic.parse_name(name) is not None:  # a generated source ("arithmetic:train")
+            return []
+    except ValueError as e:
+        return [f"{path} = {name!r}: {e}"]
     if os.path.exists(os.path.expanduser(name)) or ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
         return []
-    known = ", ".join(sorted(KNOWN_DATASETS) + sorted(ALIASES))
+    known = ", ".join(sorted(KNOWN_DATASETS) + sorted(ALIASES) + ["arithmetic:train", "arithmetic:test"])
     return [f"{path} = {name!r}: no such file or directory, and not a known dataset name ({known})"]
 
 

@@ -346,3 +346,11 @@ def test_every_default_field_has_a_check():
 
     walk(default_config(), "")
     assert sorted(set(flat) - set(FIELDS)) == []
+
+
+def test_generated_datasets_are_known(tmp_path, tiny_model_dir):
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"data.train": "arithmetic:train", "eval.datasets": ("arithmetic:test",)})
+    assert config_problems(cfg) == []
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"data.train": "arithmetic:dev"})
+    (problem,) = config_problems(cfg)
+    assert problem.startswith("data.train = 'arithmetic:dev': ") and "arithmetic:train or arithmetic:test" in problem

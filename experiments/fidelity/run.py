@@ -64,6 +64,7 @@ def run_config(args, arm: str, seed: int):
         cfg.rl.micro_batch_size, cfg.rl.reward_workers = 8, 1
         cfg.eval.num_examples, cfg.eval.batch_size, cfg.eval.max_new_tokens = 4, 4, 16
         cfg.train.sample_every, cfg.train.checkpoint_every = 1, 2
+    cfg.aqn.num_stages = min(cfg.aqn.num_stages, args.steps)  # every noise stage needs a step
     return cfg
 
 
