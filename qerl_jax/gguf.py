@@ -282,11 +282,31 @@ def load_tokenizer(path: str):
     if "tokenizer.ggml.model" not in model.reader.fields:
         raise CheckpointError(f"{model.path}: the GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             os.path.dirname(os.path.abspath(model.path)), gguf_file=os.path.basename(model.path), local_files_only=True
         )
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         raise CheckpointError(f"{model.path}: transformers cannot build a tokenizer from its metadata: {e}") from e
+    return fill_special_tokens(tokenizer, model.metadata)
+
+
+# The special tokens a GGUF file names by id (llama.cpp's metadata keys), by tokenizer attribute.
+SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def fill_special_tokens(tokenizer, metadata: dict[str, Any]):
+    """Sets the special tokens the metadata names and the tokenizer lacks (transformers' GGUF
+    conversion sets the pad token in some versions only: 5.23 does, 5.17 does not)."""
+    for attr, key in SPECIAL_TOKEN_KEYS.items():
+        token_id = metadata.get(key)
+        if getattr(tokenizer, attr) is None and isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:

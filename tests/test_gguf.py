@@ -391,3 +391,18 @@ def test_smollm2_tokenizer_chat_template_and_stop_ids(smollm2):
     assert im_end == 2 and tokenizer.pad_token_id is not None
     config = qgguf.open_gguf(path).config
     assert im_end in stop_token_ids(path, config, tokenizer)
+
+
+def test_special_tokens_missing_after_conversion_come_from_the_metadata(smollm2):
+    """transformers 5.17's GGUF conversion leaves pad_token unset (5.23 sets it): the metadata's
+    padding_token_id fills it; tokens the tokenizer already has are kept."""
+    import copy
+
+    path, tokenizer = smollm2
+    bare = copy.deepcopy(tokenizer)
+    bare.pad_token = None
+    assert bare.pad_token_id is None
+    metadata = qgguf.open_gguf(path).metadata
+    filled = qgguf.fill_special_tokens(bare, {**metadata, "tokenizer.ggml.eos_token_id": 0})
+    assert filled.pad_token_id == metadata["tokenizer.ggml.padding_token_id"] == 2
+    assert filled.eos_token_id == 2  # already set: the metadata does not override it
