@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, evaluation, lora, memory, rewards, sharding
+from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
@@ -98,7 +98,7 @@ def collect_experience(
             group_size=g,
             lora_scale=lora.lora_scale(lora_config(cfg)),
             backend=policy.backend,
-            max_batch=cfg.rollout.max_batch,
+            max_batch=cfg.rollout.max_batch or None,
             batch_sharding=batch_sharding,
         )
         jax.block_until_ready(batch.tokens)
@@ -224,6 +224,9 @@ def _checkpoint_meta(cfg, step: int, loader: PromptLoader) -> dict[str, Any]:
 def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Runs cfg.train.total_steps QeRL steps; returns the last step's metrics."""
     os.makedirs(cfg.workdir, exist_ok=True)
+    _check_rollout_batch(cfg)
+    if cfg.compile_cache:
+        compile_cache.enable_compilation_cache(cfg.workdir)
     sharding.maybe_initialize_distributed()
     policy = load_policy(cfg)
     lcfg = lora_config(cfg)
@@ -369,6 +372,16 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     return metrics
 
 
+def _check_rollout_batch(cfg: ml_collections.ConfigDict) -> None:
+    """rollout.max_batch: 0 (sized to the free memory) or at least one group."""
+    max_batch, group = cfg.rollout.max_batch, cfg.rollout.group_size
+    if max_batch < 0 or 0 < max_batch < group:
+        raise UserFacingError(
+            f"rollout.max_batch={max_batch} is smaller than one group (rollout.group_size={group}); set it to "
+            f"at least {group}, or to 0 to size the rollout's rows to the free device memory"
+        )
+
+
 def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.LoraConfig) -> ml_collections.ConfigDict:
     """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
     rollout chunk to it (or stops with the config value to lower)."""
@@ -378,7 +391,7 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         lora_rank=lcfg.rank,
         lora_targets=lcfg.targets,
         rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        rollout_chunk=cfg.rollout.max_batch,
+        rollout_chunk=cfg.rollout.max_batch or None,
         group_size=cfg.rollout.group_size,
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -401,7 +414,8 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         cfg = cfg.copy_and_resolve_references()
         with cfg.unlocked():
             cfg.rl.micro_batch_size = result.micro_batch_size
-            cfg.rollout.max_batch = result.rollout_chunk
+            if cfg.rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
+                cfg.rollout.max_batch = result.rollout_chunk
     return cfg
 
 

@@ -179,6 +179,14 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         train.train(cfg)
 
 
+def test_rollout_batch_smaller_than_a_group_is_refused_before_loading(tmp_path):
+    cfg = _config(tmp_path, str(tmp_path / "no_such_model"), **{"rollout.max_batch": 3, "rollout.group_size": 4})
+    with pytest.raises(
+        UserFacingError, match=r"rollout\.max_batch=3 is smaller than one group \(rollout\.group_size=4\)"
+    ):
+        train.train(cfg)
+
+
 def test_command_line_reports_errors_without_traceback(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={tmp_path}"]
