@@ -319,3 +319,46 @@ def test_bad_input_is_refused_before_compiling(f32_model):
     with pytest.raises(ValueError, match="max_batch"):
         generate(config, params, ids, mask, key, _sampling(), max_batch=0)
     assert programs.TRACE_COUNTS == before  # all refused before anything was compiled
+
+
+def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
+    """The decode loop compiled for an H100 (deviceless: XLA's GPU compiler through jax's CUDA
+    plugin, skipped where it is not installed) updates its donated cache in place and keeps no
+    second one: with `attention`'s einsums instead of `decode_attention_reference`, XLA carried
+    the cache in another layout and copied all of it on entry (the old OOM at 256 x 2304)."""
+    import importlib.util
+    import os
+    import sys
+
+    try:
+        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        pytest.skip("jax's CUDA plugin (jax-cuda12-plugin / -pjrt) is not installed")
+    from conftest import REPO
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks", "devtools"))
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import hlo_census
+    import random_model
+
+    config = ModelConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
+    monkeypatch.setattr(random_model, "model_config", lambda name: config)
+    device = hlo_census.h100_device()
+    setup = hlo_census.rollout_setup("test", "bf16", 64, prompt_len=64, new_slots=448, lora_rank=4, device=device)
+    cache, state = setup["bucket_args"](64)
+    args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"])
+    m = programs.decode.trace(setup["static"], *args).lower().compile().memory_analysis()
+    cache_b = cache_bytes(config, 64, 512)
+    assert m.alias_size_in_bytes >= cache_b
+    assert m.temp_size_in_bytes < cache_b / 4, (m.temp_size_in_bytes, cache_b)

@@ -190,36 +190,37 @@ def decode_attention_reference(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B) ->
     V viewed as [B, S, KVH * D], whose [KVH, KVH] head blocks off the diagonal are dropped. The
     einsums of `attention` instead make XLA pick a slot-minor layout for a cache carried through
     the decode loop, and transpose the whole cache into it on entry (on an H100, Qwen2.5-7B, 256
-    rows x 2304 slots: a 30 GiB temporary, a second cache).
+    rows x 2304 slots: a 30 GiB temporary, a second cache); so did scores laid out slot-minor
+    here (half a cache: benchmarks/devtools/rollout_memory.py checks). One row (B = 1) takes
+    `attention`'s einsums: 3 kernels fewer per layer there, and its cache copy is one row's.
     """
     b, h, d = q_BxHxD.shape
     s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
     g = h // kv_heads
     slots_S = jnp.arange(s)
     valid_BxS = (slots_S[None, :] >= start_B[:, None]) & (slots_S[None, :] < end_B[:, None])
-    if b == 1:  # one row: its cache is small, and the model's einsums lower to fewer kernels there
+    if b == 1:
         out_BxHxD = _attention(
             q_BxHxD[:, None], k_BxSxKxD.astype(q_BxHxD.dtype), v_BxSxKxD.astype(q_BxHxD.dtype), valid_BxS[:, None]
         )
         return jnp.where((end_B > start_B)[:, None, None], out_BxHxD[:, 0], 0.0).astype(q_BxHxD.dtype)
     q_Bx1xKxGxD = q_BxHxD.reshape(b, 1, kv_heads, g, d).astype(jnp.float32)
     k_BxSxKx1xD = k_BxSxKxD[:, :, :, None, :].astype(jnp.float32)
-    scores_BxHxS = jnp.moveaxis(jnp.sum(q_Bx1xKxGxD * k_BxSxKx1xD, axis=-1), 1, 3).reshape(b, h, s) * (d**-0.5)
-    scores_BxHxS = jnp.where(valid_BxS[:, None, :], scores_BxHxS, _MASK_VALUE)
-    # As `attention`: normalized after the p.v product (the sum and the weights come out of one fusion).
-    weights_BxHxS = jnp.exp(scores_BxHxS - jnp.max(scores_BxHxS, axis=-1, keepdims=True))
-    total_BxH = jnp.sum(weights_BxHxS, axis=-1)
+    scores_BxSxKxG = jnp.sum(q_Bx1xKxGxD * k_BxSxKx1xD, axis=-1) * (d**-0.5)
+    scores_BxSxKxG = jnp.where(valid_BxS[:, :, None, None], scores_BxSxKxG, _MASK_VALUE)
+    weights_BxSxKxG = jnp.exp(scores_BxSxKxG - jnp.max(scores_BxSxKxG, axis=1, keepdims=True))
+    total_BxKxG = jnp.sum(weights_BxSxKxG, axis=1)
     # [B, H, KVH * D]: every query head against every KV head's values; keep h's own (h // G).
     pv_BxHxN = jnp.einsum(
-        "bhs,bsn->bhn",
-        weights_BxHxS.astype(v_BxSxKxD.dtype),
+        "bsh,bsn->bhn",
+        weights_BxSxKxG.reshape(b, s, h).astype(v_BxSxKxD.dtype),
         v_BxSxKxD.reshape(b, s, kv_heads * d),
         preferred_element_type=jnp.float32,
     )
     own_BxGxDxK = jnp.diagonal(pv_BxHxN.reshape(b, kv_heads, g, kv_heads, d), axis1=1, axis2=3)
-    out_BxHxD = jnp.moveaxis(own_BxGxDxK, 3, 1).reshape(b, h, d) / total_BxH[..., None]
-    out_BxHxD = jnp.where((end_B > start_B)[:, None, None], out_BxHxD, 0.0)
-    return out_BxHxD.astype(q_BxHxD.dtype)
+    out_BxKxGxD = jnp.moveaxis(own_BxGxDxK, 3, 1) / total_BxKxG[..., None]
+    out_BxKxGxD = jnp.where((end_B > start_B)[:, None, None, None], out_BxKxGxD, 0.0)
+    return out_BxKxGxD.reshape(b, h, d).astype(q_BxHxD.dtype)
 
 
 @struct.dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -302,10 +303,11 @@ def _compact(static: Static, cache, rows: Rows, keep_N, valid_N):
 
 
 # XLA's dot merger fuses a projection's LoRA-A dot (small) into its base dot (large), which
-# share an input, by concatenating [W; A] inside the decode loop: compiled for an H100, a copy
-# of every bf16 weight per step (7B, 256 rows: 56 concatenations, a 8.7 GiB temporary). Off for
-# the rollout's programs (the A's of a fused call are stacked once per call instead: `weights`).
-COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+# share an input, by concatenating [W; A] inside the decode loop: compiled for an H100 (jax
+# 0.10.2), a copy of every bf16 weight per step (7B, 256 rows: 56 concatenations, an 8.7 GiB
+# temporary). Off for the rollout's programs (the A's of a fused call are stacked once per call
+# instead: `weights`); QERL_XLA_DOT_MERGER=1 leaves XLA's default (to compare on a device).
+COMPILER_OPTIONS = {} if os.environ.get("QERL_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0}
 
 admit = jax.jit(_admit, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
 decode = jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
