@@ -262,20 +262,26 @@ def test_memory_estimate_covers_the_compiled_programs():
 def test_rows_are_sized_to_the_budget_and_sample_the_same(f32_model):
     """max_batch=None: the largest row bucket whose estimate (x the margin) fits the budget."""
     config, params = f32_model
-    full = plan_rollout(config, params, 12, 16, 64, group_size=3, max_batch=12, cache_dtype=jnp.float32)
+    plan_kw = dict(group_size=3, cache_dtype=jnp.float32)
+    full = plan_rollout(config, params, 12, 16, 64, max_batch=12, **plan_kw)
     limit = int(full.memory.total * budget.MEMORY_MARGIN) - 1  # all 12 rows just do not fit
-    auto = plan_rollout(config, params, 12, 16, 64, group_size=3, cache_dtype=jnp.float32, memory_budget_bytes=limit)
+    auto = plan_rollout(config, params, 12, 16, 64, memory_budget_bytes=limit, **plan_kw)
     assert auto.rows < full.rows and auto.memory.total * budget.MEMORY_MARGIN <= limit
-    bigger = plan_rollout(config, params, 12, 16, 64, group_size=3, max_batch=auto.rows + 1, cache_dtype=jnp.float32)
+    bigger = plan_rollout(config, params, 12, 16, 64, max_batch=auto.rows + 1, **plan_kw)
     assert bigger.memory.total * budget.MEMORY_MARGIN > limit
     ids, mask = _prompts(config.vocab_size)
-    kw = dict(group_size=3, cache_dtype=jnp.float32)
     timings = {}
-    sized = generate(
-        config, params, ids, mask, jax.random.key(5), _sampling(), memory_budget_bytes=limit, timings=timings, **kw
-    )
+    key = jax.random.key(5)
+    sized = generate(config, params, ids, mask, key, _sampling(), memory_budget_bytes=limit, timings=timings, **plan_kw)
     assert timings["rows"] == auto.rows
-    _assert_same(sized, generate(config, params, ids, mask, jax.random.key(5), _sampling(), **kw), "budget-sized")
+    _assert_same(sized, generate(config, params, ids, mask, key, _sampling(), **plan_kw), "budget-sized")
+    # Later calls of the same shapes keep the rows while they fit (a training step after another
+    # compiles nothing new), even where more memory is free; with less, they are sized again.
+    roomy = int(full.memory.total * budget.MEMORY_MARGIN) + 2**20
+    assert plan_rollout(config, params, 12, 16, 64, memory_budget_bytes=roomy, **plan_kw).rows == auto.rows
+    assert plan_rollout(config, params, 10, 16, 64, memory_budget_bytes=roomy, **plan_kw).rows == auto.rows
+    tight = int(auto.memory.total * budget.MEMORY_MARGIN) - 1
+    assert plan_rollout(config, params, 12, 16, 64, memory_budget_bytes=tight, **plan_kw).rows < auto.rows
 
 
 def test_memory_plan_uses_the_rollout_estimate():

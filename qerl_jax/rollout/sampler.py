@@ -71,6 +71,10 @@ class RolloutPlan:
         return (self.rows, *self.smaller)
 
 
+# plan_rollout's automatic row counts, by the call's shapes: (capacity, copies chosen to fit).
+_AUTO_ROWS: dict[tuple, tuple[int, bool]] = {}
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
 
@@ -107,8 +111,9 @@ def plan_rollout(
 
     max_batch None sizes the rows to the budget (`memory_budget_bytes`, default the device's
     free memory): the largest row bucket whose estimate, the weight copies wanted for its
-    buckets included, fits (then, if none does, the largest with the copies that still fit);
-    on a device that reports no memory, every sequence at once. Raises MemoryError when the
+    buckets included, fits (then, if none does, the largest with the copies that still fit),
+    and later calls of the same shapes keep it while it fits (no new programs to compile); on a
+    device that reports no memory, every sequence at once. Raises MemoryError when the
     rollout does not fit, naming what to lower.
     """
     if schedule not in scheduler.SCHEDULES:
@@ -180,11 +185,22 @@ def plan_rollout(
                 )
             )
         return chosen
+    # The same shapes get the same rows while they fit: a row count that moved with the free
+    # memory from one call (training step) to the next would compile new programs each time.
+    key = (config, scheduler.rows_bucket(num_seqs), prompt_slots, new_slots, group_size, schedule, smaller_rows,
+           share_prefill, backend, jnp.dtype(cache_dtype).name, unroll_layers, dense_weights, wgmma_weights, shards)  # fmt: skip
+    if key in _AUTO_ROWS:
+        chosen = plan(*_AUTO_ROWS[key])
+        if fits(chosen):
+            return dataclasses.replace(
+                chosen, capacity=min(chosen.capacity, num_seqs), chunk=min(chosen.chunk, num_seqs)
+            )
     candidates = sorted({min(num_seqs, r) for r in scheduler.rows_candidates(num_seqs)}, reverse=True)
     for choose_copies in (False, True):
         for capacity in candidates:
             chosen = plan(capacity, choose_copies)
             if fits(chosen):
+                _AUTO_ROWS[key] = (capacity, choose_copies)
                 return chosen
     one = plan(1, choose_copies=True)
     raise MemoryError(
