@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib.util
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -71,6 +72,9 @@ class RolloutPlan:
         return (self.rows, *self.smaller)
 
 
+# Programs `generate` compiles at once (XLA's GPU compiler also autotunes GEMMs on the device
+# while it compiles; QERL_ROLLOUT_COMPILE_THREADS=1 compiles one at a time).
+COMPILE_THREADS = max(1, int(os.environ.get("QERL_ROLLOUT_COMPILE_THREADS", "4")))
 # plan_rollout's automatic row counts, by the call's shapes: (capacity, copies chosen to fit).
 _AUTO_ROWS: dict[tuple, tuple[int, bool]] = {}
 
@@ -361,8 +365,8 @@ def generate(
       decode_attention: "xla" (a masked softmax over the whole cache) or "pallas" (the kernel
         reads each row's slots only); None: `decode_attention_backend`.
       precompile: compile the call's programs (its admission, the decode of every row bucket,
-        the compactions between them) up front and concurrently, where XLA compiles them in
-        parallel (default; not with batch_sharding); False compiles each when first run.
+        the compactions between them) up front, COMPILE_THREADS at once (default; not with
+        batch_sharding); False compiles each when first run.
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
@@ -512,7 +516,7 @@ def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_s
     for big, small in zip(plan.buckets, plan.buckets[1:]):
         jobs.append((programs.compact, (static, *buckets[big], spec((small,), jnp.int32), spec((small,), bool))))
     traced = [fn.trace(*args).lower() for fn, args in jobs]  # tracing holds the GIL: serial
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(traced)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(traced), COMPILE_THREADS)) as pool:
         list(pool.map(lambda lowered: lowered.compile(), traced))
 
 
