@@ -2,6 +2,28 @@
 
     PYTHONPATH=. python benchmarks/rollout.py --out $OUT/rollout.json          # GPU, Qwen2.5-7B shapes
     PYTHONPATH=. python benchmarks/rollout.py --tiny --out /tmp/rollout.json   # CPU smoke test
+    PYTHONPATH=. python benchmarks/rollout.py --workload gsm8k --out $OUT/gsm8k.json         # GPU
+    PYTHONPATH=. python benchmarks/rollout.py --workload gsm8k --tiny --out /tmp/gsm8k.json  # CPU smoke
+
+Two workloads. "decode" (default, below): decode-step time at fixed batches. "gsm8k": whole GRPO
+rollouts of the GSM8K recipe (`configs/gsm8k.py`): Qwen2.5-7B shapes, 32 prompts x 8 samples,
+256-token prompts, up to 2048 new tokens, LoRA rank 16 on every projection, and per-sequence
+completion lengths drawn from a stand-in for real completions (`completion_lengths`: log-normal,
+median 300 tokens, clipped at 2048 so that ~5% of the rows run to the cap; seeded), enforced by
+each row's token limit (ours: `generate(max_new_tokens_per_seq=...)`; transformers: a logits
+processor forcing EOS at the row's length, banning it before). Rows: NVFP4 and bf16 with
+continuous batching (refill, compaction into 64 / 16 rows, length-aware decode attention with
+--attention), the same NVFP4 rollout on the fixed-batch schedule (the engine before continuous
+batching: every row decoded until the longest one stops), with the same decode attention and
+(last, cut by the deadline first) with the full-cache XLA attention of that engine, and
+transformers' generate (static cache, torch.compile on CUDA). Per row: wall time of the first
+call (compile included), compile time (the engine compiles its programs up front, concurrently),
+rollout time (wall - compile; the best of the first and warm calls), generated tokens/s, peak
+memory and the engine's estimate.
+Expected on an H100: ~8 minutes in all (each JAX format compiles ~4 programs of ~30-45 s
+concurrently, ~1-1.5 min; rollouts 10-60 s each; transformers compiles ~1-2 min, ~1-1.5 min run).
+
+Decode workload:
 
 Model: Qwen2.5-7B shapes with random weights (no checkpoint): dense bf16 N(0, 0.02), or 4-bit
 packed weights with random codes and scales sized so the dequantized weights have a similar
@@ -34,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,6 +90,23 @@ TINY = dict(
 )
 FULL_RUN = dict(prompt_len=256, new_tokens=512, batches=((1, 1), (8, 8), (32, 8)), steps=32)
 TINY_RUN = dict(prompt_len=16, new_tokens=32, batches=((1, 1), (2, 2), (4, 2)), steps=8)
+GSM8K_RUN = dict(prompts=32, group=8, prompt_len=256, max_new=2048, lora_rank=16, median=300, cap_fraction=0.05)
+# The tiny run compacts 16 rows into 8 and 4 (the full run: 256 into generate's default 64 and 16).
+TINY_GSM8K_RUN = dict(
+    prompts=4, group=4, prompt_len=16, max_new=96, lora_rank=4, median=12, cap_fraction=0.1, smaller_rows=(8, 4)
+)
+# The gsm8k workload's workers, by importance; each entry: (worker, its variants (name, generate
+# kwargs, warm calls after the first, while the deadline allows). The fixed row follows the
+# continuous one in its process (same programs: warm at once).
+GSM8K_WORKERS = (
+    ("nvfp4:pallas", (("continuous", {}, 1), ("fixed", {"schedule": "fixed"}, 0))),
+    ("bf16:xla", (("continuous", {}, 1),)),
+    ("transformers", ()),
+    (
+        "nvfp4:pallas:full-cache",
+        (("fixed, full-cache attention", {"schedule": "fixed", "decode_attention": "xla"}, 1),),
+    ),
+)
 FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
 # One subprocess each, in order of importance: the last ones are the first cut by --deadline.
 WORKER_ORDER = (
@@ -205,6 +245,8 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     out["peak_after_build"] = peak_bytes()
     rng = np.random.default_rng(0)
     sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=run["steps"], ignore_eos=True)
+    attention = args.attention if args.attention != "auto" else rollout.decode_attention_backend(None)
+    out["decode_attention"] = attention
     for index, (prompts, group) in enumerate(_batches_largest_first(run)):
         ids = rng.integers(0, config.vocab_size, (prompts, run["prompt_len"]), dtype=np.int32)
         mask = np.ones_like(ids)
@@ -213,7 +255,16 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             continue
         row = {"format": fmt, "backend": backend, "prompts": prompts, "group": group, "batch": prompts * group}
         try:
-            kw = dict(group_size=group, backend=backend, cache_new_tokens=run["new_tokens"], **lora_kw)
+            # One row bucket: every row runs the same steps (no compaction), the decode step is timed;
+            # every format with the same decode attention (--attention).
+            kw = dict(
+                group_size=group,
+                backend=backend,
+                cache_new_tokens=run["new_tokens"],
+                smaller_rows=(),
+                decode_attention=attention,
+                **lora_kw,
+            )
 
             def timed(seed, ids=ids, mask=mask, kw=kw, **extra):
                 """One generate call on this batch -> (its output, its timings)."""
@@ -236,18 +287,28 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             step_s = min(tm["decode_s"] for tm in reps) / max(steps - 1, 1)
             # Time to first token: the per-layer weight copies + prefill + first sample.
             ttft = min(tm["prefill_s"] + tm.get("unstack_s", 0.0) for tm in reps)
-            # generate's default choice of bf16 copies (the memory check aside)
-            choice = dict(backend=backend, rows=rollout.rows_bucket(prompts * group), unroll_layers=True)
-            dense_names, wgmma_names = rollout.decode_weight_names(params, None, None, **choice)
+            # generate's default plan (its weight copies and memory estimate, no memory limit)
+            plan = rollout.plan_rollout(
+                config,
+                params,
+                prompts * group,
+                rollout.prompt_bucket(run["prompt_len"]),
+                run["new_tokens"],
+                group_size=group,
+                max_batch=prompts * group,
+                smaller_rows=(),
+                backend=backend,
+            )
+            dense_names, wgmma_names = plan.dense_names, plan.wgmma_names
             if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
                 tms = [timed(2 + r, wgmma_weights=False)[1] for r in range(args.reps + 1)]  # the first compiles
                 row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
-            if args.compare_unfused and rollout.sampler.fused_groups(wgmma_names):  # one kernel call per projection
-                fusable, rollout.sampler.FUSABLE_PROJECTIONS = rollout.sampler.FUSABLE_PROJECTIONS, ()
+            if args.compare_unfused and rollout.weights.fused_groups(wgmma_names):  # one kernel call per projection
+                fusable, rollout.weights.FUSABLE_PROJECTIONS = rollout.weights.FUSABLE_PROJECTIONS, ()
                 try:
                     tms = [timed(2 + r)[1] for r in range(args.reps + 1)]
                 finally:
-                    rollout.sampler.FUSABLE_PROJECTIONS = fusable
+                    rollout.weights.FUSABLE_PROJECTIONS = fusable
                 row["decode_step_s_unfused"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
                 wgmma_weights=list(wgmma_names),
@@ -262,17 +323,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 peak_bytes=peak_bytes() if index == 0 else None,
                 dense_weights=list(dense_names),
                 # What generate's memory check predicts, for comparison with the measured peak.
-                estimated_peak_bytes=out["weight_bytes"]
-                + rollout.estimate_rollout_bytes(
-                    config,
-                    rollout.rows_bucket(prompts * group),
-                    rollout.prompt_bucket(run["prompt_len"]),
-                    run["new_tokens"],
-                    num_prompts=rollout.rows_bucket(prompts),
-                    layer_copy_bytes=tree_bytes([params["base"]["layers"], params["norms"]["layers"]]),
-                )
-                + rollout.dense_copy_bytes(params, dense_names)
-                + rollout.wgmma_copy_bytes(params, wgmma_names),
+                estimated_peak_bytes=out["weight_bytes"] + plan.memory.total,
             )
             if args.no_sharing_row and group > 1 and index == 0:
                 for _ in range(2):  # compile, then time
@@ -362,11 +413,10 @@ def torch_worker(args) -> dict:
             ids = torch.randint(0, hf_config.vocab_size, (prompts, run["prompt_len"]), generator=gen).to(device)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            row["first_call_s"], _ = timed(lambda: run_generate(ids, group, 3))  # warm-up (and compile)
-            ttft, _ = min((timed(lambda: run_generate(ids, group, 1)) for _ in range(args.reps)), key=lambda x: x[0])
-            full, res = min(
-                (timed(lambda: run_generate(ids, group, run["steps"])) for _ in range(args.reps)), key=lambda x: x[0]
-            )
+            gen_for = lambda n, ids=ids, group=group: lambda: run_generate(ids, group, n)  # noqa: E731
+            row["first_call_s"], _ = timed(gen_for(3))  # warm-up (and compile)
+            ttft, _ = min((timed(gen_for(1)) for _ in range(args.reps)), key=lambda x: x[0])
+            full, res = min((timed(gen_for(run["steps"])) for _ in range(args.reps)), key=lambda x: x[0])
             assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
             step_s = (full - ttft) / (run["steps"] - 1)
             row.update(
@@ -384,6 +434,268 @@ def torch_worker(args) -> dict:
         out["rows"].append(row)
         _save_partial(args, out)
     return out
+
+
+# ----------------------------------------------------------------------------- gsm8k workload
+
+
+def completion_lengths(n: int, *, median: float, max_new: int, cap_fraction: float, seed: int = 0):
+    """int32 [n] completion lengths: log-normal with `median`, its sigma set so that a fraction
+    `cap_fraction` of the draws reach `max_new` (sigma = ln(max_new / median) / z, z the normal
+    quantile of 1 - cap_fraction: 1.168 for 300 / 2048 / 5%), rounded up and clipped to
+    [1, max_new]. A stand-in for GRPO completions: most stop after a few hundred tokens, a few
+    run to the cap. Seeded (numpy default_rng(seed))."""
+    import statistics  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    sigma = math.log(max_new / median) / statistics.NormalDist().inv_cdf(1.0 - cap_fraction)
+    draws = np.random.default_rng(seed).lognormal(math.log(median), sigma, size=n)
+    return np.clip(np.ceil(draws), 1, max_new).astype(np.int32)
+
+
+def gsm8k_inputs(args):
+    """(run sizes, prompt ids [prompts, prompt_len], lengths [prompts * group]); seeded."""
+    import numpy as np  # noqa: PLC0415
+
+    run = dict(TINY_GSM8K_RUN if args.tiny else GSM8K_RUN)
+    vocab = (TINY if args.tiny else QWEN25_7B)["vocab_size"]
+    ids = np.random.default_rng(1).integers(1, vocab, (run["prompts"], run["prompt_len"]), dtype=np.int32)
+    n = run["prompts"] * run["group"]
+    lengths = completion_lengths(n, median=run["median"], max_new=run["max_new"], cap_fraction=run["cap_fraction"])
+    return run, ids, lengths
+
+
+EOS_ID = 2  # the stand-in EOS of the workload (random weights: any id)
+
+
+def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
+    """One generate call per variant (cold: its programs compiled up front, timed apart), then
+    --reps warm calls while the deadline allows."""
+    import jax
+    import numpy as np
+
+    import qerl_jax.rollout as rollout
+    from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
+    from qerl_jax.models.qwen2 import ModelConfig
+
+    run, ids, lengths = gsm8k_inputs(args)
+    config = ModelConfig(**(TINY if args.tiny else QWEN25_7B))
+    out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
+    compile_events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compile_events.append(secs) if name.endswith("backend_compile_duration") else None
+    )
+    t = time.perf_counter()
+    params = build_random_params(config, fmt, jax.random.key(0))
+    lcfg = LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
+    params = with_lora(params, init_lora(jax.random.key(1), config, lcfg))
+    jax.block_until_ready(params)
+    out["build_s"] = time.perf_counter() - t
+    out["weight_bytes"] = tree_bytes(params)
+    sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=run["max_new"], ignore_eos=True)
+    attention = args.attention if args.attention != "auto" else rollout.decode_attention_backend(None)
+    for name, extra, warm in variants:
+        row = {
+            "format": fmt,
+            "backend": backend,
+            "variant": name,
+            "attention": extra.get("decode_attention", attention),
+        }
+        if time.time() > args.deadline_at:
+            out["errors"].append(f"deadline reached before {fmt}/{name}")
+            continue
+        kw = dict(group_size=run["group"], backend=backend, lora_scale=lora_scale(lcfg), decode_attention=attention)
+        if "smaller_rows" in run:
+            kw["smaller_rows"] = run["smaller_rows"]
+        kw.update(extra)
+        try:
+            calls = []
+            out["rows"].append(row)
+            for rep in range(1 + (warm if args.reps is None else args.reps)):
+                if rep and time.time() > args.deadline_at:
+                    break
+                tm, n_compiles = {}, len(compile_events)
+                t = time.perf_counter()
+                batch = rollout.generate(
+                    config, params, ids, np.ones_like(ids), jax.random.key(2), sampling,
+                    max_new_tokens_per_seq=lengths, timings=tm, **kw,
+                )  # fmt: skip
+                jax.block_until_ready(batch.tokens)
+                wall = time.perf_counter() - t
+                calls.append(dict(tm, wall_s=wall, compiles=len(compile_events) - n_compiles))
+                assert np.asarray(batch.lengths).tolist() == lengths.tolist(), "the rows did not stop at their lengths"
+                cold = calls[0]
+                rollout_s = min(c["wall_s"] - c.get("compile_s", 0.0) for c in calls)
+                generated = int(np.asarray(batch.lengths).sum())
+                row.update(
+                    rows=cold.get("rows"),
+                    segments=int(batch.steps.shape[0]),
+                    decode_steps=cold.get("decode_steps"),
+                    first_call_s=cold["wall_s"],
+                    compile_s=cold.get("compile_s", 0.0),
+                    programs_compiled=cold["compiles"],
+                    rollout_s=rollout_s,
+                    warm_calls=len(calls) - 1,
+                    prefill_s=calls[-1].get("prefill_s"),
+                    decode_s=calls[-1].get("decode_s"),
+                    compact_s=calls[-1].get("compact_s", 0.0),
+                    unstack_s=calls[-1].get("unstack_s"),
+                    generated_tokens=generated,
+                    tokens_per_s=generated / rollout_s,
+                    peak_bytes=peak_bytes(),
+                    # the engine's estimate (what it sized its rows with) + the resident weights
+                    estimated_peak_bytes=out["weight_bytes"] + cold["estimated_bytes"],
+                )
+                _save_partial(args, out)
+        except Exception as e:  # noqa: BLE001 (report and go on with the next variant)
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            out["errors"].append(traceback.format_exc()[-3000:])
+        print(json.dumps(row), flush=True)
+        _save_partial(args, out)
+    return out
+
+
+def gsm8k_torch_worker(args) -> dict:
+    """transformers' generate on the same prompts and lengths: bf16, static cache (torch.compile
+    on CUDA), sampling at T = 1, EOS forced at each row's drawn length and banned before it."""
+    import torch
+    import transformers
+
+    run, ids_np, lengths = gsm8k_inputs(args)
+    cfg_dict = TINY if args.tiny else QWEN25_7B
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {"format": "transformers", "rows": [], "errors": [], "versions": {"transformers": transformers.__version__}}
+    hf_config = transformers.Qwen2Config(
+        **{k: v for k, v in cfg_dict.items() if k != "attention_bias"}, use_cache=True, eos_token_id=EOS_ID
+    )
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(hf_config).eval()
+    torch.set_default_dtype(torch.float32)
+    out["build_s"] = time.perf_counter() - t
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.tensor(ids_np, dtype=torch.long, device=device)
+    target = torch.tensor(lengths, dtype=torch.long, device=device)
+
+    class ForceEosAtLength(transformers.LogitsProcessor):
+        """Row r emits EOS as its token number lengths[r] (and not before)."""
+
+        def __call__(self, input_ids, scores):
+            made = input_ids.shape[1] - ids.shape[1]  # tokens generated so far
+            at_end = (target - 1 == made)[:, None]
+            eos = torch.zeros_like(scores, dtype=torch.bool)
+            eos[:, EOS_ID] = True
+            scores = scores.masked_fill(~at_end & eos, float("-inf"))
+            return scores.masked_fill(at_end & ~eos, float("-inf"))
+
+    def generate(new_tokens):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=run["prompt_len"] + run["max_new"])
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=run["group"],
+                past_key_values=cache,
+                pad_token_id=0,
+                eos_token_id=EOS_ID,
+                logits_processor=transformers.LogitsProcessorList([ForceEosAtLength()]),
+            )
+
+    def timed(fn):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, res
+
+    row = {"format": "transformers", "backend": "torch.compile-static-cache" if device == "cuda" else "torch-eager"}
+    row["variant"] = "static batch"
+    try:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        row["compile_s"], _ = timed(lambda: generate(3))  # warm-up: compiles the decode step
+        wall, res = timed(lambda: generate(run["max_new"]))
+        made = res[:, ids.shape[1] :]
+        got = ((made == EOS_ID).int().argmax(dim=1) + 1).cpu().numpy()
+        assert got.tolist() == lengths.tolist(), "the rows did not stop at their lengths"
+        row.update(
+            rows=len(lengths),
+            first_call_s=row["compile_s"] + wall,
+            rollout_s=wall,
+            generated_tokens=int(lengths.sum()),
+            tokens_per_s=float(lengths.sum()) / wall,
+            peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        )
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        out["errors"].append(traceback.format_exc()[-3000:])
+    print(json.dumps(row), flush=True)
+    out["rows"].append(row)
+    _save_partial(args, out)
+    return out
+
+
+def gsm8k_report(results: list[dict], args) -> dict:
+    import numpy as np  # noqa: PLC0415
+
+    run, _, lengths = gsm8k_inputs(args)
+    rows = [r for res in results for r in res.get("rows", [])]
+    header = (
+        f"{'engine':<42}{'rows':>6}{'first call s':>13}{'compile s':>10}{'rollout s':>10}{'tokens/s':>10}"
+        f"{'peak GB':>9}{'est. GB':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    gb = lambda x: f"{x / 1e9:.1f}" if x else "-"  # noqa: E731
+    for r in rows:
+        name = f"{r['format']} {r.get('variant', '')}" + (f" [{r['attention']} attn]" if r.get("attention") else "")
+        if "error" in r:
+            lines.append(f"{name:<42}  ERROR {r['error'][:90]}")
+            continue
+        lines.append(
+            f"{name:<42}{r.get('rows') or '-':>6}{r['first_call_s']:>13.1f}{r.get('compile_s', 0.0):>10.1f}"
+            f"{r['rollout_s']:>10.2f}{r['tokens_per_s']:>10.0f}{gb(r.get('peak_bytes')):>9}"
+            f"{gb(r.get('estimated_peak_bytes')):>9}"
+        )
+
+    def find(fmt, variant):
+        return next((r for r in rows if r["format"] == fmt and r.get("variant") == variant and "error" not in r), None)
+
+    nv, bf, fixed = find("nvfp4", "continuous"), find("bf16", "continuous"), find("nvfp4", "fixed")
+    full, hf = find("nvfp4", "fixed, full-cache attention"), find("transformers", "static batch")
+    ratios = {}
+    for label, a, b in (
+        ("NVFP4 / bf16 (continuous)", nv, bf),
+        ("NVFP4 continuous / fixed-batch (same attention)", nv, fixed),
+        ("NVFP4 continuous / fixed-batch, full-cache attention (the engine before)", nv, full),
+        ("NVFP4 / transformers", nv, hf),
+        ("bf16 / transformers", bf, hf),
+    ):
+        if a and b:
+            ratios[label] = b["rollout_s"] / a["rollout_s"]
+    table = "\n".join(lines)
+    print(table)
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.2f}x")
+    stats = dict(
+        sequences=len(lengths),
+        generated_tokens=int(lengths.sum()),
+        median=float(np.median(lengths)),
+        mean=float(lengths.mean()),
+        at_cap=float((lengths == run["max_new"]).mean()),
+    )
+    print(f"  lengths: {stats}")
+    return {"workload": "gsm8k", "run": {**run, "tiny": args.tiny}, "lengths": stats, "rows": rows,
+            "ratios": ratios, "table": table, "workers": results}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- report
@@ -490,8 +802,26 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches (CPU smoke test)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--deadline", type=float, default=290.0, help="seconds; later variants are skipped")
+    parser.add_argument("--workload", choices=("decode", "gsm8k"), default="decode", help="see the module doc")
+    parser.add_argument("--reps", type=int, default=None, help="warm repetitions (default: decode 2, gsm8k 0)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds; later variants are skipped (default: decode 290, gsm8k 330)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="the decode attention of every JAX row (auto: the Pallas kernel on a GPU when installed, else xla)",
+    )
+    parser.add_argument(
+        "--compile-cache", default="", help="a directory for JAX's persistent compilation cache (the workers share it)"
+    )
+    parser.add_argument(
+        "--workers", default="", help="run only these workers, e.g. nvfp4:pallas:full-cache (gsm8k) or bf16:xla"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -513,21 +843,42 @@ def main(argv=None) -> None:
         help="policies with a fresh LoRA adapter of this rank on every projection, as in RL (not the peer)",
     )
     args = parser.parse_args(argv)
+    gsm8k = args.workload == "gsm8k"
+    if args.reps is None and not gsm8k:
+        args.reps = 2
+    if args.deadline is None:
+        args.deadline = 330.0 if gsm8k else 290.0
 
     if args.worker:
-        if args.worker == "transformers":
+        if args.compile_cache:
+            from qerl_jax.compile_cache import enable_compilation_cache  # noqa: PLC0415
+
+            enable_compilation_cache(args.compile_cache)
+        if gsm8k:
+            res = gsm8k_torch_worker(args) if args.worker == "transformers" else None
+            if res is None:
+                variants = dict(GSM8K_WORKERS)[args.worker]
+                res = gsm8k_jax_worker(args, *args.worker.split(":")[:2], variants)
+        elif args.worker == "transformers":
             res = torch_worker(args)
         else:
             res = jax_worker(args, *args.worker.split(":"))
         _save_partial(args, res)
         return
 
-    deadline_at = time.time() + args.deadline
+    start = time.time()
+    deadline_at = start + args.deadline
     formats = [f for f in args.formats.split(",") if f]
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         parser.error(f"--formats: unknown {unknown}; expected a subset of {FORMATS}")
-    workers = [w for w in WORKER_ORDER if w.split(":")[0] in formats or (w == "transformers" and not args.no_peer)]
+    order = [w for w, _ in GSM8K_WORKERS] if gsm8k else WORKER_ORDER
+    workers = [w for w in order if w.split(":")[0] in formats or (w == "transformers" and not args.no_peer)]
+    if args.workers:
+        unknown = set(args.workers.split(",")) - set(order)
+        if unknown:
+            parser.error(f"--workers: unknown {sorted(unknown)}; expected some of {list(order)}")
+        workers = [w for w in workers if w in args.workers.split(",")]
     results = []
     for i, name in enumerate(workers):
         if time.time() > deadline_at:
@@ -542,11 +893,16 @@ def main(argv=None) -> None:
             name,
             "--worker-out",
             worker_out,
-            "--reps",
-            str(args.reps),
+            *(["--reps", str(args.reps)] if args.reps is not None else []),
             "--deadline-at",
             str(deadline_at),
+            "--workload",
+            args.workload,
+            "--attention",
+            args.attention,
         ]
+        if args.compile_cache:
+            cmd += ["--compile-cache", args.compile_cache]
         if args.tiny:
             cmd.append("--tiny")
         if args.batches:
@@ -557,9 +913,9 @@ def main(argv=None) -> None:
             cmd.append("--compare-unfused")
         if args.lora_rank:
             cmd += ["--lora-rank", str(args.lora_rank)]
-        if i == 0:
+        if i == 0 and not gsm8k:
             cmd.append("--measure-device")
-        if name == "bf16:xla":
+        if name == "bf16:xla" and not gsm8k:
             cmd.append("--no-sharing-row")
         env = dict(os.environ)
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
@@ -569,7 +925,9 @@ def main(argv=None) -> None:
         t = time.time()
         print(f"== {name}", flush=True)
         try:
-            proc = subprocess.run(cmd, env=env, timeout=max(30.0, deadline_at - time.time() + 90))
+            # gsm8k: a worker may run minutes past the deadline (its rollouts), but all end by ~570 s.
+            limit = start + 570.0 - time.time() if gsm8k else deadline_at - time.time() + 90
+            proc = subprocess.run(cmd, env=env, timeout=max(30.0, limit))
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = "killed at its time limit"
@@ -583,7 +941,7 @@ def main(argv=None) -> None:
         results.append(res)
         for e in res.get("errors", []):
             print(f"[{name}] error: {e}", flush=True)
-    summary = report(results, args)
+    summary = gsm8k_report(results, args) if gsm8k else report(results, args)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print(f"wrote {args.out}")

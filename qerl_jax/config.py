@@ -26,6 +26,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.workdir = "runs/default"
     c.resume = False  # continue from the latest checkpoint in workdir
+    c.compile_cache = True  # JAX's persistent compilation cache in <workdir>/jax_cache (qerl_jax.compile_cache)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # local HF checkpoint directory
@@ -50,7 +51,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
-    c.rollout.max_batch = 256  # sequences decoded at once; larger rollouts run in chunks
+    c.rollout.max_batch = 0  # sequences decoded at once (refilled as they stop); 0 = sized to the free device memory
 
     c.rl = ml_collections.ConfigDict()
     c.rl.loss = "dapo"  # dapo | grpo

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qerl_jax import lora, rewards, validate
+from qerl_jax import compile_cache, lora, rewards, validate
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter
@@ -141,7 +141,7 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
                 group_size=k,
                 lora_scale=lora_scale,
                 backend=policy.backend,
-                max_batch=cfg.rollout.max_batch,
+                max_batch=cfg.rollout.max_batch or None,
             )
             tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
             completions += policy.tokenizer.batch_decode(
@@ -178,6 +178,8 @@ def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     The config is checked first (`validate.validate_config`), before anything is loaded.
     """
     validate.validate_config(cfg, "eval")
+    if cfg.compile_cache:
+        compile_cache.enable_compilation_cache(cfg.workdir)
     policy = load_policy(cfg)
     adapter, scale = load_adapter(cfg, policy)
     params = {**policy.frozen, **({"lora": adapter} if adapter is not None else {})}

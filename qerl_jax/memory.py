@@ -6,7 +6,8 @@ alone (no arrays are built). A step has two phases that never overlap in time, s
   persistent   = frozen base (packed or bf16 linears, bf16 embeddings, biases, norms)
                  + LoRA params + AdamW moments
   rollout peak = persistent + KV cache + rollout activations + per-layer copies
-                 (+ one dequantized layer)
+                 (+ one dequantized layer); the KV cache and activations are the rollout
+                 engine's own estimate (`qerl_jax.rollout.budget.rollout_memory`)
   train peak   = persistent + LoRA gradients + training activations (+ one dequantized layer)
   total        = max(rollout peak, train peak)
 
@@ -24,6 +25,8 @@ from typing import Any, Sequence
 
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
 from qerl_jax.quant.packed import BLOCK_SIZES, FORMATS
+from qerl_jax.rollout import budget as rollout_budget
+from qerl_jax.rollout import scheduler as rollout_scheduler
 
 QUANT_CHOICES = ("bf16", *FORMATS)
 DENSE_BYTES = 2  # bf16 weights and activations
@@ -213,7 +216,6 @@ def plan_memory(
     rollout_batch: int = 64,
     rollout_chunk: int | None = None,
     group_size: int = 1,
-    kv_cache_copies: int = 3,
     prompt_len: int = 512,
     max_new_tokens: int = 1024,
     micro_batch_size: int = 8,
@@ -236,11 +238,6 @@ def plan_memory(
       rollout_chunk: sequences generated at once (None or more than the batch: the whole batch).
       group_size: samples per prompt; the rollout prefills each prompt once for its group, so a
         chunk of B sequences prefills ceil(B / group_size) prompts (1: every row is prefilled).
-      kv_cache_copies: full KV caches alive while decoding. 3 is what the current decoder
-        needs (measured on an H100: Qwen2.5-14B peaked at 2.4 caches beyond the weights, 32B at
-        64 sequences failed to allocate a third): the decode program does not return the cache,
-        so its donation cannot alias, and the donated input, the while loop's state and the
-        layer scan's new stack coexist. 1 for a decoder that updates the cache in place.
       prompt_len, max_new_tokens: the KV cache holds S = prompt_len + max_new_tokens slots. The
         rollout pads them to its shape buckets (prompts to a power of two, new tokens to a
         multiple of 64): pass bucketed sizes for an exact cache term.
@@ -263,15 +260,14 @@ def plan_memory(
       optimizer_state: 2 * lora_params (AdamW first and second moments).
       lora_grads: 2 * lora_params (the micro-batch gradient and the float32 accumulator).
       kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = rollout_chunk,
-        S = prompt_len + max_new_tokens: one copy of the chunk's cache.
-      rollout_activations: max(prefill, decode step) for one rollout chunk of B sequences and
-        Bp = ceil(B / group_size) prefilled prompts:
-        prefill = 2*L*Bp*P*KVH*hd*2 (the prompt-sized cache, copied into the full one)
-                  + Bp*P*(E + 2*D)*2 (one layer's activations + the carried hidden states)
-                  + Bp*H*P*P*6 (scores) + Bp*V*4 (last-position logits);
-        decode  = (kv_cache_copies - 1) * kv_cache + B*H*S*6 (scores over the cache)
-                  + 5*B*V*4 (logits, log-softmax, filtered logits, sampling noise, probabilities),
-        with E = `layer_activation_elements` and P = prompt_len.
+        S = prompt_len + max_new_tokens: the chunk's cache (one copy: the rollout updates it in
+        place). kv_cache and rollout_activations are `rollout.budget.rollout_memory`'s terms, the
+        estimate the rollout itself sizes its rows with (admissions of `scheduler.layout`'s rows
+        and prompts, compaction into its smaller buckets):
+      rollout_activations: the per-row state plus the largest program's temporaries: an
+        admission (a prefill of its prompts: their caches, one layer's activations and scores,
+        logits), a decode step (float32 logits and sampling, attention scores over the cache)
+        or a compaction (the smaller bucket's cache).
       rollout_layer_copies: the per-layer buffers the unrolled decode copies once per rollout:
         bf16 linears (all of them for quant="bf16", the `quant_skip` ones otherwise; packed
         weights are read in place), biases, the 2*L norms and the LoRA params.
@@ -303,7 +299,6 @@ def plan_memory(
         raise ValueError(f"{FIELD_LORA_RANK} must be an int >= 0; got {lora_rank!r}")
     _positive("rollout_batch", rollout_batch)
     _positive("group_size", group_size)
-    _positive("kv_cache_copies", kv_cache_copies)
     rollout_chunk = (
         rollout_batch if rollout_chunk is None else min(_positive(FIELD_ROLLOUT_CHUNK, rollout_chunk), rollout_batch)
     )
@@ -325,7 +320,6 @@ def plan_memory(
         rollout_batch=rollout_batch,
         rollout_chunk=rollout_chunk,
         group_size=group_size,
-        kv_cache_copies=kv_cache_copies,
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         micro_batch_size=micro_batch_size,
@@ -354,21 +348,22 @@ def plan_memory(
     optimizer_state = 2 * lora_params
     lora_grads = 2 * lora_params
 
-    s_total = prompt_len + max_new_tokens
     b = rollout_chunk
-    kv_cache = 2 * n_layers * b * s_total * kv_heads * hd * DENSE_BYTES
-    e_layer = layer_activation_elements(c, len(targets), lora_rank)
-    bp = -(-b // group_size)
-    prefill = (
-        2 * n_layers * bp * prompt_len * kv_heads * hd * DENSE_BYTES
-        + bp * prompt_len * (e_layer + 2 * d) * DENSE_BYTES
-        + bp * heads * prompt_len * prompt_len * ATTN_SCORE_BYTES
-        + bp * v * LOGIT_BYTES
+    lay = rollout_scheduler.layout(b, group_size=group_size)
+    rollout = rollout_budget.rollout_memory(
+        c,
+        b,
+        prompt_len,
+        max_new_tokens,
+        admit_rows=lay.admit_rows,
+        admit_prompts=lay.admit_prompts,
+        compact_rows=lay.smaller[0] if lay.smaller else 0,
     )
-    decode = (kv_cache_copies - 1) * kv_cache + b * heads * s_total * ATTN_SCORE_BYTES + 5 * b * v * LOGIT_BYTES
-    rollout_activations = max(prefill, decode)
+    kv_cache = rollout.kv_cache
+    rollout_activations = rollout.row_state + rollout.work
+    e_layer = layer_activation_elements(c, len(targets), lora_rank)
     # The unrolled decode copies each layer's variables into their own buffers once per
-    # rollout (qerl_jax.rollout.sampler._split_layers), except packed weights, read in place.
+    # rollout (qerl_jax.rollout.weights.split_layers), except packed weights, read in place.
     dense_linear = sum(
         n_layers * linear_weight_bytes(n, k, "bf16") for p, (n, k) in shapes.items() if proj_quant(p) == "bf16"
     )

@@ -104,7 +104,9 @@ def format_problems_of(fmt: str) -> list[str]:
     if fmt in ct.CT_FORMATS:
         return []
     if fmt in quant.CONFIG_FORMATS:
-        return [f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"]
+        return [
+            f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"
+        ]
     return [f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}"]
 
 

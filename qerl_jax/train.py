@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, evaluation, lora, memory, rewards, sharding, validate
+from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate
 from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
@@ -99,7 +99,7 @@ def collect_experience(
             group_size=g,
             lora_scale=lora.lora_scale(lora_config(cfg)),
             backend=policy.backend,
-            max_batch=cfg.rollout.max_batch,
+            max_batch=cfg.rollout.max_batch or None,
             batch_sharding=batch_sharding,
         )
         jax.block_until_ready(batch.tokens)
@@ -240,6 +240,8 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     t_start = time.perf_counter()
     validate.validate_config(cfg, "train")
     os.makedirs(cfg.workdir, exist_ok=True)
+    if cfg.compile_cache:
+        compile_cache.enable_compilation_cache(cfg.workdir)
     sharding.maybe_initialize_distributed()
     policy = load_policy(cfg)
     lcfg = lora_config(cfg)
@@ -480,7 +482,7 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         lora_rank=lcfg.rank,
         lora_targets=lcfg.targets,
         rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        rollout_chunk=cfg.rollout.max_batch,
+        rollout_chunk=cfg.rollout.max_batch or None,
         group_size=cfg.rollout.group_size,
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -508,7 +510,8 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         cfg.rl.remat = remat
         if result is not None:
             cfg.rl.micro_batch_size = result.micro_batch_size
-            cfg.rollout.max_batch = result.rollout_chunk
+            if cfg.rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
+                cfg.rollout.max_batch = result.rollout_chunk
     return cfg
 
 

@@ -171,7 +171,7 @@ FIELDS: dict[str, Check] = {
     "rollout.temperature": number(0.0, lo_open=True),
     "rollout.top_p": number(0.0, 1.0, lo_open=True),
     "rollout.top_k": integer(0),
-    "rollout.max_batch": integer(1),
+    "rollout.max_batch": integer(0),
     "rl.loss": choice(LOSS_KINDS),
     "rl.eps_low": number(0.0, 1.0, hi_open=True),
     "rl.eps_high": number(0.0),
@@ -283,6 +283,13 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
             out.append(
                 f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
                 f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"
+            )
+    if train and has("rollout.max_batch", "rollout.group_size"):
+        if 0 < f["rollout.max_batch"] < f["rollout.group_size"]:
+            out.append(
+                f"rollout.max_batch = {f['rollout.max_batch']}: smaller than one group (rollout.group_size = "
+                f"{f['rollout.group_size']}); set it to at least {f['rollout.group_size']}, or to 0 to size the "
+                "rollout's rows to the free device memory"
             )
     if has("mesh.data", "mesh.model") and f["mesh.data"] == f["mesh.model"] == -1:
         out.append("mesh.data = mesh.model = -1: only one axis may take all remaining devices")

@@ -20,7 +20,8 @@ from qerl_jax.rollout import (
     rows_bucket,
     to_train_batch,
 )
-from qerl_jax.rollout import sampler as sampler_module
+from qerl_jax.rollout import programs as programs_module
+from qerl_jax.rollout import weights as weights_module
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +157,12 @@ def test_packed_weights_are_read_in_place_by_the_pallas_kernel(tiny_qwen2_dir):
     scan over sliced weights samples."""
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
-    split = sampler_module._split_layers(params)
+    split = weights_module.split_layers(params)
     assert set(split["packed"]) == set(params["base"]["layers"])
     assert all("w" not in p for p in split["layers"][0]["base"].values())
     packed_bytes = sum(x.nbytes for x in jax.tree.leaves(split["packed"]))
     all_bytes = sum(x.nbytes for x in jax.tree.leaves([params["base"]["layers"], params["norms"]["layers"]]))
-    assert sampler_module.layer_copy_bytes(params) == all_bytes - packed_bytes
+    assert weights_module.layer_copy_bytes(params) == all_bytes - packed_bytes
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, eos_ids=())
     kw = dict(group_size=2, backend="pallas", dense_weights=False)
@@ -178,9 +179,9 @@ def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir,
     on the XLA path; the Pallas path rounds its matmul outputs to bf16, the dense dot not)."""
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
-    split = sampler_module._split_layers(params, backend)
+    split = weights_module.split_layers(params, backend)
     assert not split["packed"] and split["layers"][1]["base"]["q_proj"]["w"].dtype == jnp.bfloat16
-    assert sampler_module.dense_copy_bytes(params) == sum(
+    assert weights_module.dense_copy_bytes(params) == sum(
         x.nbytes for layer in split["layers"] for p in layer["base"].values() for f, x in p.items() if f == "w"
     )
     ids, mask = _prompts(config.vocab_size)
@@ -200,12 +201,12 @@ def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir,
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
     sizes = {n: p["w"].codes.shape[-2] * 2 * p["w"].codes.shape[-1] for n, p in params["base"]["layers"].items()}
-    monkeypatch.setattr(sampler_module, "SMALL_DENSE_WEIGHTS", min(sizes.values()))
-    small = sampler_module.small_packed_names(params)
+    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", min(sizes.values()))
+    small = weights_module.small_packed_names(params)
     assert small and set(small) == {n for n, size in sizes.items() if size == min(sizes.values())}
     seen = []
-    real_split = sampler_module._split_layers
-    monkeypatch.setattr(sampler_module, "_split_layers", lambda *a: seen.append(a[1:]) or real_split(*a))
+    real_split = weights_module.split_layers
+    monkeypatch.setattr(weights_module, "split_layers", lambda *a: seen.append(a[1:]) or real_split(*a))
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     auto = generate(config, params, ids, mask, jax.random.key(6), sampling, backend="pallas")
@@ -224,7 +225,7 @@ def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
     (the tiny model: q/o 64 x 64 qualify, k/v 32 x 64 and the MLP's 96 do not), minus dense ones."""
     path, _ = tiny_qwen2_dir
     _, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
-    names = functools.partial(sampler_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
+    names = functools.partial(weights_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
     assert names(None, rows=64, kernel_available=True) == ("o_proj", "q_proj")
     assert names(None, rows=16, kernel_available=True, exclude=("q_proj",)) == ("o_proj",)
     assert names(None, rows=65, kernel_available=True) == ()  # above WGMMA_MAX_ROWS: the Triton kernel
@@ -232,9 +233,9 @@ def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
     assert names(None, rows=1, kernel_available=False) == ()  # CPU, or a GPU other than Hopper
     assert names(False, rows=1, kernel_available=True) == ()
     assert names(None, rows=1, kernel_available=True, fits=lambda extra: False) == ()
-    assert sampler_module.wgmma_weight_names(params, None, backend="xla", rows=1, unroll_layers=True) == ()
+    assert weights_module.wgmma_weight_names(params, None, backend="xla", rows=1, unroll_layers=True) == ()
     q = params["base"]["layers"]["q_proj"]["w"]
-    assert sampler_module.wgmma_copy_bytes(params, ("q_proj",)) == q.codes.nbytes + q.scales.nbytes
+    assert weights_module.wgmma_copy_bytes(params, ("q_proj",)) == q.codes.nbytes + q.scales.nbytes
 
 
 def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkeypatch):
@@ -257,11 +258,11 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
 
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
     monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
-    split = sampler_module._split_layers(params, wgmma_names=("o_proj", "q_proj"))
+    split = weights_module.split_layers(params, wgmma_names=("o_proj", "q_proj"))
     assert set(split["packed"]) == set(params["base"]["layers"])  # the prefill reads the stacks
     assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
     assert "w" not in split["layers"][1]["base"]["k_proj"]
-    w = sampler_module._layer_vars(split, 1)["base"]["q_proj"]["w"]
+    w = weights_module.layer_vars(split, 1)["base"]["q_proj"]["w"]
     assert isinstance(w, ByRows) and isinstance(w.small, wgmma_nvfp4.WgmmaWeight) and isinstance(w.large, LayerOf)
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
@@ -286,19 +287,19 @@ def fusable_nvfp4_model(tmp_path_factory):
 def test_wgmma_weight_names_take_fusable_groups_whole(fusable_nvfp4_model):
     """The small k/v (dense copies by default) join q in the kernel: one fused q/k/v call."""
     _, params = fusable_nvfp4_model
-    names = functools.partial(sampler_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
+    names = functools.partial(weights_module.wgmma_weight_names, params, backend="pallas", unroll_layers=True)
     every = tuple(sorted(PROJECTIONS))
     assert names(None, rows=16, kernel_available=True, exclude=("k_proj", "v_proj")) == every
     assert names(None, rows=16, kernel_available=True, exclude=("gate_proj", "q_proj")) == every
     assert names(None, rows=16, kernel_available=True, exclude=every) == ()
-    assert sampler_module.fused_groups(every) == (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-    assert sampler_module.fused_groups(("q_proj", "k_proj", "up_proj")) == ()
+    assert weights_module.fused_groups(every) == (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    assert weights_module.fused_groups(("q_proj", "k_proj", "up_proj")) == ()
     with pytest.MonkeyPatch.context() as mp:  # generate's choice: k/v small (dense), then fused
-        mp.setattr(sampler_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
+        mp.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
         mp.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
         choice = dict(backend="pallas", rows=16, unroll_layers=True)
-        assert sampler_module.decode_weight_names(params, None, None, **choice) == ((), every)
-        assert sampler_module.decode_weight_names(params, None, False, **choice) == (("k_proj", "v_proj"), ())
+        assert weights_module.decode_weight_names(params, None, None, **choice) == ((), every)
+        assert weights_module.decode_weight_names(params, None, False, **choice) == (("k_proj", "v_proj"), ())
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
@@ -321,8 +322,8 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
 
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
     monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
-    monkeypatch.setattr(sampler_module, "SMALL_DENSE_WEIGHTS", 64 * 128)  # k/v small, as on 7B / 32B
-    split = sampler_module._split_layers(params, wgmma_names=tuple(PROJECTIONS))
+    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)  # k/v small, as on 7B / 32B
+    split = weights_module.split_layers(params, wgmma_names=tuple(PROJECTIONS))
     fused = split["layers"][1]["base"]["q_proj+k_proj+v_proj"]["w"]
     assert isinstance(fused, Fused) and fused.sizes == (128, 64, 64) and fused.w.global_scale.shape == (256,)
     assert "w" not in split["layers"][1]["base"]["k_proj"]  # the prefill reads the packed stack
@@ -338,7 +339,7 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
         extra = config.num_hidden_layers * (12 + 8) * (128 + 256) * act
         names = tuple(PROJECTIONS)
         plain = {k: v for k, v in params.items() if k != "lora"}
-        assert sampler_module.wgmma_copy_bytes(params, names) == sampler_module.wgmma_copy_bytes(plain, names) + extra
+        assert weights_module.wgmma_copy_bytes(params, names) == weights_module.wgmma_copy_bytes(plain, names) + extra
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     kw = dict(group_size=2, backend="pallas", lora_scale=0.5)
@@ -350,21 +351,21 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
 
 
 def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():
-    choose = functools.partial(sampler_module.use_dense_weights, None, dense_bytes=1, unroll_layers=True, fits=True)
+    choose = functools.partial(weights_module.use_dense_weights, None, dense_bytes=1, unroll_layers=True, fits=True)
     assert choose(backend="xla", rows=1)  # the XLA path dequantizes every step at any batch
     assert not choose(backend="pallas", rows=64)  # the kernels read packed weights up to M = 64
-    assert choose(backend="pallas", rows=sampler_module.DENSE_FROM_ROWS)
-    assert not sampler_module.use_dense_weights(
+    assert choose(backend="pallas", rows=weights_module.DENSE_FROM_ROWS)
+    assert not weights_module.use_dense_weights(
         None, backend="pallas", rows=256, dense_bytes=1, unroll_layers=True, fits=False
     )
-    assert not sampler_module.use_dense_weights(
+    assert not weights_module.use_dense_weights(
         None, backend="xla", rows=256, dense_bytes=0, unroll_layers=True, fits=True
     )  # nothing packed
-    assert not sampler_module.use_dense_weights(
+    assert not weights_module.use_dense_weights(
         False, backend="xla", rows=256, dense_bytes=1, unroll_layers=True, fits=True
     )
     with pytest.raises(ValueError, match="unroll_layers"):
-        sampler_module.use_dense_weights(True, backend="xla", rows=1, dense_bytes=1, unroll_layers=False, fits=True)
+        weights_module.use_dense_weights(True, backend="xla", rows=1, dense_bytes=1, unroll_layers=False, fits=True)
 
 
 # ----------------------------------------------------------------------------- log-prob invariant
@@ -412,12 +413,12 @@ def test_lora_layer_copies_take_the_activation_dtype(tiny_qwen2_dir):
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16")
     params = {**params, "lora": _random_lora(config, scale=0.2)}
-    split = sampler_module._split_layers(params)
+    split = weights_module.split_layers(params)
     dtypes = {x.dtype for x in jax.tree.leaves(split["layers"][0]["lora"])}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
     lora_bytes = sum(x.nbytes for x in jax.tree.leaves(params["lora"]))
     plain = {k: v for k, v in params.items() if k != "lora"}
-    assert sampler_module.layer_copy_bytes(params) == sampler_module.layer_copy_bytes(plain) + lora_bytes // 2
+    assert weights_module.layer_copy_bytes(params) == weights_module.layer_copy_bytes(plain) + lora_bytes // 2
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, eos_ids=())
     kw = dict(group_size=2, lora_scale=0.5)
@@ -539,7 +540,7 @@ def test_buckets_reuse_compiled_programs(f32_model):
     ids, mask = _prompts(config.vocab_size, pads=(0, 2, 4, 1), width=11)
     kw = dict(group_size=2, cache_dtype=jnp.float32)
     generate(config, params, ids, mask, jax.random.key(0), _sampling(max_new_tokens=7), **kw)
-    before = dict(sampler_module.TRACE_COUNTS)
+    before = dict(programs_module.TRACE_COUNTS)
     # Another batch size in the same row buckets (3 prompts / 6 rows vs 4 / 8), other prompt
     # lengths in the same bucket (16), other widths, other max_new_tokens in the same 64
     # bucket, other stop/pad ids: no new program.
@@ -547,8 +548,8 @@ def test_buckets_reuse_compiled_programs(f32_model):
     generate(config, params, ids2, mask2, jax.random.key(1), _sampling(max_new_tokens=30, eos_ids=(5,)), **kw)
     generate(config, params, ids2[:, 4:], mask2[:, 4:], jax.random.key(1), _sampling(pad_id=3), **kw)
     generate(config, params, ids2, mask2, jax.random.key(1), _sampling(ignore_eos=True), **kw)
-    assert sampler_module.TRACE_COUNTS == before
-    assert sampler_module.TRACE_COUNTS["prefill"] > 0  # the counter counts at all
+    assert programs_module.TRACE_COUNTS == before
+    assert programs_module.TRACE_COUNTS["prefill"] > 0  # the counter counts at all
     assert [prompt_bucket(n) for n in (1, 16, 17, 300, 2048, 2049)] == [16, 16, 32, 512, 2048, 3072]
     assert [rows_bucket(n) for n in (1, 3, 8, 9, 256)] == [1, 4, 8, 16, 256]
 
@@ -561,19 +562,24 @@ def test_memory_estimate_counts_the_cache(f32_model):
     assert small > 2 * cache_bytes(config, 6, 80, jnp.bfloat16)
     assert estimate_rollout_bytes(config, 12, 16, 64) > small
     assert estimate_rollout_bytes(config, 6, 16, 128) > small
-    # The real prefill allocates exactly the estimated cache.
+    # The engine allocates exactly the estimated cache, and an admission (prefill) keeps it.
     sampling = _sampling()
-    static = sampler_module._Static(
+    static = programs_module.Static(
         config,
         SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k),
-        sampler_module.ForwardOptions(),
+        programs_module.ForwardOptions(),
         64,
         "float32",
     )
     ids, mask = _prompts(config.vocab_size, pads=(0, 0, 0, 0), width=16)
     rows = jnp.array([0, 0, 1, 1, 2, 2, 3, 3])
-    split = sampler_module._split_layers(params)
-    cache, _, _ = sampler_module._prefill_jit(static, split, ids, mask, rows, jax.random.key(0), jnp.arange(8))
+    split = weights_module.split_layers(params)
+    cache, state = programs_module.new_rows(static, 8, 16, 0)
+    assert sum(c.nbytes for c in jax.tree.leaves(cache)) == cache_bytes(config, 8, 80, jnp.float32)
+    cache, _ = programs_module.admit(
+        static, split, cache, state, ids, mask, rows, jnp.arange(8), jnp.arange(8, dtype=jnp.uint32),
+        jnp.full((8,), 64), jax.random.key(0), np.zeros((config.vocab_size,), bool), np.int32(0),
+    )  # fmt: skip
     assert sum(c.nbytes for c in jax.tree.leaves(cache)) == cache_bytes(config, 8, 80, jnp.float32)
 
 
@@ -619,5 +625,6 @@ def test_over_memory_budget_says_what_to_lower(f32_model):
             jax.random.key(0),
             SamplingConfig(max_new_tokens=8),
             group_size=4,
+            max_batch=12,  # all rows at once (max_batch=None sizes them to the budget: test_rollout_engine.py)
             memory_budget_bytes=10_000,
         )

@@ -354,3 +354,10 @@ def test_generated_datasets_are_known(tmp_path, tiny_model_dir):
     cfg = _tiny(tmp_path, tiny_model_dir, **{"data.train": "arithmetic:dev"})
     (problem,) = config_problems(cfg)
     assert problem.startswith("data.train = 'arithmetic:dev': ") and "arithmetic:train or arithmetic:test" in problem
+
+
+def test_rollout_batch_is_zero_or_at_least_one_group(tmp_path, tiny_model_dir):
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"rollout.max_batch": 3, "rollout.group_size": 4})
+    (problem,) = config_problems(cfg)
+    assert problem.startswith("rollout.max_batch = 3: smaller than one group (rollout.group_size = 4)")
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"rollout.max_batch": 0})) == []  # 0: sized to memory

@@ -124,7 +124,7 @@ def worker(args, fmt: str) -> dict:
         prompts, group = (int(v) for v in spec.split("x"))
         ids = rng.integers(0, config.vocab_size, (prompts, args.prompt_len), dtype=np.int32)
         mask = np.ones_like(ids)
-        kw = dict(group_size=group, backend=backend, cache_new_tokens=args.cache_new_tokens)
+        kw = dict(group_size=group, backend=backend, cache_new_tokens=args.cache_new_tokens, smaller_rows=())
 
         def run(steps, seed, kw=kw, ids=ids, mask=mask):
             sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)

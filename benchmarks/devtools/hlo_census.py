@@ -157,62 +157,97 @@ def as_if_hopper():
         wgmma_nvfp4.available = available
 
 
-def decode_step_hlo(
-    size: str, fmt: str, rows: int, *, prompt_len: int, new_slots: int, lora_rank: int, device
-) -> tuple[str, dict[str, Any]]:
-    """Optimized HLO text of `generate`'s decode program for `rows` sequences, compiled for `device`,
-    and what went into it (the weight copies, the compile time)."""
+def rollout_setup(
+    size: str, fmt: str, rows: int, *, prompt_len: int, new_slots: int, lora_rank: int, device, group_size: int = 8
+) -> dict[str, Any]:
+    """What `generate` would run for `rows` sequences on a Hopper GPU, in shapes only: the plan
+    (`plan_rollout`, the wgmma kernel taken as available, no memory limit), the `programs.Static`,
+    the prepared weights and the arguments of its admission program, as ShapeDtypeStructs placed
+    on `device`; and `bucket_args(b)`, the cache and row state of a bucket of b rows."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     import random_model  # noqa: PLC0415
 
     from qerl_jax import lora  # noqa: PLC0415
     from qerl_jax.models.qwen2 import ForwardOptions  # noqa: PLC0415
-    from qerl_jax.rollout import SamplingConfig, decode_weight_names, sampler  # noqa: PLC0415
+    from qerl_jax.rollout import SamplingConfig, plan_rollout, programs, weights  # noqa: PLC0415
 
     config = random_model.model_config(size)
     backend = "xla" if fmt in random_model.DENSE else "pallas"
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    on_device = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+    )
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     with as_if_hopper():
         params = jax.eval_shape(lambda: random_model.random_params(config, quant=fmt))
         if lora_rank:
             cfg = lora.LoraConfig(rank=lora_rank, alpha=2 * lora_rank)
             params["lora"] = jax.eval_shape(lambda: lora.init_lora(jax.random.key(0), config, cfg))
-        bucket = sampler.rows_bucket(rows)
-        dense, wgmma = decode_weight_names(params, None, None, backend=backend, rows=bucket, unroll_layers=True)
+        plan = plan_rollout(
+            config, params, rows, prompt_len, new_slots, group_size=group_size, max_batch=rows, backend=backend
+        )
+        dense, wgmma = plan.dense_names, plan.wgmma_names
         run_params = jax.eval_shape(
-            lambda p: sampler._split_layers(p, backend if dense else None, dense or None, wgmma), params
+            lambda p: weights.split_layers(p, backend if dense else None, dense or None, wgmma), params
         )
-        static = sampler._Static(
-            config=config,
-            sampling=SamplingConfig(temperature=1.0),
-            options=ForwardOptions(lora_scale=1.0, backend=backend),
-            new_slots=new_slots,
-            cache_dtype="bfloat16",
-            unroll=True,
-        )
-        layer_cache = jax.ShapeDtypeStruct(
-            (bucket, prompt_len + new_slots, config.num_key_value_heads, config.head_dim), jnp.bfloat16
-        )
-        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-        args = (
-            run_params,
-            [(layer_cache, layer_cache)] * config.num_hidden_layers,
-            spec((bucket,), jnp.int32),  # first tokens
-            spec((bucket,), jnp.float32),  # their log-probs
-            spec((bucket, prompt_len), jnp.int32),  # prompt mask
-            spec((bucket,), jnp.int32),  # rows -> prompts
-            jax.eval_shape(lambda: jax.random.key(0)),
-            spec((bucket,), jnp.uint32),  # sequence ids
-            spec((bucket,), jnp.bool_),  # active rows
-            spec((), jnp.int32),  # max_new
-            spec((config.vocab_size,), jnp.bool_),  # stop ids
-            spec((), jnp.int32),  # pad id
-        )
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
-        t0 = time.perf_counter()
-        compiled = sampler._decode_jit.trace(static, *args).lower().compile()
-    info = dict(rows_bucket=bucket, dense_copies=list(dense), wgmma_copies=list(wgmma))
+    static = programs.Static(
+        config=config,
+        sampling=SamplingConfig(temperature=1.0),
+        options=ForwardOptions(lora_scale=1.0, backend=backend),
+        new_slots=new_slots,
+        cache_dtype="bfloat16",
+        unroll=True,
+    )
+
+    def bucket_args(bucket: int):
+        return on_device(jax.eval_shape(lambda: programs._empty(static, bucket, prompt_len, 0)))
+
+    key = on_device(jax.eval_shape(lambda: jax.random.key(0)))
+    k, bp = plan.admit_rows, plan.admit_prompts
+    admit_inputs = (
+        spec((bp, prompt_len), jnp.int32),  # prompt ids
+        spec((bp, prompt_len), jnp.int32),  # prompt mask
+        spec((k,), jnp.int32),  # src: each admitted sequence's prompt
+        spec((k,), jnp.int32),  # dest: its row
+        spec((k,), jnp.uint32),  # its sequence id
+        spec((k,), jnp.int32),  # its token limit
+        key,
+        spec((config.vocab_size,), jnp.bool_),  # stop ids
+        spec((), jnp.int32),  # pad id
+    )
+    return dict(
+        config=config,
+        plan=plan,
+        static=static,
+        run_params=on_device(run_params),
+        bucket_args=bucket_args,
+        admit_inputs=admit_inputs,
+        key=key,
+        stop=spec((config.vocab_size,), jnp.bool_),
+        scalar=spec((), jnp.int32),
+    )
+
+
+def decode_step_hlo(
+    size: str, fmt: str, rows: int, *, prompt_len: int, new_slots: int, lora_rank: int, device
+) -> tuple[str, dict[str, Any]]:
+    """Optimized HLO text of `generate`'s decode program for a bucket of `rows` rows (all of them
+    in it: no smaller bucket below), compiled for `device`, and what went into it (the weight
+    copies, the compile time)."""
+    from qerl_jax.rollout import programs, rows_bucket  # noqa: PLC0415
+
+    bucket = rows_bucket(rows)
+    setup = rollout_setup(
+        size, fmt, bucket, prompt_len=prompt_len, new_slots=new_slots, lora_rank=lora_rank, device=device
+    )
+    cache, state = setup["bucket_args"](bucket)
+    t0 = time.perf_counter()
+    with as_if_hopper():
+        args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"])
+        compiled = programs.decode.trace(setup["static"], *args).lower().compile()
+    plan = setup["plan"]
+    info = dict(rows_bucket=bucket, dense_copies=list(plan.dense_names), wgmma_copies=list(plan.wgmma_names))
     info["compile_s"] = round(time.perf_counter() - t0, 1)
     return compiled.as_text(), info
 

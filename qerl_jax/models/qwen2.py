@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from qerl_jax.linear import PROJ_OUT, fused_linear, linear, stack_loras
 
@@ -88,6 +89,7 @@ class ForwardOptions:
     backend: str = "xla"  # linear backend: "xla" | "pallas"
     remat: str = "none"  # gradient checkpointing per layer: one of REMAT_MODES
     attention: str = "xla"  # full-sequence attention: one of ATTENTION_MODES
+    decode_attention: str = "xla"  # `decode_attention` backend of decode steps (`DecodeSlots`): "xla" | "pallas"
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -178,6 +180,94 @@ def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
+DECODE_ATTENTION_BACKENDS = ("xla", "pallas")
+
+
+def decode_attention(
+    q_BxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    start_B: jax.Array,
+    end_B: jax.Array,
+    *,
+    backend: str = "xla",
+) -> jax.Array:
+    """One decode query per row against its own cache slots [start_B[b], end_B[b]); [B, H, D] in q's dtype.
+
+    The one dispatch point of decode-step attention (the model calls it for `DecodeSlots` steps).
+    q_BxHxD: H = KVH * G query heads, head h reads KV head h // G. k, v: the caches [B, S, KVH, D].
+    start_B, end_B: int32, 0 <= start <= end <= S; a row with end <= start gives zeros. Scores
+    and softmax are float32. backend "xla": `decode_attention_reference` (a masked softmax over
+    all S slots); "pallas": `pallas_kernels.decode_attention` (reads only each row's slots).
+    """
+    with jax.named_scope("attention"):
+        if backend == "xla":
+            return decode_attention_reference(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B)
+        if backend == "pallas":
+            try:
+                from pallas_kernels.decode_attention import decode_attention as kernel  # noqa: PLC0415
+            except ImportError as e:
+                raise ValueError(f"decode attention backend 'pallas' needs pallas_kernels.decode_attention: {e}") from e
+            return kernel(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B)
+        raise ValueError(f"unknown decode attention backend {backend!r}; expected one of {DECODE_ATTENTION_BACKENDS}")
+
+
+def decode_attention_reference(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B) -> jax.Array:
+    """`decode_attention` in jnp: a masked softmax over every cache slot (the values of `attention`
+    with the mask start <= s < end).
+
+    Written so that XLA keeps the caches in their [B, S, KVH, D] row-major layout: q.k as a
+    multiply-reduce over D (the minor axis) and p.v as one batched matmul over the slots against
+    V viewed as [B, S, KVH * D], whose [KVH, KVH] head blocks off the diagonal are dropped. The
+    einsums of `attention` instead make XLA pick a slot-minor layout for a cache carried through
+    the decode loop, and transpose the whole cache into it on entry (on an H100, Qwen2.5-7B, 256
+    rows x 2304 slots: a 30 GiB temporary, a second cache); so did scores laid out slot-minor
+    here (half a cache: benchmarks/devtools/rollout_memory.py checks). One row (B = 1) takes
+    `attention`'s einsums: 3 kernels fewer per layer there, and its cache copy is one row's.
+    """
+    b, h, d = q_BxHxD.shape
+    s, kv_heads = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+    g = h // kv_heads
+    slots_S = jnp.arange(s)
+    valid_BxS = (slots_S[None, :] >= start_B[:, None]) & (slots_S[None, :] < end_B[:, None])
+    if b == 1:
+        out_BxHxD = _attention(
+            q_BxHxD[:, None], k_BxSxKxD.astype(q_BxHxD.dtype), v_BxSxKxD.astype(q_BxHxD.dtype), valid_BxS[:, None]
+        )
+        return jnp.where((end_B > start_B)[:, None, None], out_BxHxD[:, 0], 0.0).astype(q_BxHxD.dtype)
+    q_Bx1xKxGxD = q_BxHxD.reshape(b, 1, kv_heads, g, d).astype(jnp.float32)
+    k_BxSxKx1xD = k_BxSxKxD[:, :, :, None, :].astype(jnp.float32)
+    scores_BxSxKxG = jnp.sum(q_Bx1xKxGxD * k_BxSxKx1xD, axis=-1) * (d**-0.5)
+    scores_BxSxKxG = jnp.where(valid_BxS[:, :, None, None], scores_BxSxKxG, _MASK_VALUE)
+    weights_BxSxKxG = jnp.exp(scores_BxSxKxG - jnp.max(scores_BxSxKxG, axis=1, keepdims=True))
+    total_BxKxG = jnp.sum(weights_BxSxKxG, axis=1)
+    # [B, H, KVH * D]: every query head against every KV head's values; keep h's own (h // G).
+    pv_BxHxN = jnp.einsum(
+        "bsh,bsn->bhn",
+        weights_BxSxKxG.reshape(b, s, h).astype(v_BxSxKxD.dtype),
+        v_BxSxKxD.reshape(b, s, kv_heads * d),
+        preferred_element_type=jnp.float32,
+    )
+    own_BxGxDxK = jnp.diagonal(pv_BxHxN.reshape(b, kv_heads, g, kv_heads, d), axis1=1, axis2=3)
+    out_BxKxGxD = jnp.moveaxis(own_BxGxDxK, 3, 1) / total_BxKxG[..., None]
+    out_BxKxGxD = jnp.where((end_B > start_B)[:, None, None, None], out_BxKxGxD, 0.0)
+    return out_BxKxGxD.reshape(b, h, d).astype(q_BxHxD.dtype)
+
+
+@struct.dataclass
+class DecodeSlots:
+    """Where a decode step (one new token per row, T = 1) writes and reads each row's cache.
+
+    write_B: int32 slot of the new token's key/value. start_B, end_B: int32, the row attends to
+    slots [start_B, end_B) (end_B = write_B + 1 for a decoding row; end_B <= start_B: none).
+    Each row's valid slots are contiguous: its left-padded prompt, then its tokens so far.
+    """
+
+    write_B: jax.Array
+    start_B: jax.Array
+    end_B: jax.Array
+
+
 # Projections of one input that may be stored fused (`qerl_jax.linear.Fused`) under
 # `fused_name(group)` in a layer's base variables.
 FUSABLE_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -255,18 +345,21 @@ class DecoderLayer(nn.Module):
                     implementation=_flash_implementation(q.dtype),
                 )
             return self._rest(h_BxTxD, attn), None
-        if cache_kv is None:
-            keys, values, new_cache = k, v, None
+        if isinstance(cache_index, DecodeSlots):
+            attn, new_cache = _decode_step_attention(q, k, v, cache_kv, cache_index, self.options.decode_attention)
         else:
-            k_cache, v_cache = cache_kv
-            keys = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
-            values = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
-            new_cache = (keys, values)
-        s = keys.shape[1]
-        query_slot_T = cache_index + jnp.arange(t)
-        causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
-        mask_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
-        attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxTxS)
+            if cache_kv is None:
+                keys, values, new_cache = k, v, None
+            else:
+                k_cache, v_cache = cache_kv
+                keys = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
+                values = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
+                new_cache = (keys, values)
+            s = keys.shape[1]
+            query_slot_T = cache_index + jnp.arange(t)
+            causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
+            mask_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
+            attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxTxS)
         return self._rest(h_BxTxD, attn), new_cache
 
     def _rest(self, h_BxTxD: jax.Array, attn_BxTxHxD: jax.Array) -> jax.Array:
@@ -278,6 +371,21 @@ class DecoderLayer(nn.Module):
         gate, up = self._projs(FUSABLE_PROJECTIONS[1], x)
         gated = jax.nn.silu(gate) * up
         return h_BxTxD + self._proj("down_proj", gated)
+
+
+def _decode_step_attention(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, cache_kv, slots: DecodeSlots, backend: str):
+    """Writes each row's new key/value at its slot write_B, then `decode_attention` over [start_B, end_B)."""
+    k_cache, v_cache = cache_kv
+    if q_Bx1xHxD.shape[0] == 1:  # one row: a plain dynamic update (a scatter of one row lowers worse on GPU)
+        at = (0, slots.write_B[0], 0, 0)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k_Bx1xKxD.astype(k_cache.dtype), at)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v_Bx1xKxD.astype(v_cache.dtype), at)
+    else:
+        rows_B = jnp.arange(q_Bx1xHxD.shape[0])
+        k_cache = k_cache.at[rows_B, slots.write_B].set(k_Bx1xKxD[:, 0].astype(k_cache.dtype))
+        v_cache = v_cache.at[rows_B, slots.write_B].set(v_Bx1xKxD[:, 0].astype(v_cache.dtype))
+    out_BxHxD = decode_attention(q_Bx1xHxD[:, 0], k_cache, v_cache, slots.start_B, slots.end_B, backend=backend)
+    return out_BxHxD[:, None], (k_cache, v_cache)
 
 
 class Qwen2(nn.Module):
@@ -293,7 +401,7 @@ class Qwen2(nn.Module):
         positions_BxT: jax.Array,
         kv_valid_BxS: jax.Array,
         cache=None,
-        cache_index: jax.Array | int = 0,
+        cache_index: jax.Array | int | DecodeSlots = 0,
         compute_logits: bool = True,
     ):
         """Runs the decoder over T new tokens.
@@ -302,9 +410,11 @@ class Qwen2(nn.Module):
           input_ids_BxT: int32 token ids.
           positions_BxT: int32 rotary positions (0 for the first real token of each row).
           kv_valid_BxS: bool/int [B, S], which key slots hold real tokens. Without a cache S = T.
+            Unused (None) with `DecodeSlots`.
           cache: None, or (k, v) each [L, B, S, KVH, head_dim]; the new keys/values are written
             at slots [cache_index, cache_index + T).
-          cache_index: where the new tokens go in the cache (and their causal slot offset).
+          cache_index: where the new tokens go in the cache (and their causal slot offset); or,
+            for one new token per row (T = 1), a `DecodeSlots` of per-row slots.
           compute_logits: False returns the final normed hidden states [B, T, D] instead.
         Returns:
           (float32 logits [B, T, V] or hidden [B, T, D], the updated cache or None).

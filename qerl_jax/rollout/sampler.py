@@ -1,721 +1,219 @@
-"""Batched KV-cache generation on the (quantized, LoRA-adapted) policy.
+"""Batched KV-cache generation on the (quantized, LoRA-adapted) policy: `generate`.
 
     batch = generate(config, params, prompt_ids, prompt_mask, key, SamplingConfig(...), group_size=8)
     train = to_train_batch(batch)
 
-Two jitted programs per shape bucket:
+`generate` validates its input, plans the call (`plan_rollout`: rows, row buckets, weight
+copies, the memory estimate against the budget; all before anything is compiled), prepares the
+weights once (`weights.split_layers`), then runs the scheduler (`scheduler.Scheduler`: queue,
+retire, refill, compaction) over the device programs (`programs`: admit, decode, compact) and
+assembles the `RolloutBatch`. The row order is prompt-major: row b * G + g is sample g of prompt b.
 
-- prefill: the B distinct (left-padded) prompts in one forward that fills a prompt-sized
-  KV cache, then each row is copied once per sample of its group (a gather on the batch
-  axis) and padded to S = prompt bucket + new-token bucket slots; it also samples the first
-  token. G samples of a prompt thus share one prefill.
-- decode: a `lax.while_loop` feeding one token per row per step through the cache (donated,
-  so it is updated in place), that stops once every row has met an EOS/stop id or after
-  max_new_tokens.
-
-Both run the model's own `DecoderLayer` layer by layer over per-layer copies of the stacked
-weights and per-layer KV caches (see `_split_layers` for why; `unroll_layers=False` runs the
-model's layer scan instead, with the same results).
-
-Shapes are bucketed (prompt length: powers of two from 16, multiples of 1024 above 2048;
-new tokens: multiples of 64; rows: powers of two up to 8, then multiples of 8), so a
-training run compiles a handful of programs. The row order is prompt-major: row b * G + g
-is sample g of prompt b.
-
-Randomness: sequence r (its row in the full [B * G] output, whatever the chunking or prefill
-sharing) draws its step-t token with key fold_in(fold_in(key, r), t). So results do not
-depend on `max_batch`, on `share_prefill`, or on whether prompts are passed repeated with
-group_size 1 or once with group_size G.
+Randomness: sequence r (its row in the full [B * G] output) draws its step-t token with key
+fold_in(fold_in(key, r), t). So results do not depend on `max_batch`, the schedule, the row
+buckets, `share_prefill`, or on whether prompts are passed repeated with group_size 1 or once
+with group_size G.
 
 Log-probs are those of `sampling.sample`: log_softmax(logits / T) before top-k/top-p.
+
+Compiled programs: one admission and one decode program per row bucket a call reaches (its
+rows, then those of `smaller_rows` below them when compacting), per prompt / new-token bucket;
+`programs.TRACE_COUNTS` counts them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import math
+import importlib.util
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
-from qerl_jax.models.qwen2 import (
-    FUSABLE_PROJECTIONS,
-    DecoderLayer,
-    ForwardOptions,
-    ModelConfig,
-    Qwen2,
-    fused_name,
-    positions_from_mask,
-    rms_norm,
-    variables,
-)
-from qerl_jax.quant.packed import dequantize, is_packed
-from qerl_jax.rollout.sampling import SamplingConfig, sample
+from qerl_jax.models.qwen2 import DECODE_ATTENTION_BACKENDS, ForwardOptions, ModelConfig
+from qerl_jax.rollout import budget, programs, scheduler, weights
+from qerl_jax.rollout.batch import RolloutBatch, to_train_batch
+from qerl_jax.rollout.programs import TRACE_COUNTS
+from qerl_jax.rollout.sampling import SamplingConfig
 
-# The memory check asks for this multiple of `estimate_rollout_bytes`: on an H100 (Qwen2.5-7B,
-# 256 rows x 768 slots) the measured process peak exceeded weights + estimate by ~8 GB (~20%).
-MEMORY_MARGIN = 1.25
-
-# From this many decode rows the Pallas kernels dequantize packed weights to bf16 before a
-# cuBLAS dot (the autotune table's "dequant" mode, M > 64), every decode step. `generate`
-# then dequantizes once per call instead (`dense_weights`), when the copies fit.
-DENSE_FROM_ROWS = 65
-# Below that, packed matrices of at most this many weights per layer also get bf16 copies:
-# there the W4A16 kernel loses to a bf16 dot (launch-bound; H100: Qwen2.5-7B k/v, 512 x 3584,
-# 0.48-0.65x and 32B k/v, 1024 x 5120, 0.71-0.77x at M <= 16, while 7B q/o, 3584 x 3584, is
-# 0.9-1.4x; benchmarks/RESULTS.md table A3), and their copies are small (7B: 0.2 GB).
-SMALL_DENSE_WEIGHTS = 6 * 2**20
-
-# Up to this many decode rows, on a Hopper GPU with the "pallas" backend, the packed NVFP4
-# projections that are not dense copies are repacked once per `generate` call for the Mosaic
-# GPU wgmma kernel (pallas_kernels/wgmma_nvfp4.py; H100: 2.1-2.8x a bf16 dot on the 7B / 32B
-# MLP shapes at M <= 16 and 1.2-2.2x at M = 64, 0.75-1.3x on q/o, against 0.9-1.3x for the Triton
-# kernel; the 7B rollout step 1.5x bf16 at 64 rows with it, 0.96x without; RESULTS.md), q/k/v
-# and gate/up concatenated into one call each (FUSABLE_PROJECTIONS; k/v then skip their copies).
-WGMMA_MAX_ROWS = 64
-
-# How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
-TRACE_COUNTS: dict[str, int] = {"prefill": 0, "decode": 0}
-
-
-@struct.dataclass
-class RolloutBatch:
-    """The output of `generate`; N = B * group_size rows, row b * G + g = sample g of prompt b.
-
-    prompt_ids: int32 [N, P] left-padded prompts (P = the prompt bucket).
-    prompt_mask: int32 [N, P] 1 on real prompt tokens.
-    tokens: int32 [N, M] sampled response ids (M = max_new_tokens), pad_id after the stop.
-    logprobs: float32 [N, M] log_softmax(logits / T) of each sampled token (before top-k/top-p
-      truncation), 0 after the stop.
-    response_mask: int32 [N, M] 1 up to and including the EOS/stop token.
-    lengths: int32 [N] response lengths (EOS included).
-    truncated: bool [N] True where no EOS/stop id came within max_new_tokens (always True with
-      ignore_eos).
-    prompt_index: int32 [N] the prompt (row of the input) each row was sampled from.
-    steps: int32 [C] sampling steps run by each of the C sequential chunks (<= M; smaller when
-      every row of the chunk stopped early).
-    group_size: G (static).
-    """
-
-    prompt_ids: jax.Array
-    prompt_mask: jax.Array
-    tokens: jax.Array
-    logprobs: jax.Array
-    response_mask: jax.Array
-    lengths: jax.Array
-    truncated: jax.Array
-    prompt_index: jax.Array
-    steps: jax.Array
-    group_size: int = struct.field(pytree_node=False, default=1)
-
-
-def to_train_batch(batch: RolloutBatch, *, trim_to_multiple: int | None = None) -> dict[str, jax.Array]:
-    """The train step's input: prompt (left-padded) then response (right-padded).
-
-    Returns {"input_ids" int32 [N, T], "attention_mask" int32 [N, T], "response_mask" int32
-    [N, T], "old_logp" float32 [N, T]} with T = P + M; old_logp[:, t] is the sampling log-prob
-    of input_ids[:, t] (0 outside the response), i.e. it is predicted by the logits at t - 1.
-    trim_to_multiple: drop response columns past the longest response, keeping a multiple of
-    this many (fewer train-step shapes); None keeps all M columns.
-    """
-    tokens, logprobs, resp = batch.tokens, batch.logprobs, batch.response_mask
-    if trim_to_multiple is not None:
-        if trim_to_multiple < 1:
-            raise ValueError(f"trim_to_multiple must be >= 1; got {trim_to_multiple}")
-        longest = max(int(jnp.max(batch.lengths)), 1)
-        width = min(tokens.shape[1], -(-longest // trim_to_multiple) * trim_to_multiple)
-        tokens, logprobs, resp = tokens[:, :width], logprobs[:, :width], resp[:, :width]
-    prompt_zeros = jnp.zeros_like(batch.prompt_mask)
-    return {
-        "input_ids": jnp.concatenate([batch.prompt_ids, tokens], axis=1),
-        "attention_mask": jnp.concatenate([batch.prompt_mask, resp], axis=1),
-        "response_mask": jnp.concatenate([prompt_zeros, resp], axis=1),
-        "old_logp": jnp.concatenate([prompt_zeros.astype(jnp.float32), logprobs], axis=1),
-    }
-
-
-# ----------------------------------------------------------------------------- buckets
-
-
-def prompt_bucket(n: int) -> int:
-    """Padded prompt length: a power of two >= 16 up to 2048, then a multiple of 1024."""
-    if n <= 2048:
-        return max(16, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-    return -(-n // 1024) * 1024
-
-
-def new_tokens_bucket(n: int) -> int:
-    """Response buffer length: a multiple of 64."""
-    return -(-n // 64) * 64
-
-
-def rows_bucket(n: int) -> int:
-    """Padded batch size: a power of two up to 8, then a multiple of 8."""
-    return 1 << math.ceil(math.log2(n)) if n <= 8 else -(-n // 8) * 8
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-def cache_bytes(config: ModelConfig, rows: int, slots: int, cache_dtype: Any = jnp.bfloat16) -> int:
-    """Bytes of the K and V caches, each [L, rows, slots, KVH, head_dim]."""
-    per_slot = config.num_key_value_heads * config.head_dim * jnp.dtype(cache_dtype).itemsize
-    return 2 * config.num_hidden_layers * rows * slots * per_slot
-
-
-def estimate_rollout_bytes(
-    config: ModelConfig,
-    batch: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    cache_dtype: Any = jnp.bfloat16,
-    *,
-    num_prompts: int | None = None,
-    act_dtype: Any = jnp.bfloat16,
-    layer_copy_bytes: int = 0,
-    stacked: bool = False,
-) -> int:
-    """Device bytes a rollout chunk allocates on top of the resident weights (an estimate).
-
-    batch: sequences decoded together (rows); num_prompts: distinct prompts prefilled (default
-    batch). Counts the KV cache of the decode (twice when `stacked`: a layer scan writes a new
-    stack of caches while reading the old one), the prefill's prompt-sized cache and its
-    largest activations (the MLP hidden and one layer's attention scores), the float32 logits
-    work arrays of a decode step (logits, log-softmax, filtered logits, sampling noise), and
-    `layer_copy_bytes`, the per-layer weight copies of the unrolled decode.
-    """
-    num_prompts = batch if num_prompts is None else num_prompts
-    act = jnp.dtype(act_dtype).itemsize
-    slots = prompt_len + max_new_tokens
-    decode_cache = (2 if stacked else 1) * cache_bytes(config, batch, slots, cache_dtype)
-    prefill_tokens = num_prompts * prompt_len
-    prefill = (
-        cache_bytes(config, num_prompts, prompt_len, cache_dtype)
-        + cache_bytes(config, batch, slots, cache_dtype)  # the gathered/padded copy
-        + prefill_tokens * (3 * config.intermediate_size + 4 * config.hidden_size) * act
-        + 2 * num_prompts * config.num_attention_heads * prompt_len * prompt_len * 4
-    )
-    logits = 5 * batch * config.vocab_size * 4
-    outputs = 4 * batch * max_new_tokens * 4
-    return max(decode_cache, prefill) + logits + outputs + layer_copy_bytes
-
-
-def device_free_bytes(device: jax.Device | None = None) -> int | None:
-    """bytes_limit - bytes_in_use of the device, or None where the backend does not report it."""
-    device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 (some backends raise instead of returning None)
-        return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
-# ----------------------------------------------------------------------------- programs
-
-
-def _split_layers(
-    params: dict[str, Any],
-    dense_backend: str | None = None,
-    dense_names: tuple[str, ...] | None = None,
-    wgmma_names: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
-
-    dense_backend: "xla" | "pallas" to dequantize packed weights into per-layer bf16 copies
-    (by that backend's dequantization, so the values are those of its per-step path) instead
-    of reading them packed: those of `dense_names` (default all); None keeps them packed.
-    wgmma_names: packed NVFP4 projections repacked per layer for the Hopper wgmma kernel
-    (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size); those that complete a
-    group of FUSABLE_PROJECTIONS become one `Fused` weight under the group's `fused_name`.
-
-    On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
-    before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
-    written through the scan is copied as well. Decoding layer by layer avoids both
-    (measured on an H100, Qwen2.5-7B bf16: 15.3 -> 6.1 ms per step at B=1 and 59 -> 14.5 ms
-    at B=256). Packed 4-bit weights stay stacked and are read in place (`LayerOf`: the
-    Pallas kernel takes the layer index); the other layer variables (dense weights, biases,
-    norms, LoRA) are copied into per-layer buffers once per `generate` call.
-    """
-    packed, copied = _packed_and_copied(params)
-    top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
-    if "lm_head" in params["base"]:
-        top["lm_head"] = params["base"]["lm_head"]
-    act_dtype = _act_dtype(params).name
-    layers = _layer_copies_jit(copied, act_dtype)
-    to_dense = {n: w for n, w in packed.items() if dense_names is None or n in dense_names}
-    if dense_backend is not None and to_dense:
-        for layer, dense in enumerate(_dense_layers_jit(to_dense, dense_backend, act_dtype)):
-            for name, w in dense.items():
-                layers[layer]["base"][name]["w"] = w
-        packed = {n: w for n, w in packed.items() if n not in to_dense}
-    to_wgmma = {n: w for n, w in packed.items() if n in wgmma_names}
-    if to_wgmma:
-        # The stacks stay in "packed" (the prefill reads them in place); `_layer_vars` pairs
-        # them with these copies. A reference to a whole stack in every layer's variables
-        # instead made the decode loop copy the stacks every step (+1.1 ms, H100, 7B).
-        for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
-            for name, w in repacked.items():
-                layers[layer]["base"].setdefault(name, {})["w"] = w
-        groups = fused_groups(tuple(to_wgmma))
-        if groups and "lora" in copied:  # each fused call's adapters stacked once (`linear.stack_loras`)
-            sizes = tuple(layers[0]["base"][fused_name(g)]["w"].sizes for g in groups)
-            stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
-            for layer, group_loras in zip(layers, stacked, strict=True):
-                layer["lora"] = {**layer["lora"], **group_loras}
-    return {"top": top, "packed": packed, "layers": layers}
-
-
-def fused_groups(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
-    """The groups of FUSABLE_PROJECTIONS all of whose projections are in `names`."""
-    return tuple(g for g in FUSABLE_PROJECTIONS if set(g) <= set(names))
-
-
-def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each stacked NVFP4 weight repacked for the wgmma kernel, per layer {name: `WgmmaWeight`};
-    the complete groups of FUSABLE_PROJECTIONS concatenated into {fused_name: `Fused`} instead."""
-    from pallas_kernels import wgmma_nvfp4
-
-    groups = fused_groups(tuple(packed))
-    out = []
-    for layer in _unstack(packed):
-        repacked = {name: wgmma_nvfp4.from_packed(w) for name, w in layer.items()}
-        for group in groups:
-            ws = [repacked.pop(name) for name in group]
-            fused = wgmma_nvfp4.concat(ws)
-            repacked[fused_name(group)] = Fused(fused, tuple(w.shape[0] for w in ws), max_rows=wgmma_nvfp4.MAX_ROWS)
-        out.append(repacked)
-    return out
-
-
-_wgmma_layers_jit = jax.jit(_wgmma_layers)
-
-
-def _stacked_loras(layer_loras: list[dict[str, Any]], groups: tuple) -> list[dict[str, Any]]:
-    """Per layer, {fused_name(group): the group's adapters stacked} for the ((names), sizes) in
-    groups that have any adapter."""
-    out = []
-    for loras in layer_loras:
-        stacked = {fused_name(g): stack_loras([loras.get(n) for n in g], sizes) for g, sizes in groups}
-        out.append({name: lora for name, lora in stacked.items() if lora is not None})
-    return out
-
-
-_stacked_loras_jit = jax.jit(_stacked_loras, static_argnums=1)
-
-
-def wgmma_weight_names(
-    params: dict[str, Any],
-    requested: bool | None,
-    *,
-    backend: str,
-    rows: int,
-    unroll_layers: bool,
-    exclude: tuple[str, ...] = (),
-    fits: Callable[[int], bool] = lambda extra: True,
-    kernel_available: bool | None = None,
-) -> tuple[str, ...]:
-    """The packed projections `generate` repacks for the Hopper wgmma kernel (empty: none).
-
-    requested None (auto): on backend "pallas" with unrolled layers, at most WGMMA_MAX_ROWS
-    decode rows, the kernel available (`wgmma_nvfp4.available()`, or `kernel_available`) and
-    the copies fitting `fits(bytes)`; True: wherever the kernel runs, whatever the rows; False:
-    never. Only NVFP4 projections with N and K multiples of 64, not in `exclude` (dense copies),
-    except that a group of FUSABLE_PROJECTIONS is taken whole when one of it is taken and all of it
-    has the layout (one fused call beats a kernel call plus dense dots for the small k/v).
-    """
-    if requested is False or backend != "pallas" or not unroll_layers:
-        return ()
-    from pallas_kernels import wgmma_nvfp4
-
-    if kernel_available is None:
-        kernel_available = wgmma_nvfp4.available()
-    if not kernel_available or (requested is None and rows > WGMMA_MAX_ROWS):
-        return ()
-    packed, _ = _packed_and_copied(params)
-    fit = {n for n, w in packed.items() if wgmma_nvfp4.layout_fits(w.fmt, w.shape)}
-    taken = {n for n in fit if n not in exclude}
-    for group in fused_groups(tuple(fit)):
-        if taken & set(group):
-            taken |= set(group)
-    names = tuple(sorted(taken))
-    if requested is None and not fits(wgmma_copy_bytes(params, names)):
-        return ()
-    return names
-
-
-def decode_weight_names(
-    params: dict[str, Any],
-    dense_weights: bool | None,
-    wgmma_weights: bool | None,
-    *,
-    backend: str,
-    rows: int,
-    unroll_layers: bool,
-    fits: Callable[[int], bool] = lambda extra: True,
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`generate`'s choice of (projections read from bf16 copies, projections repacked for the
-    wgmma kernel); `fits(bytes)` says whether copies of that size fit the memory budget.
-
-    The bf16 copies are chosen first (`dense_weight_names`), then the wgmma copies among the rest
-    (`wgmma_weight_names`); a small projection that completes a fused group goes to the kernel."""
-    dense = dense_weight_names(
-        params, dense_weights, backend=backend, rows=rows, unroll_layers=unroll_layers, fits=fits
-    )
-    dense_bytes = dense_copy_bytes(params, dense)
-    wgmma = wgmma_weight_names(
-        params,
-        wgmma_weights,
-        backend=backend,
-        rows=rows,
-        unroll_layers=unroll_layers,
-        exclude=dense,
-        fits=lambda extra: fits(dense_bytes + extra),
-    )
-    return tuple(n for n in dense if n not in wgmma), wgmma
-
-
-def _nbytes(x: Any, dtype: Any = None) -> int:
-    """Bytes of an array or of a `jax.ShapeDtypeStruct` (shape-only params, e.g. for `jax.eval_shape`),
-    or of a copy of it in `dtype`."""
-    return math.prod(x.shape) * jnp.dtype(x.dtype if dtype is None else dtype).itemsize
-
-
-def _act_dtype(params: dict[str, Any]) -> np.dtype:
-    """The activations' dtype: the embedding's (bf16 for a bf16 or 4-bit policy)."""
-    return jnp.dtype(params["base"]["embed"].dtype)
-
-
-def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
-    """Bytes of the repacked copies of `names` (as many as the packed codes and scales), plus the
-    stacked adapters of their fused groups (`_stacked_loras`, in the activations' dtype)."""
-    packed, copied = _packed_and_copied(params)
-    total = sum(_nbytes(packed[n].codes) + _nbytes(packed[n].scales) for n in names)
-    lora = copied.get("lora", {})
-    act_size = _act_dtype(params).itemsize
-    for group in fused_groups(names):
-        adapters = [lora[n] for n in group if n in lora]
-        if adapters:
-            layers, rank_sum = adapters[0]["a"].shape[0], sum(a["a"].shape[1] for a in adapters)
-            n_sum, k = sum(packed[n].shape[-2] for n in group), packed[group[0]].shape[-1]
-            total += layers * rank_sum * (k + n_sum) * act_size
-    return total
-
-
-def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
-    """Each stacked packed weight dequantized, one [N, K] array per layer: bf16 by the Pallas
-    dequantization kernel, or `dtype` (the activations') by `dequantize` for "xla"."""
-    num_layers = next(iter(packed.values())).codes.shape[0]
-    if backend == "pallas":
-        import pallas_kernels  # only needed on this path
-
-        deq = lambda stack, layer: pallas_kernels.dequantize_bf16(stack, layer=layer)  # noqa: E731
-    else:
-        deq = lambda stack, layer: dequantize(jax.tree.map(lambda a: a[layer], stack), dtype)  # noqa: E731
-    return [{name: deq(stack, layer) for name, stack in packed.items()} for layer in range(num_layers)]
-
-
-_dense_layers_jit = jax.jit(_dense_layers, static_argnums=(1, 2))
-
-
-def use_dense_weights(
-    requested: bool | None, *, backend: str, rows: int, dense_bytes: int, unroll_layers: bool, fits: bool
-) -> bool:
-    """`generate`'s choice of dense per-layer copies of the packed linears (see its docstring)."""
-    if requested and not unroll_layers:
-        raise ValueError("dense_weights=True needs unroll_layers=True (per-layer weight copies)")
-    if requested is not None:
-        return bool(requested) and dense_bytes > 0
-    per_step_dequant = backend == "xla" or rows >= DENSE_FROM_ROWS
-    return unroll_layers and dense_bytes > 0 and per_step_dequant and fits
-
-
-def dense_copy_bytes(params: dict[str, Any], names: tuple[str, ...] | None = None) -> int:
-    """Bytes of bf16 copies of the packed linears (of `names`, default all: what
-    `generate(dense_weights=True)` adds; float32 activations double it on the XLA backend,
-    which the estimate ignores)."""
-    packed, _ = _packed_and_copied(params)
-    # 2 weights per code byte, 2 bytes each
-    return sum(4 * stack.codes.size for n, stack in packed.items() if names is None or n in names)
-
-
-def dense_weight_names(
-    params: dict[str, Any],
-    requested: bool | None,
-    *,
-    backend: str,
-    rows: int,
-    unroll_layers: bool,
-    fits: Callable[[int], bool],
-) -> tuple[str, ...]:
-    """The packed projections `generate` decodes from bf16 copies (empty: none); `fits(bytes)`
-    says whether copies of that size fit the memory budget. See `generate`'s dense_weights."""
-    all_bytes = dense_copy_bytes(params)
-    if use_dense_weights(
-        requested, backend=backend, rows=rows, dense_bytes=all_bytes, unroll_layers=unroll_layers, fits=fits(all_bytes)
-    ):
-        return tuple(sorted(_packed_and_copied(params)[0]))
-    if requested is None and backend == "pallas" and unroll_layers:
-        small = small_packed_names(params)
-        if small and fits(dense_copy_bytes(params, small)):
-            return small
-    return ()
-
-
-def small_packed_names(params: dict[str, Any]) -> tuple[str, ...]:
-    """The packed projections of at most SMALL_DENSE_WEIGHTS weights per layer."""
-    packed, _ = _packed_and_copied(params)
-    return tuple(
-        sorted(n for n, w in packed.items() if 2 * w.codes.shape[-2] * w.codes.shape[-1] <= SMALL_DENSE_WEIGHTS)
-    )
-
-
-def _packed_and_copied(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The stacked layer variables split into ({proj: packed weight}, everything else)."""
-    base_layers = params["base"]["layers"]
-    packed = {name: p["w"] for name, p in base_layers.items() if is_packed(p["w"])}
-    copied = {
-        "base": {
-            name: {f: v for f, v in p.items() if not (f == "w" and name in packed)} for name, p in base_layers.items()
-        },
-        "norms": params["norms"]["layers"],
-    }
-    if params.get("lora"):
-        copied["lora"] = params["lora"]["layers"]
-    return packed, copied
-
-
-def layer_copy_bytes(params: dict[str, Any]) -> int:
-    """Bytes of the per-layer copies `_split_layers` makes (all but the packed weights; LoRA in
-    the activations' dtype, see `_layer_copies`)."""
-    _, copied = _packed_and_copied(params)
-    lora = copied.pop("lora", {})
-    act_dtype = _act_dtype(params)
-    return sum(_nbytes(x) for x in jax.tree.leaves(copied)) + sum(_nbytes(x, act_dtype) for x in jax.tree.leaves(lora))
-
-
-def _layer_vars(params: dict[str, Any], layer: int) -> dict[str, Any]:
-    """The variables of one layer: its copied buffers plus `LayerOf` views of the packed stacks."""
-    vars_l = params["layers"][layer]
-    if not params["packed"]:
-        return vars_l
-    index = jnp.int32(layer)
-    base = {name: dict(p) for name, p in vars_l["base"].items()}
-    for name, stack in params["packed"].items():
-        if "w" in base[name]:  # a copy for the wgmma decode kernel: decode rows use it
-            from pallas_kernels import wgmma_nvfp4
-
-            base[name]["w"] = ByRows(base[name]["w"], LayerOf(stack, index), max_rows=wgmma_nvfp4.MAX_ROWS)
-        else:
-            base[name]["w"] = LayerOf(stack, index)
-    return {**vars_l, "base": base}
-
-
-def _unstack(stacked):
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    return [jax.tree.map(lambda x, i=layer: x[i], stacked) for layer in range(num_layers)]
-
-
-def _layer_copies(copied: dict[str, Any], act_dtype: str) -> list[dict[str, Any]]:
-    """Per-layer copies of the copied stacks, LoRA cast to the activations' dtype: the matmuls cast
-    the adapters to it anyway, so a copy in it gives the same values while a decode step reads half
-    the bytes of float32 adapters and runs no convert kernels (7B, rank 32: 56 per step at B = 16)."""
-    if "lora" in copied:
-        copied = {**copied, "lora": jax.tree.map(lambda a: a.astype(act_dtype), copied["lora"])}
-    return _unstack(copied)
-
-
-_layer_copies_jit = jax.jit(_layer_copies, static_argnums=1)
-
-
-def _hidden(static, params, ids_BxT, positions_BxT, kv_valid_BxS, cache, cache_index):
-    """Final normed hidden states [B, T, D] and the updated cache, stacked or layer by layer.
-
-    Stacked (static.unroll False): params is the usual dict and cache (k, v) [L, B, S, KVH, hd],
-    run by the model's own `Qwen2` module. Unrolled: params from `_split_layers` and cache a
-    list of per-layer (k, v) [B, S, KVH, hd], each layer run by the model's `DecoderLayer`.
-    """
-    cfg = static.config
-    if not static.unroll:
-        return Qwen2(cfg, static.options).apply(
-            variables(params),
-            ids_BxT,
-            positions_BxT,
-            kv_valid_BxS,
-            cache=cache,
-            cache_index=cache_index,
-            compute_logits=False,
-        )
-    h = jnp.take(params["top"]["embed"], ids_BxT, axis=0)
-    new_cache = []
-    for layer, cache_l in enumerate(cache):
-        vars_l = _layer_vars(params, layer)
-        h, cache_l = _layer_jit(cfg, static.options, vars_l, h, cache_l, positions_BxT, kv_valid_BxS, cache_index)
-        new_cache.append(cache_l)
-    return rms_norm(h, params["top"]["final_norm"], cfg.rms_norm_eps), new_cache
-
-
-def _layer(config, options, vars_l, h, cache_l, positions_BxT, kv_valid_BxS, cache_index):
-    return DecoderLayer(config, options).apply(vars_l, h, cache_l, positions_BxT, kv_valid_BxS, cache_index)
-
-
-# A jit inside the programs: JAX traces and lowers the layer once and calls it L times (XLA
-# inlines the calls), which keeps the compile time of the unrolled programs down, notably
-# with Pallas kernels (one Triton lowering per kernel instead of one per layer).
-_layer_jit = jax.jit(_layer, static_argnums=(0, 1))
-
-
-def _lm_logits(static, params: dict[str, Any], h_BxD: jax.Array) -> jax.Array:
-    """float32 [B, V] logits of final normed hidden states (the model's own head, one position)."""
-    top = params["top"] if static.unroll else params["base"]
-    head = top["embed"] if static.config.tie_word_embeddings else top["lm_head"]
-    return jnp.einsum("bd,vd->bv", h_BxD, head.astype(h_BxD.dtype), preferred_element_type=jnp.float32)
-
-
-def _sequence_keys(key: jax.Array, seq_ids_R: jax.Array) -> jax.Array:
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, seq_ids_R)
-
-
-def _step_keys(seq_keys_R: jax.Array, step: jax.Array | int) -> jax.Array:
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(seq_keys_R, step)
+__all__ = ["RolloutBatch", "RolloutPlan", "TRACE_COUNTS", "generate", "plan_rollout", "to_train_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the compiled programs are specialised on (besides array shapes).
+class RolloutPlan:
+    """How a `generate` call runs (chosen before anything is compiled).
 
-    Only the fields of `sampling` that change the drawing are kept (max_new_tokens, stop ids
-    and pad id are runtime arguments), so they do not cause recompiles.
+    rows: the first row bucket; capacity: sequences decoded at once in it (<= rows);
+    smaller: the buckets the tail is compacted into (continuous schedule); chunk: sequences per
+    chunk (fixed schedule); admit_rows / admit_prompts: rows and prompts of one admission;
+    dense_names / wgmma_names: the weight copies (`weights.decode_weight_names`); memory: the
+    estimate (`budget.rollout_memory`, weight copies included); budget: the bytes it had to fit
+    (None: unchecked).
     """
 
-    config: ModelConfig
-    sampling: SamplingConfig
-    options: ForwardOptions
-    new_slots: int  # the new-token bucket M_b; cache slots S = P_b + M_b
-    cache_dtype: str
-    unroll: bool = True
+    rows: int
+    capacity: int
+    smaller: tuple[int, ...]
+    chunk: int
+    admit_rows: int
+    admit_prompts: int
+    dense_names: tuple[str, ...]
+    wgmma_names: tuple[str, ...]
+    memory: budget.RolloutMemory
+    budget: int | None
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return (self.rows, *self.smaller)
 
 
-def _prefill(static: _Static, params, ids_BxP, mask_BxP, rows_R, key, seq_ids_R):
-    """Prefill B prompts, expand to R rows (rows_R indexes the prompts), sample the first token.
+# Programs `generate` compiles at once (XLA's GPU compiler also autotunes GEMMs on the device
+# while it compiles; QERL_ROLLOUT_COMPILE_THREADS=1 compiles one at a time).
+COMPILE_THREADS = max(1, int(os.environ.get("QERL_ROLLOUT_COMPILE_THREADS", "4")))
+# plan_rollout's automatic row counts, by the call's shapes: (capacity, copies chosen to fit).
+_AUTO_ROWS: dict[tuple, tuple[int, bool]] = {}
 
-    seq_ids_R: each row's index in the whole rollout, for its PRNG key.
-    Returns (cache, tokens [R], logps [R]); the cache holds P + M_b slots per row (see `_hidden`).
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _row_shards(batch_sharding: jax.sharding.Sharding | None) -> int:
+    """Into how many pieces `batch_sharding` splits a leading axis (1 for None)."""
+    if batch_sharding is None:
+        return 1
+    probe = batch_sharding.num_devices  # a length the shard count divides, whatever the mesh
+    return probe // batch_sharding.shard_shape((probe,))[0]
+
+
+def plan_rollout(
+    config: ModelConfig,
+    params: dict[str, Any],
+    num_seqs: int,
+    prompt_slots: int,
+    new_slots: int,
+    *,
+    group_size: int = 1,
+    max_batch: int | None = None,
+    schedule: str = "continuous",
+    smaller_rows: Sequence[int] | None = None,
+    share_prefill: bool = True,
+    backend: str = "xla",
+    cache_dtype: Any = jnp.bfloat16,
+    unroll_layers: bool = True,
+    dense_weights: bool | None = None,
+    wgmma_weights: bool | None = None,
+    memory_budget_bytes: int | None = None,
+    shards: int = 1,
+) -> RolloutPlan:
+    """The rows, buckets and weight copies of a rollout of `num_seqs` sequences (see `generate`).
+
+    max_batch None sizes the rows to the budget (`memory_budget_bytes`, default the device's
+    free memory): the largest row bucket whose estimate, the weight copies wanted for its
+    buckets included, fits (then, if none does, the largest with the copies that still fit),
+    and later calls of the same shapes keep it while it fits (no new programs to compile); on a
+    device that reports no memory, every sequence at once. Raises MemoryError when the
+    rollout does not fit, naming what to lower.
     """
-    TRACE_COUNTS["prefill"] += 1
-    cfg = static.config
-    b, p = ids_BxP.shape
-    layer_shape = (b, p, cfg.num_key_value_heads, cfg.head_dim)
-    if static.unroll:
-        cache = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
-    else:
-        cache = (jnp.zeros((cfg.num_hidden_layers, *layer_shape), static.cache_dtype),) * 2
-    h_BxPxD, cache = _hidden(static, params, ids_BxP, positions_from_mask(mask_BxP), mask_BxP.astype(bool), cache, 0)
-    logits_BxV = _lm_logits(static, params, h_BxPxD[:, -1])
-    batch_axis = 0 if static.unroll else 1
+    if schedule not in scheduler.SCHEDULES:
+        raise ValueError(f"schedule must be one of {scheduler.SCHEDULES}; got {schedule!r}")
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
+    smaller_rows = scheduler.DEFAULT_SMALLER_ROWS if smaller_rows is None else tuple(smaller_rows)
+    if any(int(b) != b or b < 1 for b in smaller_rows):
+        raise ValueError(f"smaller_rows must be positive ints; got {smaller_rows}")
+    limit = memory_budget_bytes if memory_budget_bytes is not None else budget.device_free_bytes()
+    act_dtype = weights.act_dtype_of(params)
+    copies = weights.layer_copy_bytes(params) if unroll_layers else 0
 
-    def expand(c):  # room for the new tokens, then one row per sequence (the gather writes the output)
-        pad = [(0, 0)] * c.ndim
-        pad[batch_axis + 1] = (0, static.new_slots)
-        return jnp.take(jnp.pad(c, pad), rows_R, axis=batch_axis)
-
-    cache = jax.tree.map(expand, cache)
-    keys_R = _step_keys(_sequence_keys(key, seq_ids_R), 0)
-    tokens_R, logp_R = sample(keys_R, jnp.take(logits_BxV, rows_R, axis=0), static.sampling)
-    return cache, tokens_R, logp_R
-
-
-def _decode(
-    static: _Static,
-    params,
-    cache,
-    first_R,
-    first_logp_R,
-    mask_BxP,
-    rows_R,
-    key,
-    seq_ids_R,
-    active_R,
-    max_new,
-    stop_V,
-    pad_id,
-):
-    """The decode loop. Returns (tokens [R, M_b], logps [R, M_b], lengths [R], stopped [R], steps, cache).
-
-    stop_V: bool [V], which ids end a row; pad_id: int32 written after the stop; max_new: int32.
-    The cache is returned (and dropped by the caller) so that XLA can alias it with the donated
-    input buffer and run the loop in place instead of copying it first.
-    """
-    TRACE_COUNTS["decode"] += 1
-    sampling = static.sampling
-    mask_RxP = jnp.take(mask_BxP, rows_R, axis=0)
-    r, p = mask_RxP.shape
-    m = static.new_slots
-    seq_keys_R = _sequence_keys(key, seq_ids_R)
-    prompt_len_R = jnp.sum(mask_RxP, axis=1, dtype=jnp.int32)
-    kv_valid_RxS = jnp.concatenate([mask_RxP.astype(bool), jnp.ones((r, m), bool)], axis=1)
-
-    first_R = jnp.where(active_R, first_R, pad_id)
-    stopped_R = stop_V[first_R] & active_R
-    tokens_RxM = jnp.full((r, m), pad_id, jnp.int32).at[:, 0].set(first_R)
-    logp_RxM = jnp.zeros((r, m), jnp.float32).at[:, 0].set(jnp.where(active_R, first_logp_R, 0.0))
-    lengths_R = jnp.where(active_R, jnp.where(stopped_R, 1, max_new), 0).astype(jnp.int32)
-    init = (jnp.int32(1), cache, first_R, tokens_RxM, logp_RxM, stopped_R | ~active_R, lengths_R, stopped_R)
-
-    def cond(state):
-        step, _, _, _, _, done_R, _, _ = state
-        return (step < max_new) & ~jnp.all(done_R)
-
-    def body(state):
-        step, cache, last_R, tokens_RxM, logp_RxM, done_R, lengths_R, stopped_R = state
-        h_Rx1xD, cache = _hidden(
-            static, params, last_R[:, None], (prompt_len_R + step - 1)[:, None], kv_valid_RxS, cache, p + step - 1
+    def plan(capacity: int, choose_copies: bool) -> RolloutPlan:
+        """The plan at `capacity` sequences at once; copies wanted (False) or those that fit (True)."""
+        lay = scheduler.layout(
+            capacity,
+            group_size=group_size,
+            schedule=schedule,
+            smaller_rows=smaller_rows,
+            share_prefill=share_prefill,
+            shards=shards,
         )
-        logits_RxV = _lm_logits(static, params, h_Rx1xD[:, 0])
-        new_R, logp_R = sample(_step_keys(seq_keys_R, step), logits_RxV, sampling)
-        new_R = jnp.where(done_R, pad_id, new_R)
-        logp_R = jnp.where(done_R, 0.0, logp_R)
-        tokens_RxM = jax.lax.dynamic_update_slice(tokens_RxM, new_R[:, None], (0, step))
-        logp_RxM = jax.lax.dynamic_update_slice(logp_RxM, logp_R[:, None], (0, step))
-        hit_R = stop_V[new_R] & ~done_R
-        lengths_R = jnp.where(hit_R, step + 1, lengths_R)
-        return step + 1, cache, new_R, tokens_RxM, logp_RxM, done_R | hit_R, lengths_R, stopped_R | hit_R
+        mem = budget.rollout_memory(
+            config,
+            lay.rows,
+            prompt_slots,
+            new_slots,
+            admit_rows=lay.admit_rows,
+            admit_prompts=lay.admit_prompts,
+            compact_rows=lay.smaller[0] if lay.smaller else 0,
+            cache_dtype=cache_dtype,
+            act_dtype=act_dtype,
+            weight_copies=copies,
+            stacked=not unroll_layers,
+        )
+        fits = lambda extra: not choose_copies or limit is None or (mem.total + extra) * budget.MEMORY_MARGIN <= limit  # noqa: E731
+        dense, wgmma = weights.decode_weight_names(
+            params,
+            dense_weights,
+            wgmma_weights,
+            backend=backend,
+            rows=(lay.rows, *lay.smaller),
+            unroll_layers=unroll_layers,
+            fits=fits,
+        )
+        extra = weights.dense_copy_bytes(params, dense) + weights.wgmma_copy_bytes(params, wgmma)
+        mem = dataclasses.replace(mem, weight_copies=mem.weight_copies + extra)
+        return RolloutPlan(
+            lay.rows, lay.capacity, lay.smaller, lay.chunk, lay.admit_rows, lay.admit_prompts, dense, wgmma, mem, limit
+        )
 
-    steps, cache, _, tokens_RxM, logp_RxM, _, lengths_R, stopped_R = jax.lax.while_loop(cond, body, init)
-    return tokens_RxM, logp_RxM, lengths_R, stopped_R, steps, cache
+    def fits(p: RolloutPlan) -> bool:
+        return limit is None or p.memory.total * budget.MEMORY_MARGIN <= limit
 
-
-def _assemble(chunks, prompt_ids_BxP, prompt_mask_BxP, *, rows: tuple[int, ...], max_new: int, group_size: int):
-    """Chunk outputs (padded rows and new-token bucket) -> the RolloutBatch fields."""
-    cat = lambda i: jnp.concatenate([c[i][:n] for c, n in zip(chunks, rows)])  # noqa: E731
-    tokens, logprobs, lengths = cat(0)[:, :max_new], cat(1)[:, :max_new], cat(2)
-    prompt_index = jnp.arange(sum(rows), dtype=jnp.int32) // group_size
-    return dict(
-        prompt_ids=prompt_ids_BxP[prompt_index],
-        prompt_mask=prompt_mask_BxP[prompt_index],
-        tokens=tokens,
-        logprobs=logprobs,
-        response_mask=(jnp.arange(max_new)[None, :] < lengths[:, None]).astype(jnp.int32),
-        lengths=lengths,
-        truncated=~cat(3),
-        prompt_index=prompt_index,
-        steps=jnp.stack([c[4] for c in chunks]).astype(jnp.int32),
+    if max_batch is not None or limit is None:
+        chosen = plan(min(num_seqs, max_batch or num_seqs), choose_copies=True)
+        if not fits(chosen):
+            raise MemoryError(
+                f"rollout chunk of {chosen.rows} sequences x ({prompt_slots} prompt + {new_slots} new) slots needs "
+                f"about {_size(chosen.memory.total)} (x{budget.MEMORY_MARGIN} margin), over the "
+                f"{_size(limit)} budget; lower max_batch (rollout chunk size, now {max_batch}), the group "
+                f"size ({group_size}), the prompt batch ({num_seqs // group_size}) or max_new_tokens"
+                + (
+                    f", or pass dense_weights=False ({_size(weights.dense_copy_bytes(params, chosen.dense_names))}"
+                    " of bf16 copies)"
+                    if chosen.dense_names
+                    else ""
+                )
+            )
+        return chosen
+    # The same shapes get the same rows while they fit: a row count that moved with the free
+    # memory from one call (training step) to the next would compile new programs each time.
+    key = (config, scheduler.rows_bucket(num_seqs), prompt_slots, new_slots, group_size, schedule, smaller_rows,
+           share_prefill, backend, jnp.dtype(cache_dtype).name, unroll_layers, dense_weights, wgmma_weights, shards)  # fmt: skip
+    if key in _AUTO_ROWS:
+        chosen = plan(*_AUTO_ROWS[key])
+        if fits(chosen):
+            return dataclasses.replace(
+                chosen, capacity=min(chosen.capacity, num_seqs), chunk=min(chosen.chunk, num_seqs)
+            )
+    candidates = sorted({min(num_seqs, r) for r in scheduler.rows_candidates(num_seqs)}, reverse=True)
+    for choose_copies in (False, True):
+        for capacity in candidates:
+            chosen = plan(capacity, choose_copies)
+            if fits(chosen):
+                _AUTO_ROWS[key] = (capacity, choose_copies)
+                return chosen
+    one = plan(1, choose_copies=True)
+    raise MemoryError(
+        f"the rollout does not fit even one sequence at a time (max_batch=None sizes the rows to the budget): "
+        f"1 sequence x ({prompt_slots} prompt + {new_slots} new) slots needs about {_size(one.memory.total)} "
+        f"(x{budget.MEMORY_MARGIN} margin; weight copies {_size(one.memory.weight_copies)}, KV cache "
+        f"{_size(one.memory.kv_cache)}), over the {_size(limit)} budget (memory_budget_bytes, default the free "
+        "device memory); lower max_new_tokens or the prompt length, or free device memory"
     )
-
-
-_prefill_jit = jax.jit(_prefill, static_argnums=0)
-_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=2)
-_assemble_jit = jax.jit(_assemble, static_argnames=("rows", "max_new", "group_size"))
-
-
-# ----------------------------------------------------------------------------- driver
 
 
 def _check_prompts(config: ModelConfig, ids: np.ndarray, mask: np.ndarray, max_new: int) -> np.ndarray:
@@ -740,32 +238,50 @@ def _check_prompts(config: ModelConfig, ids: np.ndarray, mask: np.ndarray, max_n
     if np.any((ids < 0) | (ids >= config.vocab_size)):
         bad = ids[(ids < 0) | (ids >= config.vocab_size)][:5]
         raise ValueError(f"prompt_ids hold ids outside [0, vocab_size={config.vocab_size}): {bad.tolist()}")
+    context = config.max_position_embeddings
+    too_long = np.flatnonzero(lengths >= context)
+    if too_long.size:
+        raise ValueError(
+            f"prompt row(s) {too_long[:5].tolist()} have {int(lengths[too_long[0]])} tokens, as many as the model's "
+            f"context (max_position_embeddings={context}) or more; shorten the prompts (data.max_prompt_len)"
+        )
     longest = int(lengths.max())
-    if longest + max_new > config.max_position_embeddings:
+    if longest + max_new > context:
         raise ValueError(
             f"longest prompt ({longest} tokens) + max_new_tokens ({max_new}) exceeds the model's "
-            f"max_position_embeddings ({config.max_position_embeddings}); shorten the prompt or max_new_tokens"
+            f"max_position_embeddings ({context}); shorten the prompt or max_new_tokens"
         )
     return lengths
 
 
-def _row_shards(batch_sharding: jax.sharding.Sharding | None) -> int:
-    """Into how many pieces `batch_sharding` splits a leading axis (1 for None)."""
-    if batch_sharding is None:
-        return 1
-    probe = batch_sharding.num_devices  # a length the shard count divides, whatever the mesh
-    return probe // batch_sharding.shard_shape((probe,))[0]
+def _check_limits(limits: Any, num_seqs: int, max_new: int) -> np.ndarray:
+    """The int32 [N] per-sequence token limits (default max_new for every sequence)."""
+    if limits is None:
+        return np.full((num_seqs,), max_new, np.int32)
+    arr = np.asarray(limits)
+    if arr.shape != (num_seqs,) or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(
+            f"max_new_tokens_per_seq must be an int array of shape [{num_seqs}] (one per sequence); "
+            f"got {arr.dtype} {arr.shape}"
+        )
+    if arr.size and (arr.min() < 1 or arr.max() > max_new):
+        raise ValueError(
+            f"max_new_tokens_per_seq must be in [1, max_new_tokens={max_new}]; got [{arr.min()}, {arr.max()}]"
+        )
+    return arr.astype(np.int32)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _chunks(num_prompts: int, group_size: int, max_batch: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) row ranges of at most max_batch rows; whole groups when they fit."""
-    total = num_prompts * group_size
-    per_chunk = (max_batch // group_size) * group_size if group_size <= max_batch else max_batch
-    return [(s, min(s + per_chunk, total)) for s in range(0, total, per_chunk)]
+def decode_attention_backend(requested: str | None) -> str:
+    """The decode attention `generate` uses: `requested`, or by default the Pallas kernel
+    (`pallas_kernels.decode_attention`) on a GPU, whatever the weights' format (H100, 7B shapes,
+    2304 slots: 3.0x XLA's full-cache attention with every slot written, 11x at 256 ragged rows;
+    benchmarks/devtools/decode_attention_probe.py), else "xla"."""
+    if requested is not None:
+        if requested not in DECODE_ATTENTION_BACKENDS:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION_BACKENDS} or None; got {requested!r}")
+        return requested
+    kernel = importlib.util.find_spec("pallas_kernels.decode_attention") is not None
+    return "pallas" if kernel and jax.default_backend() == "gpu" else "xla"
 
 
 def generate(
@@ -789,6 +305,11 @@ def generate(
     batch_sharding: jax.sharding.Sharding | None = None,
     dense_weights: bool | None = None,
     wgmma_weights: bool | None = None,
+    schedule: str = "continuous",
+    max_new_tokens_per_seq: Sequence[int] | np.ndarray | None = None,
+    smaller_rows: Sequence[int] | None = None,
+    decode_attention: str | None = None,
+    precompile: bool = True,
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
 
@@ -801,37 +322,53 @@ def generate(
       group_size: G samples per prompt; the output has B * G rows, prompt-major.
       backend: the linear backend, "xla" or "pallas".
       cache_dtype: KV cache dtype (bfloat16; float32 for exactness tests).
-      max_batch: at most this many rows are decoded at once (sequential chunks); default all.
-      memory_budget_bytes: device bytes a chunk may use; default the device's free memory when
-        the backend reports it (GPU/TPU), else unchecked.
-      share_prefill: prefill each prompt once and copy its cache to its G rows (default); False
-        prefills the B * G repeated prompts (same results, for benchmarking the gain).
+      max_batch: at most this many sequences decode at once (any size, a group may be split
+        across refills); None (default) sizes the rows to the memory budget (`plan_rollout`),
+        or takes all B * G where the device reports no memory (CPU).
+      memory_budget_bytes: device bytes the rollout may use; default the device's free memory
+        when the backend reports it (GPU/TPU), else unchecked.
+      share_prefill: prefill a prompt once per admission and copy its cache to the rows of its
+        group's sequences (default); False prefills each sequence's prompt (same results).
       cache_new_tokens: new-token slots to allocate (>= max_new_tokens; default its bucket), e.g.
         to time a few decode steps at the cache size of a longer rollout.
-      timings: if a dict, the per-layer weight copies, the prefill and the decode of every chunk
-        are waited for and their wall-clock seconds are added under "unstack_s", "prefill_s" and
-        "decode_s" (and the sampling steps under "steps").
+      timings: if a dict, the weight copies, admissions, decode loops and compactions are waited
+        for and their wall-clock seconds are added under "unstack_s", "prefill_s", "decode_s"
+        and "compact_s" ("compile_s": the up-front compilation); "steps" adds 1 + the decode steps of every segment (for one segment:
+        the sampling steps), "decode_steps" the decode steps; "rows" is the first row bucket, "estimated_bytes" the
+        memory estimate it was sized with (`plan_rollout`).
       unroll_layers: run the layers one by one (packed weights read in place, dense weights,
         norms and LoRA over per-layer copies made for this call: +1x those in memory) with
-        per-layer caches (default; 2.5-4x faster decode on GPU, see `_split_layers`); False
-        runs the model's layer scan as is.
+        per-layer caches (default; 2.5-4x faster decode on GPU, see `weights.split_layers`);
+        False runs the model's layer scan as is.
       batch_sharding: a sharding of the leading (row) axis, e.g. NamedSharding(mesh, P("data")),
-        for data-parallel rollouts: each chunk's prompt and row arrays are placed with it (row
-        buckets rounded up to a multiple of its shard count) and jit propagates it to the KV
-        cache and the samples. Place the params first (replicated, or `sharding.shard_params`).
-        The samples equal those of one device (per-row keys).
+        for data-parallel rollouts: the KV cache, the row state and each admission's arrays are
+        placed with it (row buckets rounded up to a multiple of its shard count). Place the
+        params first (replicated, or `sharding.shard_params`). The samples equal those of one device.
       dense_weights: dequantize the packed linears to bf16 once for this call and decode with
         the dense copies (+2 bytes per weight in memory while it runs). None (default) does so
-        where the per-step path would dequantize anyway (backend "xla", or "pallas" with at
-        least DENSE_FROM_ROWS decode rows) and the copies fit in the memory budget; below
-        that, on "pallas", only for the small projections (SMALL_DENSE_WEIGHTS), where the
-        kernel is slower than a bf16 dot, unless the wgmma kernel runs them fused with a larger
-        one (k/v with q). Unrolled layers only.
-      wgmma_weights: repack the other NVFP4 projections once for this call for the Hopper
-        wgmma decode kernel (+4.5 bits per weight while it runs); None (default) does so on a
-        Hopper GPU with backend "pallas", unrolled layers and at most WGMMA_MAX_ROWS decode
-        rows, when the copies fit; False never (the Triton kernel reads them in place). The copies
-        of q/k/v and of gate/up are concatenated per layer and run as one call each.
+        where the per-step path would dequantize anyway (backend "xla", or "pallas" with a row
+        bucket of at least DENSE_FROM_ROWS rows) and the copies fit in the memory budget; else,
+        on "pallas", only for the small projections (SMALL_DENSE_WEIGHTS), where the kernel is
+        slower than a bf16 dot, unless the wgmma kernel runs them fused with a larger one (k/v
+        with q). Unrolled layers only.
+      wgmma_weights: repack the NVFP4 projections once for this call for the Hopper wgmma decode
+        kernel (+4.5 bits per weight while it runs); None (default) does so on a Hopper GPU
+        with backend "pallas", unrolled layers and a row bucket of at most WGMMA_MAX_ROWS rows,
+        when the copies fit; False never (the Triton kernel reads them in place). The copies of
+        q/k/v and of gate/up are concatenated per layer and run as one call each. With bf16
+        copies as well, buckets above the kernel's rows read those.
+      schedule: "continuous" (default: retire, refill, compact into `smaller_rows`) or "fixed"
+        (chunks of max_batch rows, whole groups where they fit, each decoded until all of its
+        rows stop); see `scheduler`. Same samples either way.
+      max_new_tokens_per_seq: int [B * G] each sequence's token limit (<= max_new_tokens); a
+        sequence stopped by it is truncated, like one stopped by max_new_tokens.
+      smaller_rows: the row buckets the continuous schedule compacts the tail into (those below
+        the call's rows; default `scheduler.DEFAULT_SMALLER_ROWS`); () never compacts.
+      decode_attention: "xla" (a masked softmax over the whole cache) or "pallas" (the kernel
+        reads each row's slots only); None: `decode_attention_backend`.
+      precompile: compile the call's programs (its admission, the decode of every row bucket,
+        the compactions between them) up front, COMPILE_THREADS at once (default; not with
+        batch_sharding); False compiles each when first run.
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
     """
@@ -843,9 +380,12 @@ def generate(
     mask_np = np.asarray(prompt_mask)
     lengths = _check_prompts(config, ids_np, mask_np, sampling.max_new_tokens)
     ids_np, mask_np = ids_np.astype(np.int32), mask_np.astype(np.int32)
-
     num_prompts = ids_np.shape[0]
-    p_b = prompt_bucket(int(lengths.max()))
+    total = num_prompts * group_size
+    limits = _check_limits(max_new_tokens_per_seq, total, sampling.max_new_tokens)
+    attention = decode_attention_backend(decode_attention)
+
+    p_b = scheduler.prompt_bucket(int(lengths.max()))
     width = ids_np.shape[1]
     if width >= p_b:  # drop leading columns that are padding in every row
         ids_np, mask_np = ids_np[:, width - p_b :], mask_np[:, width - p_b :]
@@ -858,122 +398,184 @@ def generate(
     bad_ids = [i for i in (*stop_ids, pad_id) if not 0 <= i < config.vocab_size]
     if bad_ids:
         raise ValueError(f"stop/pad ids {bad_ids} are outside [0, vocab_size={config.vocab_size})")
-    new_slots = new_tokens_bucket(sampling.max_new_tokens) if cache_new_tokens is None else int(cache_new_tokens)
+    new_slots = (
+        scheduler.new_tokens_bucket(sampling.max_new_tokens) if cache_new_tokens is None else int(cache_new_tokens)
+    )
     if new_slots < sampling.max_new_tokens:
         raise ValueError(f"cache_new_tokens ({cache_new_tokens}) must be >= max_new_tokens ({sampling.max_new_tokens})")
     stop_V = np.zeros((config.vocab_size,), bool)
     stop_V[list(stop_ids)] = True
-    static = _Static(
+    static = programs.Static(
         config=config,
         sampling=SamplingConfig(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, greedy=sampling.greedy
         ),
-        options=ForwardOptions(lora_scale=float(lora_scale), backend=backend),
+        options=ForwardOptions(lora_scale=float(lora_scale), backend=backend, decode_attention=attention),
         new_slots=new_slots,
         cache_dtype=jnp.dtype(cache_dtype).name,
         unroll=unroll_layers,
     )
-
-    total = num_prompts * group_size
-    chunks = _chunks(num_prompts, group_size, max_batch or total)
-    rows_b = rows_bucket(max(stop - start for start, stop in chunks))
-    prompts_per_chunk = [((stop - 1) // group_size) - (start // group_size) + 1 for start, stop in chunks]
-    prompts_b = rows_b if not share_prefill else rows_bucket(max(prompts_per_chunk))
     shards = _row_shards(batch_sharding)
-    rows_b, prompts_b = _round_up(rows_b, shards), _round_up(prompts_b, shards)
-    put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
-
-    need = estimate_rollout_bytes(
+    plan = plan_rollout(
         config,
-        rows_b,
-        p_b,
-        static.new_slots,
-        cache_dtype,
-        num_prompts=prompts_b,
-        act_dtype=_act_dtype(params),
-        stacked=not unroll_layers,
-        layer_copy_bytes=layer_copy_bytes(params) if unroll_layers else 0,
-    )
-    budget = memory_budget_bytes if memory_budget_bytes is not None else device_free_bytes()
-    dense_names, wgmma_names = decode_weight_names(
         params,
-        dense_weights,
-        wgmma_weights,
+        total,
+        p_b,
+        new_slots,
+        group_size=group_size,
+        max_batch=max_batch,
+        schedule=schedule,
+        smaller_rows=smaller_rows,
+        share_prefill=share_prefill,
         backend=backend,
-        rows=rows_b,
+        cache_dtype=cache_dtype,
         unroll_layers=unroll_layers,
-        fits=lambda extra: budget is None or (need + extra) * MEMORY_MARGIN <= budget,
+        dense_weights=dense_weights,
+        wgmma_weights=wgmma_weights,
+        memory_budget_bytes=memory_budget_bytes,
+        shards=shards,
     )
-    dense_bytes = dense_copy_bytes(params, dense_names)
-    need += dense_bytes + wgmma_copy_bytes(params, wgmma_names)
-    if budget is not None and need * MEMORY_MARGIN > budget:
-        raise MemoryError(
-            f"rollout chunk of {rows_b} sequences x ({p_b} prompt + {static.new_slots} new) slots needs about "
-            f"{need / 2**30:.2f} GiB (x{MEMORY_MARGIN} margin), over the {budget / 2**30:.2f} GiB budget; lower "
-            f"max_batch (rollout chunk size, now {max_batch}), the group size ({group_size}), the prompt batch "
-            f"({num_prompts}) or "
-            f"max_new_tokens ({sampling.max_new_tokens})"
-            + (f", or pass dense_weights=False ({dense_bytes / 2**30:.2f} GiB of bf16 copies)" if dense_names else "")
-        )
 
-    t0 = time.perf_counter()
+    clock = _Clock(timings)
     if unroll_layers:
-        run_params = _split_layers(params, backend if dense_names else None, dense_names or None, wgmma_names)
+        dense = plan.dense_names
+        run_params = weights.split_layers(params, backend if dense else None, dense or None, plan.wgmma_names)
     else:
         run_params = params
-    if timings is not None:
-        jax.block_until_ready(run_params)
-        timings["unstack_s"] = timings.get("unstack_s", 0.0) + time.perf_counter() - t0
-    # A filler prompt for padded rows: one real (pad) token, so no row is fully masked.
-    filler_ids = np.zeros((p_b,), np.int32)
-    filler_mask = np.zeros((p_b,), np.int32)
-    filler_mask[-1] = 1
-    outs, rows_per_chunk = [], []
-    for start, stop in chunks:
-        n = stop - start
-        prompt_of_row = np.arange(start, stop) // group_size
-        if share_prefill:
-            chunk_prompts = np.arange(prompt_of_row[0], prompt_of_row[-1] + 1)
-            rows = prompt_of_row - prompt_of_row[0]
-        else:
-            chunk_prompts, rows = prompt_of_row, np.arange(n)
-        ids_c = np.tile(filler_ids, (prompts_b, 1))
-        mask_c = np.tile(filler_mask, (prompts_b, 1))
-        ids_c[: len(chunk_prompts)] = ids_np[chunk_prompts]
-        mask_c[: len(chunk_prompts)] = mask_np[chunk_prompts]
-        rows_c = np.zeros((rows_b,), np.int32)
-        rows_c[:n] = rows
-        seq_ids = np.minimum(np.arange(rows_b) + start, total - 1).astype(np.uint32)
-        ids_c, mask_c, rows_c, seq_ids = map(put, (ids_c, mask_c, rows_c, seq_ids))
-        t0 = time.perf_counter()
-        cache, first, first_logp = _prefill_jit(static, run_params, ids_c, mask_c, rows_c, key, seq_ids)
-        if timings is not None:
-            jax.block_until_ready(first)
-            t1 = time.perf_counter()
-            timings["prefill_s"] = timings.get("prefill_s", 0.0) + t1 - t0
-        *out, cache = _decode_jit(
-            static,
-            run_params,
-            cache,
-            first,
-            first_logp,
-            mask_c,
-            rows_c,
-            key,
-            seq_ids,
-            put(np.arange(rows_b) < n),
-            np.int32(sampling.max_new_tokens),
-            stop_V,
-            np.int32(pad_id),
-        )
-        del cache  # free it before the next chunk's prefill allocates another
-        if timings is not None:
-            jax.block_until_ready(out)
-            timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
-            timings["steps"] = timings.get("steps", 0) + int(out[4])
-        outs.append(tuple(out))
-        rows_per_chunk.append(n)
-    fields = _assemble_jit(
-        outs, ids_np, mask_np, rows=tuple(rows_per_chunk), max_new=sampling.max_new_tokens, group_size=group_size
+    clock.lap("unstack_s", run_params)
+    if precompile and batch_sharding is None:
+        _precompile(static, run_params, plan, p_b, key, stop_V)
+        clock.lap("compile_s")
+    put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
+    sched = scheduler.Scheduler(
+        total, rows=plan.rows, capacity=plan.capacity, schedule=schedule, smaller=plan.smaller, chunk=plan.chunk
     )
-    return RolloutBatch(**fields, group_size=group_size)
+    cache, rows = programs.new_rows(static, plan.rows, p_b, pad_id, batch_sharding)
+    prompt_of_seq = np.arange(total) // group_size
+    out = _Outputs(total, sampling.max_new_tokens, pad_id)
+    segments = []
+    while not sched.finished:
+        seqs, dest = sched.admissions()
+        for i in range(0, len(seqs), plan.admit_rows):
+            args = _admission(
+                ids_np, mask_np, prompt_of_seq, limits, seqs[i : i + plan.admit_rows], dest[i : i + plan.admit_rows],
+                rows=sched.rows, admit_rows=plan.admit_rows, admit_prompts=plan.admit_prompts, share=share_prefill,
+            )  # fmt: skip
+            cache, rows = programs.admit(
+                static, run_params, cache, rows, *map(put, args), key, stop_V, np.int32(pad_id)
+            )
+        clock.lap("prefill_s", rows)
+        cache, rows, steps = programs.decode(static, run_params, cache, rows, key, stop_V, np.int32(sched.exit_live()))
+        live = np.asarray(rows.live)
+        clock.lap("decode_s")
+        segments.append(int(steps))
+        done_rows, done_seqs = sched.retire(live)
+        if done_rows.size:
+            out.harvest(jax.device_get((rows.t, rows.stopped, rows.tokens, rows.logp)), done_rows, done_seqs)
+        keep = sched.compaction()
+        if keep is not None:
+            valid = sched.row_seq >= 0
+            cache, rows = programs.compact(static, cache, rows, put(keep.astype(np.int32)), put(valid))
+            clock.lap("compact_s", rows)
+    del cache, rows
+    if timings is not None:
+        timings["steps"] = timings.get("steps", 0) + sum(s + 1 for s in segments)
+        timings["decode_steps"] = timings.get("decode_steps", 0) + sum(segments)
+        timings["rows"] = plan.rows
+        timings["estimated_bytes"] = plan.memory.total
+    prompt_index = np.arange(total, dtype=np.int32) // group_size
+    response_mask = (np.arange(sampling.max_new_tokens)[None, :] < out.lengths[:, None]).astype(np.int32)
+    return RolloutBatch(
+        prompt_ids=jnp.asarray(ids_np[prompt_index]),
+        prompt_mask=jnp.asarray(mask_np[prompt_index]),
+        tokens=jnp.asarray(out.tokens),
+        logprobs=jnp.asarray(out.logprobs),
+        response_mask=jnp.asarray(response_mask),
+        lengths=jnp.asarray(out.lengths),
+        truncated=jnp.asarray(~out.stopped),
+        prompt_index=jnp.asarray(prompt_index),
+        steps=jnp.asarray(np.asarray([s + 1 for s in segments], np.int32)),
+        group_size=group_size,
+    )
+
+
+def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_slots: int, key, stop_V) -> None:
+    """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
+    compiles; tracing stays serial): `jax.jit`'s cache then serves the calls. Programs compiled
+    before (an earlier call, or the persistent compilation cache) come back at once."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    key_spec = jax.ShapeDtypeStruct(key.shape, key.dtype)
+    stop_spec = spec(stop_V.shape, stop_V.dtype)
+    buckets = {b: jax.eval_shape(lambda b=b: programs._empty(static, b, prompt_slots, 0)) for b in plan.buckets}
+    k, bp = plan.admit_rows, plan.admit_prompts
+    admission = (
+        spec((bp, prompt_slots), jnp.int32), spec((bp, prompt_slots), jnp.int32), spec((k,), jnp.int32),
+        spec((k,), jnp.int32), spec((k,), jnp.uint32), spec((k,), jnp.int32), key_spec, stop_spec, scalar,
+    )  # fmt: skip
+    jobs = [(programs.admit, (static, run_params, *buckets[plan.rows], *admission))]
+    jobs += [(programs.decode, (static, run_params, *buckets[b], key_spec, stop_spec, scalar)) for b in plan.buckets]
+    for big, small in zip(plan.buckets, plan.buckets[1:]):
+        jobs.append((programs.compact, (static, *buckets[big], spec((small,), jnp.int32), spec((small,), bool))))
+    traced = [fn.trace(*args).lower() for fn, args in jobs]  # tracing holds the GIL: serial
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(traced), COMPILE_THREADS)) as pool:
+        list(pool.map(lambda lowered: lowered.compile(), traced))
+
+
+def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share):
+    """The host arrays of one `programs.admit` call: (ids, mask, src, dest, seq, limit), padded
+    to admit_prompts prompts (filler: one real pad token) and admit_rows sequences (dest = rows:
+    dropped)."""
+    p = ids_np.shape[1]
+    prompts = np.unique(prompt_of_seq[seqs]) if share else prompt_of_seq[seqs]
+    ids = np.zeros((admit_prompts, p), np.int32)
+    mask = np.zeros((admit_prompts, p), np.int32)
+    mask[:, -1] = 1  # fillers: one real token, so no row is fully masked
+    ids[: len(prompts)] = ids_np[prompts]
+    mask[: len(prompts)] = mask_np[prompts]
+    count = len(seqs)
+    src = np.zeros((admit_rows,), np.int32)
+    src[:count] = np.searchsorted(prompts, prompt_of_seq[seqs]) if share else np.arange(count)
+    dest_k = np.full((admit_rows,), rows, np.int32)
+    dest_k[:count] = dest
+    seq_k = np.zeros((admit_rows,), np.uint32)
+    seq_k[:count] = seqs
+    limit_k = np.ones((admit_rows,), np.int32)
+    limit_k[:count] = limits[seqs]
+    return ids, mask, src, dest_k, seq_k, limit_k
+
+
+class _Outputs:
+    """The [N, M] outputs, filled in as sequences retire."""
+
+    def __init__(self, num_seqs: int, max_new: int, pad_id: int):
+        self.tokens = np.full((num_seqs, max_new), pad_id, np.int32)
+        self.logprobs = np.zeros((num_seqs, max_new), np.float32)
+        self.lengths = np.zeros((num_seqs,), np.int32)
+        self.stopped = np.zeros((num_seqs,), bool)
+
+    def harvest(self, state, rows: np.ndarray, seqs: np.ndarray) -> None:
+        t, stopped, tokens, logp = state
+        m = self.tokens.shape[1]
+        self.lengths[seqs] = t[rows]
+        self.stopped[seqs] = stopped[rows]
+        self.tokens[seqs] = tokens[rows, :m]
+        self.logprobs[seqs] = logp[rows, :m]
+
+
+class _Clock:
+    """Adds wall-clock seconds per phase to `timings` (waiting for the phase's outputs); a no-op
+    without timings."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def lap(self, name: str, wait: Any = None) -> None:
+        if self.timings is None:
+            return
+        if wait is not None:
+            jax.block_until_ready(wait)
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self.t
+        self.t = now

@@ -1,0 +1,64 @@
+"""The output of a rollout (`RolloutBatch`) and its conversion to the train step's input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class RolloutBatch:
+    """The output of `generate`; N = B * group_size rows, row b * G + g = sample g of prompt b.
+
+    prompt_ids: int32 [N, P] left-padded prompts (P = the prompt bucket).
+    prompt_mask: int32 [N, P] 1 on real prompt tokens.
+    tokens: int32 [N, M] sampled response ids (M = max_new_tokens), pad_id after the stop.
+    logprobs: float32 [N, M] log_softmax(logits / T) of each sampled token (before top-k/top-p
+      truncation), 0 after the stop.
+    response_mask: int32 [N, M] 1 up to and including the EOS/stop token.
+    lengths: int32 [N] response lengths (EOS included).
+    truncated: bool [N] True where no EOS/stop id came within the row's token limit
+      (max_new_tokens or its own; always True with ignore_eos).
+    prompt_index: int32 [N] the prompt (row of the input) each row was sampled from.
+    steps: int32 [C] per decode segment (a run of the decode loop between admissions and
+      compactions), 1 + the steps it ran: with the fixed schedule, the sampling steps of each
+      of the C sequential chunks (<= M; smaller when every row of the chunk stopped early).
+    group_size: G (static).
+    """
+
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    response_mask: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+    prompt_index: jax.Array
+    steps: jax.Array
+    group_size: int = struct.field(pytree_node=False, default=1)
+
+
+def to_train_batch(batch: RolloutBatch, *, trim_to_multiple: int | None = None) -> dict[str, jax.Array]:
+    """The train step's input: prompt (left-padded) then response (right-padded).
+
+    Returns {"input_ids" int32 [N, T], "attention_mask" int32 [N, T], "response_mask" int32
+    [N, T], "old_logp" float32 [N, T]} with T = P + M; old_logp[:, t] is the sampling log-prob
+    of input_ids[:, t] (0 outside the response), i.e. it is predicted by the logits at t - 1.
+    trim_to_multiple: drop response columns past the longest response, keeping a multiple of
+    this many (fewer train-step shapes); None keeps all M columns.
+    """
+    tokens, logprobs, resp = batch.tokens, batch.logprobs, batch.response_mask
+    if trim_to_multiple is not None:
+        if trim_to_multiple < 1:
+            raise ValueError(f"trim_to_multiple must be >= 1; got {trim_to_multiple}")
+        longest = max(int(jnp.max(batch.lengths)), 1)
+        width = min(tokens.shape[1], -(-longest // trim_to_multiple) * trim_to_multiple)
+        tokens, logprobs, resp = tokens[:, :width], logprobs[:, :width], resp[:, :width]
+    prompt_zeros = jnp.zeros_like(batch.prompt_mask)
+    return {
+        "input_ids": jnp.concatenate([batch.prompt_ids, tokens], axis=1),
+        "attention_mask": jnp.concatenate([batch.prompt_mask, resp], axis=1),
+        "response_mask": jnp.concatenate([prompt_zeros, resp], axis=1),
+        "old_logp": jnp.concatenate([prompt_zeros.astype(jnp.float32), logprobs], axis=1),
+    }

@@ -1,0 +1,400 @@
+"""The policy's weights as the rollout's programs read them, prepared once per `generate` call.
+
+    run_params = split_layers(params, dense_backend, dense_names, wgmma_names)
+    vars_l = layer_vars(run_params, layer)  # one layer's variables for the model's DecoderLayer
+
+- Per-layer copies of every stacked layer variable except packed 4-bit weights (which stay
+  stacked and are read in place, `LayerOf`), LoRA adapters in the activations' dtype.
+- Optional bf16 copies of packed projections (`dense_names`): the per-step path would
+  dequantize them anyway (XLA, or the Pallas kernels above 64 rows), or they are small.
+- Optional copies of NVFP4 projections repacked for the Hopper wgmma decode kernel
+  (`wgmma_names`), q/k/v and gate/up concatenated into one call each (`Fused`), their LoRA
+  adapters stacked (`linear.stack_loras`). A decode program of at most `wgmma_nvfp4.MAX_ROWS`
+  rows runs these; larger ones (and the prefill) read the bf16 copy or the packed stack
+  (`ByRows`), so one call can decode a large row bucket on bf16 copies and, once its rows are
+  compacted, the small buckets on the kernel.
+
+`decode_weight_names` chooses the copies for a call from its row buckets and the memory budget;
+`layer_copy_bytes`, `dense_copy_bytes` and `wgmma_copy_bytes` are their sizes (for the estimate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
+from qerl_jax.models.qwen2 import FUSABLE_PROJECTIONS, fused_name
+from qerl_jax.quant.packed import dequantize, is_packed
+
+# From this many decode rows the Pallas kernels dequantize packed weights to bf16 before a
+# cuBLAS dot (the autotune table's "dequant" mode, M > 64), every decode step. `generate`
+# then dequantizes once per call instead (`dense_weights`), when the copies fit.
+DENSE_FROM_ROWS = 65
+# Below that, packed matrices of at most this many weights per layer also get bf16 copies:
+# there the W4A16 kernel loses to a bf16 dot (launch-bound; H100: Qwen2.5-7B k/v, 512 x 3584,
+# 0.48-0.65x and 32B k/v, 1024 x 5120, 0.71-0.77x at M <= 16, while 7B q/o, 3584 x 3584, is
+# 0.9-1.4x; benchmarks/RESULTS.md table A3), and their copies are small (7B: 0.2 GB).
+SMALL_DENSE_WEIGHTS = 6 * 2**20
+
+# Up to this many decode rows, on a Hopper GPU with the "pallas" backend, the packed NVFP4
+# projections are repacked once per `generate` call for the Mosaic GPU wgmma kernel
+# (pallas_kernels/wgmma_nvfp4.py; H100: 2.1-2.8x a bf16 dot on the 7B / 32B MLP shapes at
+# M <= 16 and 1.2-2.2x at M = 64, 0.75-1.3x on q/o, against 0.9-1.3x for the Triton kernel; the
+# 7B rollout step 1.5x bf16 at 64 rows with it, 0.96x without; RESULTS.md), q/k/v and gate/up
+# concatenated into one call each (FUSABLE_PROJECTIONS; k/v then skip their small copies).
+WGMMA_MAX_ROWS = 64
+
+
+def split_layers(
+    params: dict[str, Any],
+    dense_backend: str | None = None,
+    dense_names: tuple[str, ...] | None = None,
+    wgmma_names: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
+
+    dense_backend: "xla" | "pallas" to dequantize packed weights into per-layer bf16 copies
+    (by that backend's dequantization, so the values are those of its per-step path) instead
+    of reading them packed: those of `dense_names` (default all); None keeps them packed.
+    wgmma_names: packed NVFP4 projections repacked per layer for the Hopper wgmma kernel
+    (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size); those that complete a
+    group of FUSABLE_PROJECTIONS become one `Fused` weight under the group's `fused_name`. A
+    projection with both copies reads the repacked one up to the kernel's rows, else the bf16 one.
+
+    On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
+    before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
+    written through the scan is copied as well. Decoding layer by layer avoids both
+    (measured on an H100, Qwen2.5-7B bf16: 15.3 -> 6.1 ms per step at B=1 and 59 -> 14.5 ms
+    at B=256). Packed 4-bit weights stay stacked and are read in place (`LayerOf`: the
+    Pallas kernel takes the layer index); the other layer variables (dense weights, biases,
+    norms, LoRA) are copied into per-layer buffers once per `generate` call.
+    """
+    packed, copied = _packed_and_copied(params)
+    top = {"embed": params["base"]["embed"], "final_norm": params["norms"]["final_norm"]}
+    if "lm_head" in params["base"]:
+        top["lm_head"] = params["base"]["lm_head"]
+    act_dtype = act_dtype_of(params).name
+    layers = _layer_copies_jit(copied, act_dtype)
+    to_wgmma = {n: w for n, w in packed.items() if n in wgmma_names}
+    to_dense = {n: w for n, w in packed.items() if dense_names is None or n in dense_names}
+    if dense_backend is not None and to_dense:
+        for layer, dense in enumerate(_dense_layers_jit(to_dense, dense_backend, act_dtype)):
+            for name, w in dense.items():
+                layers[layer]["base"][name]["w"] = w
+        packed = {n: w for n, w in packed.items() if n not in to_dense}
+    if to_wgmma:
+        from pallas_kernels import wgmma_nvfp4
+
+        # Those still packed stay in "packed" (the prefill reads them in place); `layer_vars`
+        # pairs them with these copies. A reference to a whole stack in every layer's variables
+        # instead made the decode loop copy the stacks every step (+1.1 ms, H100, 7B).
+        for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
+            for name, w in repacked.items():
+                entry = layers[layer]["base"].setdefault(name, {})
+                entry["w"] = ByRows(w, entry["w"], max_rows=wgmma_nvfp4.MAX_ROWS) if "w" in entry else w
+        groups = fused_groups(tuple(to_wgmma))
+        if groups and "lora" in copied:  # each fused call's adapters stacked once (`linear.stack_loras`)
+            sizes = tuple(layers[0]["base"][fused_name(g)]["w"].sizes for g in groups)
+            stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
+            for layer, group_loras in zip(layers, stacked, strict=True):
+                layer["lora"] = {**layer["lora"], **group_loras}
+    return {"top": top, "packed": packed, "layers": layers}
+
+
+def layer_vars(run_params: dict[str, Any], layer: int) -> dict[str, Any]:
+    """The variables of one layer: its copied buffers plus `LayerOf` views of the packed stacks."""
+    vars_l = run_params["layers"][layer]
+    if not run_params["packed"]:
+        return vars_l
+    index = jnp.int32(layer)
+    base = {name: dict(p) for name, p in vars_l["base"].items()}
+    for name, stack in run_params["packed"].items():
+        if "w" in base[name]:  # a copy for the wgmma decode kernel: decode rows use it
+            from pallas_kernels import wgmma_nvfp4
+
+            base[name]["w"] = ByRows(base[name]["w"], LayerOf(stack, index), max_rows=wgmma_nvfp4.MAX_ROWS)
+        else:
+            base[name]["w"] = LayerOf(stack, index)
+    return {**vars_l, "base": base}
+
+
+def fused_groups(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The groups of FUSABLE_PROJECTIONS all of whose projections are in `names`."""
+    return tuple(g for g in FUSABLE_PROJECTIONS if set(g) <= set(names))
+
+
+def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each stacked NVFP4 weight repacked for the wgmma kernel, per layer {name: `WgmmaWeight`};
+    the complete groups of FUSABLE_PROJECTIONS concatenated into {fused_name: `Fused`} instead."""
+    from pallas_kernels import wgmma_nvfp4
+
+    groups = fused_groups(tuple(packed))
+    out = []
+    for layer in _unstack(packed):
+        repacked = {name: wgmma_nvfp4.from_packed(w) for name, w in layer.items()}
+        for group in groups:
+            ws = [repacked.pop(name) for name in group]
+            fused = wgmma_nvfp4.concat(ws)
+            repacked[fused_name(group)] = Fused(fused, tuple(w.shape[0] for w in ws), max_rows=wgmma_nvfp4.MAX_ROWS)
+        out.append(repacked)
+    return out
+
+
+_wgmma_layers_jit = jax.jit(_wgmma_layers)
+
+
+def _stacked_loras(layer_loras: list[dict[str, Any]], groups: tuple) -> list[dict[str, Any]]:
+    """Per layer, {fused_name(group): the group's adapters stacked} for the ((names), sizes) in
+    groups that have any adapter."""
+    out = []
+    for loras in layer_loras:
+        stacked = {fused_name(g): stack_loras([loras.get(n) for n in g], sizes) for g, sizes in groups}
+        out.append({name: lora for name, lora in stacked.items() if lora is not None})
+    return out
+
+
+_stacked_loras_jit = jax.jit(_stacked_loras, static_argnums=1)
+
+
+def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
+    """Each stacked packed weight dequantized, one [N, K] array per layer: bf16 by the Pallas
+    dequantization kernel, or `dtype` (the activations') by `dequantize` for "xla"."""
+    num_layers = next(iter(packed.values())).codes.shape[0]
+    if backend == "pallas":
+        import pallas_kernels  # only needed on this path
+
+        deq = lambda stack, layer: pallas_kernels.dequantize_bf16(stack, layer=layer)  # noqa: E731
+    else:
+        deq = lambda stack, layer: dequantize(jax.tree.map(lambda a: a[layer], stack), dtype)  # noqa: E731
+    return [{name: deq(stack, layer) for name, stack in packed.items()} for layer in range(num_layers)]
+
+
+_dense_layers_jit = jax.jit(_dense_layers, static_argnums=(1, 2))
+
+
+def _unstack(stacked):
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    return [jax.tree.map(lambda x, i=layer: x[i], stacked) for layer in range(num_layers)]
+
+
+def _layer_copies(copied: dict[str, Any], act_dtype: str) -> list[dict[str, Any]]:
+    """Per-layer copies of the copied stacks, LoRA cast to the activations' dtype: the matmuls cast
+    the adapters to it anyway, so a copy in it gives the same values while a decode step reads half
+    the bytes of float32 adapters and runs no convert kernels (7B, rank 32: 56 per step at B = 16)."""
+    if "lora" in copied:
+        copied = {**copied, "lora": jax.tree.map(lambda a: a.astype(act_dtype), copied["lora"])}
+    return _unstack(copied)
+
+
+_layer_copies_jit = jax.jit(_layer_copies, static_argnums=1)
+
+
+def _packed_and_copied(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stacked layer variables split into ({proj: packed weight}, everything else)."""
+    base_layers = params["base"]["layers"]
+    packed = {name: p["w"] for name, p in base_layers.items() if is_packed(p["w"])}
+    copied = {
+        "base": {
+            name: {f: v for f, v in p.items() if not (f == "w" and name in packed)} for name, p in base_layers.items()
+        },
+        "norms": params["norms"]["layers"],
+    }
+    if params.get("lora"):
+        copied["lora"] = params["lora"]["layers"]
+    return packed, copied
+
+
+def packed_names(params: dict[str, Any]) -> tuple[str, ...]:
+    """The projections stored packed (4-bit), sorted."""
+    return tuple(sorted(_packed_and_copied(params)[0]))
+
+
+# ----------------------------------------------------------------------------- choices
+
+
+def _rows_tuple(rows: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (rows,) if isinstance(rows, int) else tuple(rows)
+
+
+def use_dense_weights(
+    requested: bool | None,
+    *,
+    backend: str,
+    rows: int | tuple[int, ...],
+    dense_bytes: int,
+    unroll_layers: bool,
+    fits: bool,
+) -> bool:
+    """`generate`'s choice of bf16 copies of all packed linears (see its dense_weights).
+
+    rows: the decode row bucket(s) of the call; by default copies are made where a bucket's
+    per-step path would dequantize anyway (backend "xla", or at least DENSE_FROM_ROWS rows)."""
+    if requested and not unroll_layers:
+        raise ValueError("dense_weights=True needs unroll_layers=True (per-layer weight copies)")
+    if requested is not None:
+        return bool(requested) and dense_bytes > 0
+    per_step_dequant = backend == "xla" or max(_rows_tuple(rows)) >= DENSE_FROM_ROWS
+    return unroll_layers and dense_bytes > 0 and per_step_dequant and fits
+
+
+def dense_weight_names(
+    params: dict[str, Any],
+    requested: bool | None,
+    *,
+    backend: str,
+    rows: int | tuple[int, ...],
+    unroll_layers: bool,
+    fits: Callable[[int], bool],
+) -> tuple[str, ...]:
+    """The packed projections `generate` decodes from bf16 copies (empty: none); `fits(bytes)`
+    says whether copies of that size fit the memory budget. See `generate`'s dense_weights."""
+    all_bytes = dense_copy_bytes(params)
+    if use_dense_weights(
+        requested, backend=backend, rows=rows, dense_bytes=all_bytes, unroll_layers=unroll_layers, fits=fits(all_bytes)
+    ):
+        return packed_names(params)
+    if requested is None and backend == "pallas" and unroll_layers:
+        small = small_packed_names(params)
+        if small and fits(dense_copy_bytes(params, small)):
+            return small
+    return ()
+
+
+def small_packed_names(params: dict[str, Any]) -> tuple[str, ...]:
+    """The packed projections of at most SMALL_DENSE_WEIGHTS weights per layer."""
+    packed, _ = _packed_and_copied(params)
+    return tuple(
+        sorted(n for n, w in packed.items() if 2 * w.codes.shape[-2] * w.codes.shape[-1] <= SMALL_DENSE_WEIGHTS)
+    )
+
+
+def wgmma_weight_names(
+    params: dict[str, Any],
+    requested: bool | None,
+    *,
+    backend: str,
+    rows: int | tuple[int, ...],
+    unroll_layers: bool,
+    exclude: tuple[str, ...] = (),
+    fits: Callable[[int], bool] = lambda extra: True,
+    kernel_available: bool | None = None,
+) -> tuple[str, ...]:
+    """The packed projections `generate` repacks for the Hopper wgmma kernel (empty: none).
+
+    rows: the decode row bucket(s) of the call. requested None (auto): on backend "pallas" with
+    unrolled layers, a bucket of at most WGMMA_MAX_ROWS rows, the kernel available
+    (`wgmma_nvfp4.available()`, or `kernel_available`) and the copies fitting `fits(bytes)`;
+    True: wherever the kernel runs, whatever the rows; False: never. Only NVFP4 projections with
+    N and K multiples of 64, not in `exclude` (small bf16 copies), except that a group of
+    FUSABLE_PROJECTIONS is taken whole when one of it is taken and all of it has the layout (one
+    fused call beats a kernel call plus dense dots for the small k/v).
+    """
+    if requested is False or backend != "pallas" or not unroll_layers:
+        return ()
+    from pallas_kernels import wgmma_nvfp4
+
+    if kernel_available is None:
+        kernel_available = wgmma_nvfp4.available()
+    if not kernel_available or (requested is None and min(_rows_tuple(rows)) > WGMMA_MAX_ROWS):
+        return ()
+    packed, _ = _packed_and_copied(params)
+    fit = {n for n, w in packed.items() if wgmma_nvfp4.layout_fits(w.fmt, w.shape)}
+    taken = {n for n in fit if n not in exclude}
+    for group in fused_groups(tuple(fit)):
+        if taken & set(group):
+            taken |= set(group)
+    names = tuple(sorted(taken))
+    if requested is None and not fits(wgmma_copy_bytes(params, names)):
+        return ()
+    return names
+
+
+def decode_weight_names(
+    params: dict[str, Any],
+    dense_weights: bool | None,
+    wgmma_weights: bool | None,
+    *,
+    backend: str,
+    rows: int | tuple[int, ...],
+    unroll_layers: bool,
+    fits: Callable[[int], bool] = lambda extra: True,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`generate`'s choice of (projections with bf16 copies, projections repacked for the wgmma
+    kernel) for decode row bucket(s) `rows`; `fits(bytes)` says whether copies of that size fit.
+
+    The bf16 copies are chosen first (`dense_weight_names`), then the wgmma copies
+    (`wgmma_weight_names`). Copies of every packed projection (for the buckets above the
+    kernel's rows) and wgmma copies (for those at most WGMMA_MAX_ROWS) coexist: a projection with
+    both reads the one for its rows (`split_layers`). Small bf16 copies are dropped for the
+    projections the kernel runs (a small projection that completes a fused group goes to it)."""
+    dense = dense_weight_names(
+        params, dense_weights, backend=backend, rows=rows, unroll_layers=unroll_layers, fits=fits
+    )
+    dense_bytes = dense_copy_bytes(params, dense)
+    all_dense = bool(dense) and dense == packed_names(params)
+    wgmma = wgmma_weight_names(
+        params,
+        wgmma_weights,
+        backend=backend,
+        rows=rows,
+        unroll_layers=unroll_layers,
+        exclude=() if all_dense else dense,
+        fits=lambda extra: fits(dense_bytes + extra),
+    )
+    if all_dense:
+        return dense, wgmma
+    return tuple(n for n in dense if n not in wgmma), wgmma
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def nbytes(x: Any, dtype: Any = None) -> int:
+    """Bytes of an array or of a `jax.ShapeDtypeStruct` (shape-only params, e.g. for `jax.eval_shape`),
+    or of a copy of it in `dtype`."""
+    return math.prod(x.shape) * jnp.dtype(x.dtype if dtype is None else dtype).itemsize
+
+
+def act_dtype_of(params: dict[str, Any]) -> np.dtype:
+    """The activations' dtype: the embedding's (bf16 for a bf16 or 4-bit policy)."""
+    return jnp.dtype(params["base"]["embed"].dtype)
+
+
+def layer_copy_bytes(params: dict[str, Any]) -> int:
+    """Bytes of the per-layer copies `split_layers` makes (all but the packed weights; LoRA in
+    the activations' dtype, see `_layer_copies`)."""
+    _, copied = _packed_and_copied(params)
+    lora = copied.pop("lora", {})
+    act_dtype = act_dtype_of(params)
+    return sum(nbytes(x) for x in jax.tree.leaves(copied)) + sum(nbytes(x, act_dtype) for x in jax.tree.leaves(lora))
+
+
+def dense_copy_bytes(params: dict[str, Any], names: tuple[str, ...] | None = None) -> int:
+    """Bytes of bf16 copies of the packed linears (of `names`, default all: what
+    `generate(dense_weights=True)` adds; float32 activations double it on the XLA backend,
+    which the estimate ignores)."""
+    packed, _ = _packed_and_copied(params)
+    # 2 weights per code byte, 2 bytes each
+    return sum(4 * stack.codes.size for n, stack in packed.items() if names is None or n in names)
+
+
+def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
+    """Bytes of the repacked copies of `names` (as many as the packed codes and scales), plus the
+    stacked adapters of their fused groups (`_stacked_loras`, in the activations' dtype)."""
+    packed, copied = _packed_and_copied(params)
+    total = sum(nbytes(packed[n].codes) + nbytes(packed[n].scales) for n in names)
+    lora = copied.get("lora", {})
+    act_size = act_dtype_of(params).itemsize
+    for group in fused_groups(names):
+        adapters = [lora[n] for n in group if n in lora]
+        if adapters:
+            layers, rank_sum = adapters[0]["a"].shape[0], sum(a["a"].shape[1] for a in adapters)
+            n_sum, k = sum(packed[n].shape[-2] for n in group), packed[group[0]].shape[-1]
+            total += layers * rank_sum * (k + n_sum) * act_size
+    return total
