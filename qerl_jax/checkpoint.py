@@ -123,7 +123,8 @@ def _join_new_threads(before: set[threading.Thread], timeout_s: float = 60.0) ->
     do not fail again, noisily, while the interpreter shuts down."""
     deadline = time.monotonic() + timeout_s
     for t in set(threading.enumerate()) - before:
-        if t is not threading.current_thread():
+        # is_alive() is False for a thread not started yet (join() would raise): nothing to wait for.
+        if t is not threading.current_thread() and t.is_alive():
             t.join(max(0.0, deadline - time.monotonic()))
 
 

@@ -153,6 +153,7 @@ FIELDS: dict[str, Check] = {
     "seed": integer(),
     "workdir": text(nonempty=True),
     "resume": boolean(),
+    "compile_cache": boolean(),
     "model.path": text(),
     "model.tiny": boolean(),
     "model.dtype": choice(DTYPES),
