@@ -49,14 +49,13 @@ def train_flops(config: ModelConfig, *, tokens: int, seq_len: int, lora_rank: in
     }
 
 
-def peer_model(config: ModelConfig, *, lora_rank: int, device: str, seed: int = 0):
-    """A random bf16 `Qwen2ForCausalLM` of `config`'s shapes with a PEFT LoRA (alpha 2r) on TARGETS,
-    gradient checkpointing on (as TRL's `gradient_checkpointing=True`)."""
-    import peft
+def hf_model(config: ModelConfig, *, device: str, seed: int = 0, **hf_config: Any):
+    """A `transformers.Qwen2ForCausalLM` of `config`'s shapes with random bf16 weights, built on
+    `device` (the peer of our random-weight benchmarks); `hf_config` overrides Qwen2Config fields."""
     import torch
     import transformers
 
-    hf_config = transformers.Qwen2Config(
+    fields = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -68,15 +67,22 @@ def peer_model(config: ModelConfig, *, lora_rank: int, device: str, seed: int = 
         rope_theta=config.rope_theta,
         tie_word_embeddings=config.tie_word_embeddings,
         attn_implementation="sdpa",
-        use_cache=False,
     )
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = transformers.Qwen2ForCausalLM(hf_config)
+            return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**fields, **hf_config}))
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def peer_model(config: ModelConfig, *, lora_rank: int, device: str, seed: int = 0):
+    """A random bf16 `Qwen2ForCausalLM` of `config`'s shapes with a PEFT LoRA (alpha 2r) on TARGETS,
+    gradient checkpointing on (as TRL's `gradient_checkpointing=True`)."""
+    import peft
+
+    model = hf_model(config, device=device, seed=seed, use_cache=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(TARGETS), lora_dropout=0.0)
     model = peft.get_peft_model(model, lora)

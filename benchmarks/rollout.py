@@ -348,6 +348,11 @@ def torch_worker(args) -> dict:
     import torch
     import transformers
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import peer  # noqa: PLC0415 (benchmarks/peer.py)
+
+    from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
+
     run = run_config(args)
     cfg_dict = TINY if args.tiny else QWEN25_7B
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -357,15 +362,9 @@ def torch_worker(args) -> dict:
         "errors": [],
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-    hf_config = transformers.Qwen2Config(
-        **{k: v for k, v in cfg_dict.items() if k not in ("attention_bias",)}, use_cache=True
-    )
-    torch.manual_seed(0)
     t = time.perf_counter()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(hf_config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = peer.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True).eval()
+    hf_config = model.config
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -562,19 +561,17 @@ def gsm8k_torch_worker(args) -> dict:
     import torch
     import transformers
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import peer  # noqa: PLC0415 (benchmarks/peer.py)
+
+    from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
+
     run, ids_np, lengths = gsm8k_inputs(args)
     cfg_dict = TINY if args.tiny else QWEN25_7B
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {"format": "transformers", "rows": [], "errors": [], "versions": {"transformers": transformers.__version__}}
-    hf_config = transformers.Qwen2Config(
-        **{k: v for k, v in cfg_dict.items() if k != "attention_bias"}, use_cache=True, eos_token_id=EOS_ID
-    )
-    torch.manual_seed(0)
     t = time.perf_counter()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(hf_config).eval()
-    torch.set_default_dtype(torch.float32)
+    model = peer.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True, eos_token_id=EOS_ID).eval()
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.tensor(ids_np, dtype=torch.long, device=device)

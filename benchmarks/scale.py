@@ -394,13 +394,7 @@ def run_model(args, name: str) -> dict[str, Any]:
         mb_used = mb if n % mb == 0 else 1
         frozen = {"base": params["base"], "norms": params["norms"]}
         rl_step.validate_batch(batch, mb_used)
-        clean = {
-            "input_ids": batch["input_ids"].astype(jnp.int32),
-            "attention_mask": batch["attention_mask"].astype(jnp.int32),
-            "response_mask": batch["response_mask"].astype(jnp.float32),
-            "old_logp": batch["old_logp"].astype(jnp.float32),
-            "advantages": batch["advantages"].astype(jnp.float32),
-        }
+        clean = rl_step.train_arrays(batch)
         with Phase(clock, record, "train") as out:
 
             def compile_step(backend_: str):

@@ -137,7 +137,6 @@ def resolve_remat(config, *, fmt: str, backend: str, attention: str, remat: str,
 
 def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
     import random_model
 
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
@@ -158,13 +157,7 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
     batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
-    clean = {
-        "input_ids": jnp.asarray(batch["input_ids"], jnp.int32),
-        "attention_mask": jnp.asarray(batch["attention_mask"], jnp.int32),
-        "response_mask": jnp.asarray(batch["response_mask"], jnp.float32),
-        "old_logp": jnp.asarray(batch["old_logp"], jnp.float32),
-        "advantages": jnp.asarray(batch["advantages"], jnp.float32),
-    }
+    clean = rl_step.train_arrays(batch)
     rl_step.validate_batch(clean, mb, contiguous=attention == "flash")
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
     step = rl_step.make_train_step(

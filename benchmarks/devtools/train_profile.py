@@ -73,7 +73,6 @@ def kind_of(text: str) -> str:
 
 def worker(args, fmt: str) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import peer
     import random_model
@@ -91,13 +90,7 @@ def worker(args, fmt: str) -> dict:
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
     seq = args.prompt_len + args.new_tokens
     batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
-    clean = {
-        "input_ids": jnp.asarray(batch["input_ids"], jnp.int32),
-        "attention_mask": jnp.asarray(batch["attention_mask"], jnp.int32),
-        "response_mask": jnp.asarray(batch["response_mask"], jnp.float32),
-        "old_logp": jnp.asarray(batch["old_logp"], jnp.float32),
-        "advantages": jnp.asarray(batch["advantages"], jnp.float32),
-    }
+    clean = rl_step.train_arrays(batch)
     backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
     step = rl_step.make_train_step(

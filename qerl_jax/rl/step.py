@@ -115,6 +115,13 @@ def validate_batch(
     return b, t
 
 
+def train_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
+    """The batch's BATCH_KEYS as the jitted step takes them: int32 input_ids / attention_mask, float32
+    response_mask / old_logp / advantages (`make_train_step(...).jitted` for lowering)."""
+    dtypes = {"input_ids": jnp.int32, "attention_mask": jnp.int32}
+    return {k: jnp.asarray(batch[k], dtypes.get(k, jnp.float32)) for k in BATCH_KEYS}
+
+
 def minibatches(batch: dict[str, Any], num: int) -> Iterator[dict[str, Any]]:
     """Splits a rollout batch into `num` equal consecutive mini-batches (one optimizer update each)."""
     b = batch["input_ids"].shape[0]
@@ -244,15 +251,8 @@ def make_train_step(
         if structure not in checked_lora:
             check_lora(state.lora, config)
             checked_lora.append(structure)
-        clean = {
-            "input_ids": jnp.asarray(batch["input_ids"], jnp.int32),
-            "attention_mask": jnp.asarray(batch["attention_mask"], jnp.int32),
-            "response_mask": jnp.asarray(batch["response_mask"], jnp.float32),
-            "old_logp": jnp.asarray(batch["old_logp"], jnp.float32),
-            "advantages": jnp.asarray(batch["advantages"], jnp.float32),
-        }
         ref = None if ref_logp is None else jnp.asarray(ref_logp, jnp.float32)
-        return jitted(state, {"base": frozen["base"], "norms": frozen["norms"]}, clean, ref)
+        return jitted(state, {"base": frozen["base"], "norms": frozen["norms"]}, train_arrays(batch), ref)
 
     train_step.jitted = jitted  # for lowering / memory analysis (benchmarks)
     return train_step
