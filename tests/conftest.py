@@ -25,6 +25,34 @@ TINY_QWEN2 = dict(
 )
 
 
+def left_padded_batch(vocab: int, b: int = 3, t: int = 11, pads=(0, 3, 7), seed: int = 0):
+    """Random int32 ids [b, t] and their mask, row r left-padded by pads[r] tokens (ids 0 there)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(b, t)).astype(np.int32)
+    mask = np.ones((b, t), np.int32)
+    for row, pad in enumerate(pads[:b]):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+def hf_logits(model, ids, mask):
+    """float32 logits of a transformers causal LM on a left-padded batch (positions from the mask)."""
+    import numpy as np
+    import torch
+
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
 def make_hf_model(model_type: str = "qwen2", seed: int = 0, **overrides):
     """A tiny random transformers causal LM (torch, float32) with non-trivial norms and biases."""
     import torch

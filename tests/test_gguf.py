@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model, save_hf_model
+from conftest import hf_logits, left_padded_batch, make_hf_model, save_hf_model
 
 import qerl_jax
 from qerl_jax import gguf as qgguf
@@ -108,31 +108,10 @@ def write_gguf(path, model, arch: str = "llama", types=None, *, drop=(), extra=N
     return str(path)
 
 
-def _batch(vocab, b=3, t=9, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=(b, t)).astype(np.int32)
-    mask = np.ones((b, t), np.int32)
-    for row, pad in enumerate([0, 2, 5][:b]):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
-
-
-def _torch_logits(model, ids, mask):
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            attention_mask=torch.tensor(mask, dtype=torch.long),
-            position_ids=torch.tensor(positions, dtype=torch.long),
-        )
-    return out.logits.float().numpy()
-
-
 def _assert_logits_match(config, params, torch_model, vocab):
-    ids, mask = _batch(vocab)
+    ids, mask = left_padded_batch(vocab, t=9, pads=(0, 2, 5))
     ours = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask)))
-    ref = _torch_logits(torch_model, ids, mask)
+    ref = hf_logits(torch_model, ids, mask)
     real = mask.astype(bool)
     scale = np.abs(ref[real]).max()
     assert np.abs(ours[real] - ref[real]).max() < 1e-4 * scale  # tests/test_model.py's float32 tolerance
@@ -372,7 +351,7 @@ def test_smollm2_logits_match_transformers_gguf_loading(smollm2):
     for row, x in enumerate(ids):
         batch[row, t - len(x) :], mask[row, t - len(x) :] = x, 1
     ours = np.asarray(qerl_jax.forward(config, params, jnp.asarray(batch), jnp.asarray(mask)))
-    ref = _torch_logits(_transformers_gguf(path), batch, mask)
+    ref = hf_logits(_transformers_gguf(path), batch, mask)
     real = mask.astype(bool)
     assert np.abs(ours[real] - ref[real]).max() < 1e-4 * np.abs(ref[real]).max()
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model, save_hf_model
+from conftest import hf_logits, left_padded_batch, make_hf_model, save_hf_model
 
 import qerl_jax
 from qerl_jax.models.qwen2 import shift_rows
@@ -22,24 +22,7 @@ CONFIGS = {
 
 def _batch(vocab, b=3, t=11, seed=0):
     """Random ids with left padding of different lengths per row (row 0 unpadded)."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=(b, t)).astype(np.int32)
-    mask = np.ones((b, t), np.int32)
-    for row, pad in enumerate([0, 3, 7][:b]):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
-
-
-def _hf_logits(model, ids, mask):
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            attention_mask=torch.tensor(mask, dtype=torch.long),
-            position_ids=torch.tensor(positions, dtype=torch.long),
-        )
-    return out.logits.float().numpy()
+    return left_padded_batch(vocab, b, t, pads=(0, 3, 7), seed=seed)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -51,7 +34,7 @@ def test_float32_logits_match_transformers(tmp_path, name, sharded):
     config, params = qerl_jax.load_model(path, dtype="float32")
     ids, mask = _batch(config.vocab_size)
     ours = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask)))
-    ref = _hf_logits(model, ids, mask)
+    ref = hf_logits(model, ids, mask)
     assert ours.dtype == np.float32 and ours.shape == ref.shape
     real = mask.astype(bool)  # padded positions are garbage in both implementations
     scale = np.abs(ref[real]).max()
@@ -65,7 +48,7 @@ def test_llama_architecture_matches_transformers(tmp_path):
     assert not config.attention_bias and "b" not in params["base"]["layers"]["q_proj"]
     ids, mask = _batch(config.vocab_size)
     ours = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask)))
-    ref = _hf_logits(model, ids, mask)
+    ref = hf_logits(model, ids, mask)
     real = mask.astype(bool)
     assert np.abs(ours[real] - ref[real]).max() < 1e-4 * np.abs(ref[real]).max()
 
@@ -79,7 +62,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     config, params = qerl_jax.load_model(path, dtype="float32")
     ids, mask = _batch(config.vocab_size, t=40)
     ours = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask)))
-    ref = _hf_logits(model, ids, mask)
+    ref = hf_logits(model, ids, mask)
     real = mask.astype(bool)
     assert np.abs(ours[real] - ref[real]).max() < 1e-4 * np.abs(ref[real]).max()
 
@@ -90,7 +73,7 @@ def test_bfloat16_logits_within_bf16_tolerance(tiny_qwen2_dir):
     assert params["base"]["layers"]["q_proj"]["w"].dtype == jnp.bfloat16
     ids, mask = _batch(config.vocab_size)
     ours = np.asarray(qerl_jax.forward(config, params, jnp.asarray(ids), jnp.asarray(mask)))
-    ref = _hf_logits(model, ids, mask)
+    ref = hf_logits(model, ids, mask)
     real = mask.astype(bool)
     rel = np.linalg.norm(ours[real] - ref[real]) / np.linalg.norm(ref[real])
     assert rel < 2e-2
