@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import pytest
+import pytest  # noqa: E402 (JAX_PLATFORMS must be set before anything imports jax)
 
 TINY_QWEN2 = dict(
     vocab_size=131,
