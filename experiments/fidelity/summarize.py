@@ -336,7 +336,18 @@ def summarize(out: str, results: str) -> dict:
     }
     for key, claim in claims.items():
         lines += [f"- **{names[key]}: {claim['verdict']}.** {claim['text']}", ""]
-    lines += ["## Commands", "", "```", commands, "```", ""]
+    lines += [
+        "## Commands",
+        "",
+        "The launcher's calls on the GPU (the run directory's `commands.txt`; a call with the same `--out` "
+        "resumes the unfinished runs), then this summary:",
+        "",
+        "```",
+        commands,
+        f"python experiments/fidelity/run.py --summarize --out {out} --results {results}",
+        "```",
+        "",
+    ]
     with open(os.path.join(results, "results.md"), "w") as f:
         f.write("\n".join(lines))
     summary = {
