@@ -365,6 +365,8 @@ def run_model(args, name: str) -> dict[str, Any]:
                 full_rollout_extrapolated=steps < args.max_new_tokens,
                 tokens_per_s=round(rows * args.max_new_tokens / full_s, 1),
                 plan_rollout_peak=plan_for(out["backend"]).rollout_peak,
+                engine_estimate_bytes=timed.get("estimated_bytes"),
+                wgmma_copy_bytes=timed.get("wgmma_copy_bytes"),
             )
             train_rollout = to_train_batch(result)
             del result

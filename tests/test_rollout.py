@@ -302,6 +302,79 @@ def test_wgmma_weight_names_take_fusable_groups_whole(fusable_nvfp4_model):
         assert weights_module.decode_weight_names(params, None, False, **choice) == (("k_proj", "v_proj"), ())
 
 
+def test_wgmma_weight_names_take_the_largest_units_that_fit(fusable_nvfp4_model):
+    """When not every copy fits, whole units (a fused group or a lone projection) are taken,
+    largest first, while they fit: never a k/v without its q, never more than the budget."""
+    _, params = fusable_nvfp4_model
+    size = functools.partial(weights_module.wgmma_copy_bytes, params)
+    names = functools.partial(
+        weights_module.wgmma_weight_names, params, None, backend="pallas", rows=16, unroll_layers=True
+    )
+    qkv, mlp = ("k_proj", "q_proj", "v_proj"), ("gate_proj", "up_proj")
+    assert size(qkv) == size(mlp) > size(("down_proj",)) == size(("o_proj",))  # the tiny model's sizes
+    both = tuple(sorted(qkv + mlp))
+    assert names(kernel_available=True, fits=lambda b: b <= size(both)) == both
+    one_group = names(kernel_available=True, fits=lambda b: b < size(qkv) + size(("o_proj",)))
+    assert one_group in (qkv, mlp)
+    group_and_one = names(kernel_available=True, fits=lambda b: b <= size(qkv) + size(("o_proj",)))
+    assert len(group_and_one) == 4 and set(group_and_one) & {"down_proj", "o_proj"}
+    assert set(qkv) <= set(group_and_one) or set(mlp) <= set(group_and_one)
+    assert names(kernel_available=True, fits=lambda b: b <= size(("down_proj",))) in (("down_proj",), ("o_proj",))
+    assert names(kernel_available=True, fits=lambda b: b < size(("down_proj",))) == ()
+    every = tuple(sorted(PROJECTIONS))
+    assert names(kernel_available=True, fits=lambda b: b <= size(every)) == every
+    assert (
+        weights_module.wgmma_weight_names(  # requested: all of them, whatever the budget
+            params, True, backend="pallas", rows=16, unroll_layers=True, kernel_available=True, fits=lambda b: False
+        )
+        == every
+    )
+
+
+def test_generate_takes_the_wgmma_copies_that_fit_its_budget(fusable_nvfp4_model, monkeypatch):
+    """A budget with room for one fused group's copies: generate repacks that group only, decodes
+    it with the kernel (its CPU twin) and the rest from the packed stacks, and samples the tokens
+    of the packed path."""
+    from pallas_kernels import wgmma_nvfp4
+    from qerl_jax.rollout import MEMORY_MARGIN, plan_rollout
+    from qerl_jax.rollout import sampler as sampler_module
+
+    config, params = fusable_nvfp4_model
+    widths, plans = [], []
+
+    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
+        widths.append(n)
+        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
+        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
+
+    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
+    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
+    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)  # k/v small, as on 7B / 32B
+    real_plan = sampler_module.plan_rollout
+    monkeypatch.setattr(sampler_module, "plan_rollout", lambda *a, **k: plans.append((a, k)) or real_plan(*a, **k))
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
+    kw = dict(group_size=2, backend="pallas", max_batch=6)
+    packed = generate(config, params, ids, mask, jax.random.key(9), sampling, wgmma_weights=False, **kw)
+    args, plan_kw = plans[-1]
+    no_copies = plan_rollout(*args, **plan_kw)  # the packed path's plan: small k/v copies only
+    assert no_copies.wgmma_names == () and no_copies.dense_names == ("k_proj", "v_proj")
+    size = functools.partial(weights_module.wgmma_copy_bytes, params)
+    qkv, mlp = ("k_proj", "q_proj", "v_proj"), ("gate_proj", "up_proj")
+    budget = int((no_copies.memory.total + size(mlp) + size(("down_proj",)) // 2) * MEMORY_MARGIN) + 1
+    timings = {}
+    partial = generate(
+        config, params, ids, mask, jax.random.key(9), sampling, memory_budget_bytes=budget, timings=timings, **kw
+    )
+    chosen = real_plan(*args, **{**plan_kw, "wgmma_weights": None, "memory_budget_bytes": budget})
+    assert chosen.wgmma_names in (qkv, mlp)
+    assert timings["wgmma_copy_bytes"] == size(chosen.wgmma_names) > 0
+    assert chosen.memory.total * MEMORY_MARGIN <= budget
+    assert widths and set(widths) == {256}  # one fused call per layer and step (q/k/v or gate/up)
+    np.testing.assert_array_equal(np.asarray(partial.tokens), np.asarray(packed.tokens))
+    np.testing.assert_allclose(np.asarray(partial.logprobs), np.asarray(packed.logprobs), atol=0.05)
+
+
 @pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
 def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_model, monkeypatch, with_lora):
     """Decode steps run q/k/v and gate/up as one kernel call each (the Mosaic kernel replaced by

@@ -335,7 +335,8 @@ def generate(
         for and their wall-clock seconds are added under "unstack_s", "prefill_s", "decode_s"
         and "compact_s" ("compile_s": the up-front compilation); "steps" adds 1 + the decode steps of every segment (for one segment:
         the sampling steps), "decode_steps" the decode steps; "rows" is the first row bucket, "estimated_bytes" the
-        memory estimate it was sized with (`plan_rollout`).
+        memory estimate it was sized with (`plan_rollout`), "wgmma_copy_bytes" the bytes of its copies for the
+        Hopper wgmma kernel (0: none).
       unroll_layers: run the layers one by one (packed weights read in place, dense weights,
         norms and LoRA over per-layer copies made for this call: +1x those in memory) with
         per-layer caches (default; 2.5-4x faster decode on GPU, see `weights.split_layers`);
@@ -483,6 +484,7 @@ def generate(
         timings["decode_steps"] = timings.get("decode_steps", 0) + sum(segments)
         timings["rows"] = plan.rows
         timings["estimated_bytes"] = plan.memory.total
+        timings["wgmma_copy_bytes"] = weights.wgmma_copy_bytes(params, plan.wgmma_names)
     prompt_index = np.arange(total, dtype=np.int32) // group_size
     response_mask = (np.arange(sampling.max_new_tokens)[None, :] < out.lengths[:, None]).astype(np.int32)
     return RolloutBatch(

@@ -289,11 +289,15 @@ def wgmma_weight_names(
 
     rows: the decode row bucket(s) of the call. requested None (auto): on backend "pallas" with
     unrolled layers, a bucket of at most WGMMA_MAX_ROWS rows, the kernel available
-    (`wgmma_nvfp4.available()`, or `kernel_available`) and the copies fitting `fits(bytes)`;
-    True: wherever the kernel runs, whatever the rows; False: never. Only NVFP4 projections with
-    N and K multiples of 64, not in `exclude` (small bf16 copies), except that a group of
-    FUSABLE_PROJECTIONS is taken whole when one of it is taken and all of it has the layout (one
-    fused call beats a kernel call plus dense dots for the small k/v).
+    (`wgmma_nvfp4.available()`, or `kernel_available`), as many copies as fit `fits(bytes)`;
+    True: all of them, wherever the kernel runs, whatever the rows; False: never. Only NVFP4
+    projections with N and K multiples of 64, not in `exclude` (small bf16 copies), except that a
+    group of FUSABLE_PROJECTIONS is taken whole when one of it is taken and all of it has the
+    layout (one fused call beats a kernel call plus dense dots for the small k/v).
+
+    When not all fit, the largest units (a fused group or a lone projection) are taken first
+    while they fit: decode is bandwidth-bound, so the time saved grows with the bytes moved to the
+    faster kernel (a 32B policy on an 80 GB GPU keeps its MLP copies when q/k/v/o do not fit).
     """
     if requested is False or backend != "pallas" or not unroll_layers:
         return ()
@@ -310,9 +314,16 @@ def wgmma_weight_names(
         if taken & set(group):
             taken |= set(group)
     names = tuple(sorted(taken))
-    if requested is None and not fits(wgmma_copy_bytes(params, names)):
-        return ()
-    return names
+    if requested is not None or fits(wgmma_copy_bytes(params, names)):
+        return names
+    groups = fused_groups(names)
+    units = [*groups, *((n,) for n in names if not any(n in g for g in groups))]
+    units.sort(key=lambda unit: -wgmma_copy_bytes(params, unit))
+    chosen: tuple[str, ...] = ()
+    for unit in units:
+        if fits(wgmma_copy_bytes(params, chosen + unit)):
+            chosen += unit
+    return tuple(sorted(chosen))
 
 
 def decode_weight_names(
