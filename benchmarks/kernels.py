@@ -215,8 +215,8 @@ def section_env(args):
         dst = torch.empty_like(src)
         srcf = src.float()
         for name, fn, nbytes in (
-            ("torch_copy_rw", lambda: dst.copy_(src), 8 * 2**28),
-            ("torch_read", lambda: srcf.sum(), 4 * 2**28),
+            ("torch_copy_rw", lambda dst=dst, src=src: dst.copy_(src), 8 * 2**28),
+            ("torch_read", lambda srcf=srcf: srcf.sum(), 4 * 2**28),
         ):
             fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -293,7 +293,7 @@ def section_check(args, decode: str) -> bool:
         row = dict(kind="fwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
             out = jax.jit(
-                lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)
+                lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
             )(x, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_fwd(x, p))
             row["cfg"] = autotune.get_config("fwd", m, n, k).to_dict()
@@ -311,7 +311,7 @@ def section_check(args, decode: str) -> bool:
         row = dict(kind="bwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
             out = jax.jit(
-                lambda d, c, s, g: _backward(d, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)
+                lambda d, c, s, g: _backward(d, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
             )(dy, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_bwd(dy, p))
         except Exception as e:  # noqa: BLE001
@@ -452,7 +452,7 @@ def section_sweep(args, decode: str):
                 cands = SWEEP_PREFILL if args.sweep_size == "full" else [SWEEP_PREFILL[i] for i in (2, 1)]
             plan.append(("fwd", m, n, k, cands))
     if args.sweep_size == "full":
-        for model, (n, k) in shapes[:4]:
+        for _model, (n, k) in shapes[:4]:
             plan.append(
                 (
                     "bwd",

@@ -142,10 +142,8 @@ _NUMBER_RE = re.compile(
 def last_number(text: str) -> str | None:
     """The last number in `text` (thousands commas and sign kept), or None."""
     text = text.replace("\u2212", "-")
-    last = None
-    for last in _NUMBER_RE.finditer(text):
-        pass
-    return last.group(0) if last else None
+    numbers = _NUMBER_RE.findall(text)
+    return numbers[-1] if numbers else None
 
 
 # --------------------------------------------------------------------------

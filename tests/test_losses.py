@@ -268,10 +268,10 @@ def test_grpo_gradient_wrt_lora_matches_finite_differences(tiny_qwen2_dir):
     _, grad = value_and_grad(lora)
     for seed in range(3):
         ks = iter(jax.random.split(jax.random.key(10 + seed), 16))
-        v = jax.tree.map(lambda x: jax.random.normal(next(ks), x.shape), lora)
+        v = jax.tree.map(lambda x, ks=ks: jax.random.normal(next(ks), x.shape), lora)
         h = 3e-2 / np.sqrt(sum(float(jnp.sum(x * x)) for x in jax.tree.leaves(v)))
-        plus, _ = value_and_grad(jax.tree.map(lambda p, d: p + h * d, lora, v))
-        minus, _ = value_and_grad(jax.tree.map(lambda p, d: p - h * d, lora, v))
+        plus, _ = value_and_grad(jax.tree.map(lambda p, d, h=h: p + h * d, lora, v))
+        minus, _ = value_and_grad(jax.tree.map(lambda p, d, h=h: p - h * d, lora, v))
         fd = (float(plus) - float(minus)) / (2 * h)
         analytic = sum(float(jnp.sum(g * d)) for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(v)))
         assert abs(analytic) > 1e-3

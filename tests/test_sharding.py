@@ -43,7 +43,7 @@ def _spec_params(n_layers=2, d=64, q=64, kv=32, inter=128, vocab=128, packed_fmt
     layers, lora = {}, {}
     for proj, (n, k) in shapes.items():
         if packed_fmt:
-            w = jax.eval_shape(lambda: quantize(jnp.zeros((n_layers, n, k), jnp.float32), packed_fmt))
+            w = jax.eval_shape(lambda n=n, k=k: quantize(jnp.zeros((n_layers, n, k), jnp.float32), packed_fmt))
         else:
             w = sds((n_layers, n, k), jnp.bfloat16)
         layers[proj] = {"w": w}

@@ -175,13 +175,17 @@ def detect_format(hf_config: Mapping[str, Any]) -> str | None:
         for act in ("input_activations", "output_activations"):
             if group.get(act) is not None:
                 warnings.warn(
-                    f"{field}.{act} is quantized in the checkpoint; qerl-jax loads the {fmt} weights and runs activations unquantized"
+                    f"{field}.{act} is quantized in the checkpoint; qerl-jax loads the {fmt} weights and runs activations unquantized",
+                    stacklevel=2,
                 )
         found.add(fmt)
     if len(found) > 1:
         raise ValueError(f"config.json quantization_config.config_groups mixes formats {sorted(found)}; expected one")
     if qc.get("kv_cache_scheme") is not None:
-        warnings.warn("config.json quantization_config.kv_cache_scheme is set; qerl-jax keeps the kv-cache unquantized")
+        warnings.warn(
+            "config.json quantization_config.kv_cache_scheme is set; qerl-jax keeps the kv-cache unquantized",
+            stacklevel=2,
+        )
     return found.pop()
 
 
