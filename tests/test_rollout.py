@@ -274,6 +274,22 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)
 
 
+def _fake_hopper_kernel(monkeypatch, widths: list) -> None:
+    """The wgmma kernel "available", replaced by its CPU twin (per-CTA partial sums of the
+    dequantized repacked words; each call's output width appended to `widths`), and k/v small
+    enough for dense copies, as on 7B / 32B."""
+    from pallas_kernels import wgmma_nvfp4
+
+    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
+        widths.append(n)
+        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
+        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
+
+    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
+    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
+    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
+
+
 @pytest.fixture(scope="module")
 def fusable_nvfp4_model(tmp_path_factory):
     """A tiny Qwen2 whose projections all have N, K multiples of 64 (k/v: 2 heads x 32), NVFP4."""
@@ -335,21 +351,12 @@ def test_generate_takes_the_wgmma_copies_that_fit_its_budget(fusable_nvfp4_model
     """A budget with room for one fused group's copies: generate repacks that group only, decodes
     it with the kernel (its CPU twin) and the rest from the packed stacks, and samples the tokens
     of the packed path."""
-    from pallas_kernels import wgmma_nvfp4
     from qerl_jax.rollout import MEMORY_MARGIN, plan_rollout
     from qerl_jax.rollout import sampler as sampler_module
 
     config, params = fusable_nvfp4_model
     widths, plans = [], []
-
-    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
-        widths.append(n)
-        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
-        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
-
-    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
-    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
-    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)  # k/v small, as on 7B / 32B
+    _fake_hopper_kernel(monkeypatch, widths)
     real_plan = sampler_module.plan_rollout
     monkeypatch.setattr(sampler_module, "plan_rollout", lambda *a, **k: plans.append((a, k)) or real_plan(*a, **k))
     ids, mask = _prompts(config.vocab_size)
@@ -380,22 +387,13 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
     """Decode steps run q/k/v and gate/up as one kernel call each (the Mosaic kernel replaced by
     its CPU twin) over concatenated copies with per-row global scales; biases and LoRA deltas are
     added per projection. The same tokens as the packed path, which runs them one by one."""
-    from pallas_kernels import wgmma_nvfp4
     from qerl_jax.linear import Fused
 
     config, params = fusable_nvfp4_model
     if with_lora:
         params = {**params, "lora": _random_lora(config, scale=0.1)}
     widths = []
-
-    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
-        widths.append(n)
-        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
-        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
-
-    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
-    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
-    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)  # k/v small, as on 7B / 32B
+    _fake_hopper_kernel(monkeypatch, widths)
     split = weights_module.split_layers(params, wgmma_names=tuple(PROJECTIONS))
     fused = split["layers"][1]["base"]["q_proj+k_proj+v_proj"]["w"]
     assert isinstance(fused, Fused) and fused.sizes == (128, 64, 64) and fused.w.global_scale.shape == (256,)
