@@ -7,31 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model, save_hf_model
+from conftest import hf_logits, left_padded_batch, make_hf_model, save_hf_model
 
 import qerl_jax
 from qerl_jax.lora import LoraConfig, init_lora, lora_scale
 from qerl_jax.rl.logprobs import to_next_token_grid, to_token_aligned, token_logprobs
 
 
-def _batch(vocab, b=3, t=13, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=(b, t)).astype(np.int32)
-    mask = np.ones((b, t), np.int32)
-    for row, pad in enumerate([0, 4, 2][:b]):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
+def _batch(vocab, b=3, t=13):
+    return left_padded_batch(vocab, b, t, pads=(0, 4, 2))
 
 
 def _hf_logp_entropy(model, ids, mask, temperature):
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        logits = model(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            attention_mask=torch.tensor(mask, dtype=torch.long),
-            position_ids=torch.tensor(positions, dtype=torch.long),
-        ).logits.double()
+    logits = torch.from_numpy(hf_logits(model, ids, mask)).double()
     logprobs = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
     target = torch.tensor(ids[:, 1:], dtype=torch.long)[..., None]
     logp = torch.gather(logprobs, -1, target)[..., 0]
