@@ -1,0 +1,102 @@
+"""How much policy noise NVFP4 and AQN add on the real model: next-token KL on GSM8K text.
+
+  python -m experiments.qwen_gsm8k.noise_kl --gguf qwen1.5b.gguf --out noise_kl.json
+
+Loads the GGUF once as the bf16 reference and once quantized to NVFP4 while loading (as training
+does), then over the first --num-texts GSM8K test problems (question + reference answer, plain
+text) reports, per predicted token:
+  KL(bf16 || nvfp4)                    the quantization's own noise;
+  KL(nvfp4 || nvfp4 + AQN(sigma))      what AQN adds on top, for each --sigmas (mean of --draws
+                                       noise draws, each from its own key);
+  KL(bf16 || nvfp4 + AQN(sigma))       both together.
+AQN is `qerl_jax.aqn.apply_aqn` at a stage whose sigma is the one asked for (the rollout's transform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qerl_jax
+from qerl_jax import aqn
+from qerl_jax.config import data_path
+
+
+def text_batches(tokenizer, num_texts: int, max_len: int, batch: int):
+    """Right-padded int32 [B, T] ids and masks of GSM8K test question + answer texts."""
+    rows = [json.loads(line) for line in open(data_path("gsm8k/test.jsonl"))][:num_texts]
+    ids = [tokenizer(r["question"] + "\n" + r["answer"], add_special_tokens=False)["input_ids"][:max_len] for r in rows]
+    for i in range(0, len(ids), batch):
+        chunk = ids[i : i + batch]
+        t = max(map(len, chunk))
+        x, m = np.zeros((len(chunk), t), np.int32), np.zeros((len(chunk), t), np.int32)
+        for r, seq in enumerate(chunk):
+            x[r, : len(seq)], m[r, : len(seq)] = seq, 1
+        yield x, m
+
+
+def noised(params, sigma: float, key) -> dict:
+    """params with the rollout's AQN noise at `sigma` in every RMSNorm scale."""
+    cfg = aqn.AQNConfig(enabled=True, sigma_start=sigma, sigma_end=sigma, num_stages=2, total_steps=2)
+    return {**params, "norms": aqn.apply_aqn(cfg, params["norms"], key, 1)}
+
+
+def mean_kl(config, p_params, q_params_list, batches) -> float:
+    """Mean over predicted tokens (and over q_params_list) of KL(p || q) per next token."""
+    fwd = jax.jit(lambda p, x, m: jax.nn.log_softmax(qerl_jax.forward(config, p, x, m)[:, :-1], -1))
+    total, n = 0.0, 0
+    for x, m in batches:
+        lp = fwd(p_params, x, m)
+        valid = jnp.asarray(m[:, 1:], bool)
+        for q_params in q_params_list:
+            lq = fwd(q_params, x, m)
+            kl = jnp.sum(jnp.exp(lp) * (lp - lq), -1)
+            total += float(jnp.sum(jnp.where(valid, kl, 0.0))) / len(q_params_list)
+        n += int(valid.sum())
+    return total / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--num-texts", type=int, default=128)
+    parser.add_argument("--max-len", type=int, default=384)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--sigmas", type=float, nargs="+", default=[1e-2, 3e-3, 1e-3])
+    parser.add_argument("--draws", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    tokenizer = qerl_jax.load_tokenizer(args.gguf)
+    config, ref = qerl_jax.load_model(args.gguf, dtype="bfloat16")
+    _, q = qerl_jax.load_model(args.gguf, dtype="bfloat16", quant="nvfp4")
+    batches = list(text_batches(tokenizer, args.num_texts, args.max_len, args.batch))
+    result = {
+        "model": os.path.basename(args.gguf),
+        "tokens": int(sum(m[:, 1:].sum() for _, m in batches)),
+        "kl_bf16_nvfp4": mean_kl(config, ref, [q], batches),
+        "aqn": {},
+    }
+    for sigma in args.sigmas:
+        keys = jax.random.split(jax.random.key(0), args.draws)
+        noisy = [noised(q, sigma, k) for k in keys]
+        result["aqn"][str(sigma)] = {
+            "kl_nvfp4_to_noised": mean_kl(config, q, noisy, batches),
+            "kl_bf16_to_noised": mean_kl(config, ref, noisy, batches),
+        }
+    print(f"{result['model']}: {result['tokens']} tokens of GSM8K test text")
+    print("| policy | KL to bf16 / token | KL to NVFP4 / token |\n| --- | ---: | ---: |")
+    print(f"| NVFP4 | {result['kl_bf16_nvfp4']:.4f} | 0 |")
+    for sigma, r in result["aqn"].items():
+        print(f"| NVFP4 + AQN {float(sigma):g} | {r['kl_bf16_to_noised']:.4f} | {r['kl_nvfp4_to_noised']:.4f} |")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
