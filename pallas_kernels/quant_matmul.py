@@ -1,13 +1,14 @@
 """W4A16 matmul on packed 4-bit weights (NVFP4 / MXFP4 / NF4) in Pallas (Triton lowering).
 
-    y [M, N] = x [M, K] @ dequantize(packed).T        (x, y bf16; float32 accumulation)
+    y [M, N] = x [M, K] @ dequantize(packed).T        (x bf16, y float32; float32 accumulation)
 
 The kernels read the `PackedWeight` layout as stored (codes uint8 [N, K/2], low nibble =
 even k; scales [N, K/block]; a scalar global scale): no repacking. Per K step a program
 loads a tile of code bytes and their block scales, decodes the nibbles to bf16 already
 multiplied by the block scale (`decode_asm`: byte-permute lookups, one bf16 rounding),
 and feeds them to a tensor-core dot with the x tile; the global scale divides the fp32
-accumulator once at the end.
+accumulator once at the end, and y is written in float32: the caller's epilogue (bias, LoRA)
+adds to the unrounded product and rounds once, as the dense path does.
 
 Regimes, picked from M and the autotune table (`autotune.get_config`):
 - nvfp4, M <= 256 ("block" mode, `_fwd_block_kernel`, one M tile): the codes are read as
@@ -471,13 +472,13 @@ def _launch(kernel, args: list, *, out_shape, grid, cfg, interpret: bool, poison
 
 
 def _launch_split_k(kernel, args: list, *, m: int, n: int, grid, cfg, interpret: bool, poison: bool, name: str):
-    """A forward launch writing y bf16 [M, N], or with cfg.split_k > 1 float32 partials
+    """A forward launch writing y float32 [M, N], or with cfg.split_k > 1 float32 partials
     [split_k * M, N] that XLA sums into y."""
     split = cfg.split_k > 1
-    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32 if split else jnp.bfloat16)
+    out_shape = jax.ShapeDtypeStruct((cfg.split_k * m, n) if split else (m, n), jnp.float32)
     y = _launch(kernel, args, out_shape=out_shape, grid=grid, cfg=cfg, interpret=interpret, poison=poison, name=name)
     if split:
-        y = y.reshape(cfg.split_k, m, n).sum(axis=0).astype(jnp.bfloat16)
+        y = y.reshape(cfg.split_k, m, n).sum(axis=0)
     return y
 
 
@@ -503,7 +504,7 @@ def _forward(
     codes, scales, gs, row0 = _select_layer(codes, scales, gs, layer)
     m, k = x.shape
     if m == 0:
-        return jnp.zeros((0, n), jnp.bfloat16)
+        return jnp.zeros((0, n), jnp.float32)
     decode = decode or ("jnp" if interpret else "asm")
     if decode not in _DECODES:
         raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
@@ -719,9 +720,8 @@ def _dequantize(
 
 
 def _dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [N, K].T in bf16 with fp32 accumulation (XLA / cuBLAS)."""
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(jnp.bfloat16)
+    """float32 x [M, K] @ w [N, K].T of bf16 operands, fp32 accumulation (XLA / cuBLAS)."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -774,7 +774,8 @@ def _validate_layer(packed: Any, layer: Any) -> Any:
 def quant_matmul(
     x: jax.Array, packed: Any, *, layer: jax.Array | int | None = None, interpret: bool | None = None
 ) -> jax.Array:
-    """y bf16 [M, N] = x bf16 [M, K] @ dequantize(packed).T, fp32 accumulation.
+    """y float32 [M, N] = x bf16 [M, K] @ dequantize(packed).T, fp32 accumulation (unrounded:
+    the caller adds its bias / LoRA delta and rounds once).
 
     packed: a 2-D `PackedWeight` (codes uint8 [N, K/2], scales [N, K/block], scalar
     global_scale) of format "nvfp4", "mxfp4" or "nf4"; or, with `layer` (an int32 scalar,

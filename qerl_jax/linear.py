@@ -117,7 +117,7 @@ def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend
     if backend == "pallas":
         import pallas_kernels  # imported lazily: the kernels are only needed on this path
 
-        return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w, layer=layer).astype(jnp.float32)
+        return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w, layer=layer)
     if backend == "xla":
         return matmul_nt(x_MxK, dequantize(w, x_MxK.dtype))
     raise ValueError(f"unknown linear backend {backend!r}; expected one of {BACKENDS}")

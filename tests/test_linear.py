@@ -7,6 +7,7 @@ import pytest
 
 from qerl_jax.linear import Fused, fused_linear, linear, matmul_nt, stack_loras
 from qerl_jax.quant import quantize
+from qerl_jax.quant.packed import dequantize
 
 
 def _projection(key, n, k, rank=3):
@@ -97,3 +98,45 @@ def test_matmul_nt_backward_takes_bf16_products_for_bf16_inputs():
     operand_types = [line.split(": (")[1].split(") ->")[0] for line in text.splitlines() if "dot_general" in line]
     assert len(operand_types) == 2, operand_types  # the two gradients (the forward product is unused)
     assert all(t.count("bf16") == 2 for t in operand_types), operand_types
+
+
+def _bf16_ulps(got, want_f32) -> np.ndarray:
+    """|got - want| in bf16 ulps of want rounded to bf16 (got bf16, want float32)."""
+    want = np.asarray(jnp.asarray(want_f32).astype(jnp.bfloat16), np.float32)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
+    return np.abs(np.asarray(got, np.float32) - want) / ulp
+
+
+@pytest.mark.parametrize("m", [5, 300], ids=["kernel", "dequant"])
+def test_packed_pallas_linear_rounds_once_like_the_dense_path(m):
+    """bf16 x through an NVFP4 weight (the Pallas train path), + bias + LoRA: the float32 product
+    plus bias and LoRA delta, rounded to bf16 once (the dense path's structure), within one bf16 ulp.
+    The bias nearly cancels the product, so a product rounded to bf16 before the adds (twice
+    rounded) would be off by many ulps of the small sum."""
+    pallas_kernels = pytest.importorskip("pallas_kernels")
+    n, k = 64, 128
+    w, _, lora = _projection(jax.random.key(3), n, k)
+    p = quantize(w, "nvfp4")
+    x = jax.random.normal(jax.random.key(4), (m, k), jnp.float32).astype(jnp.bfloat16)
+    lora = jax.tree.map(lambda a: (0.05 * a).astype(jnp.bfloat16), lora)
+    # The kernel regime decodes exactly (E2M1 x E4M3 values are bf16 numbers) and divides the float32
+    # product by the global scale; the dequant regime (M > 256) writes W / global scale in bf16 first.
+    w_ref = dequantize(p, jnp.float32) if m <= 256 else pallas_kernels.dequantize_bf16(p).astype(jnp.float32)
+    base = jnp.dot(x.astype(jnp.float32), w_ref.T, precision=jax.lax.Precision.HIGHEST)
+    bias = -0.999 * base[0]  # row 0's product nearly cancelled
+    h = jnp.dot(x.astype(jnp.float32), lora["a"].astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    delta = jnp.dot(
+        (0.5 * h).astype(jnp.bfloat16).astype(jnp.float32),
+        lora["b"].astype(jnp.float32).T,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    want = base + bias + delta
+    got = linear(x, p, bias=bias, lora=lora, lora_scale=0.5, backend="pallas")
+    assert got.dtype == jnp.bfloat16
+    assert _bf16_ulps(got, want).max() <= 1.0
+    twice = base.astype(jnp.bfloat16).astype(jnp.float32) + bias + delta
+    assert _bf16_ulps(twice.astype(jnp.bfloat16), want).max() > 4.0  # the check can fail
+    w_bf16 = dequantize(p, jnp.bfloat16)  # the dense path's weight: rounded to bf16 after the global scale
+    dense = linear(x, w_bf16, bias=bias, lora=lora, lora_scale=0.5)
+    dense_base = jnp.dot(x.astype(jnp.float32), w_bf16.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    assert _bf16_ulps(dense, dense_base + bias + delta).max() <= 1.0

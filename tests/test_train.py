@@ -451,3 +451,19 @@ def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path):
         timeout=600,
     )
     assert bad.returncode == 2 and "must be a multiple of mesh.data" in bad.stderr
+
+
+def test_aqn_arm_at_sigma_zero_samples_the_same_rollouts_as_the_plain_arm(tmp_path, tiny_model_dir):
+    """Runs pair across arms: same seed, AQN on (stage 0, sigma 0) or off -> the same step-0 rollouts
+    (the rollout key and the norms do not depend on the arm); at step 1 (stage 1, sigma > 0) the
+    AQN arm's rollouts differ while its LoRA is still the plain arm's."""
+    runs = {}
+    for aqn in (False, True):
+        cfg = _config(tmp_path / str(aqn), tiny_model_dir, **{"train.total_steps": 2, "aqn.enabled": aqn})
+        cfg.aqn.sigma_start = 0.5  # visible in a float32 tiny model's samples at once
+        train.train(cfg)
+        runs[aqn] = read_jsonl_scalars(os.path.join(cfg.workdir, "tensorboard"))
+    assert runs[True]["aqn/sigma"] == [(0, 0.0), (1, 0.5)]
+    for tag in ("rollout/entropy_mc", "train/sampler_abs_log_ratio", "rollout/response_length_mean", "train/loss"):
+        assert runs[True][tag][0] == runs[False][tag][0], tag  # step 0: bit-identical
+    assert runs[True]["rollout/entropy_mc"][1] != runs[False]["rollout/entropy_mc"][1]
