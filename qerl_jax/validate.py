@@ -416,10 +416,10 @@ def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, l
             return None, None, []  # built by the run
     else:
         try:
-            model_dir = resolve_model_dir(cfg)
+            model_dir = resolve_model_dir(cfg, download=False)  # a hub id not cached yet: downloaded by the run
         except UserFacingError as e:
             return None, None, [str(e)]
-    if not os.path.isdir(model_dir):
+    if model_dir is None or not os.path.isdir(model_dir):
         return None, None, []  # a single-file format: checked by its reader
     try:
         config, raw = loader.read_config(model_dir)

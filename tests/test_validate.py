@@ -38,7 +38,9 @@ def model_copy(tmp_path, tiny_model_dir):
     return shutil.copytree(tiny_model_dir, tmp_path / "model")
 
 
-def test_shipped_configs_are_valid(tmp_path, tiny_model_dir):
+def test_shipped_configs_are_valid(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the configs name hub ids; not in this (empty) hub cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert config_problems(_tiny(tmp_path, tiny_model_dir), "train") == []
     assert config_problems(_tiny(tmp_path, tiny_model_dir), "eval") == []
     tiny = load_config("tiny")
