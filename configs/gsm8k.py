@@ -1,6 +1,7 @@
 """QeRL on GSM8K: Qwen2.5-7B-Instruct, NVFP4 base, LoRA r16, AQN, DAPO-style loss (the reference recipe).
 
-  python -m qerl_jax.main --config=configs/gsm8k.py  (model.path: a hub id, or --config.model.path=/models/Qwen2.5-7B-Instruct)
+  python -m qerl_jax.main --config=configs/gsm8k.py  (model.path: the hub id; or a local directory,
+  --config.model.path=/models/Qwen2.5-7B-Instruct)
 GRPO with a KL term instead:  --config.rl.loss=grpo --config.rl.beta=0.04
 """
 

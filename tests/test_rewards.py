@@ -362,7 +362,8 @@ def test_call_reward_passes_the_fields_a_reward_names():
 def test_parse_reward_spec():
     assert R.parse_reward_spec("accuracy") == [("accuracy", 1.0)]
     assert R.parse_reward_spec("accuracy, format", (1.0, 0.1)) == [("accuracy", 1.0), ("format", 0.1)]
-    assert R.parse_reward_spec("test_rewards:_row_reward,format") == [("test_rewards:_row_reward", 1.0), ("format", 1.0)]
+    got = R.parse_reward_spec("test_rewards:_row_reward,format")
+    assert got == [("test_rewards:_row_reward", 1.0), ("format", 1.0)]
     for spec, weights, match in (
         ("accuracy,format", (1.0,), "1 reward weights for the 2 rewards"),
         ("accuracy,accuracy", (), "twice"),

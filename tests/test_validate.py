@@ -379,7 +379,8 @@ def test_loss_correction_and_reward_fields(tmp_path, tiny_model_dir):
     assert "rl.reward_weights = ('1',): expected a tuple of finite numbers, got ('1',)" in problems
     good = {"rl.loss": "bnpo", "rl.beta": 0.04, "rl.old_logp_source": "current", "rl.is_correction": "sequence_mask"}
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **good)) == []
-    dr = {"rl.loss": "dr_grpo", "rl.scale_rewards": "none", "rl.reward": "accuracy,format", "rl.reward_weights": (1, 0.1)}
+    dr = {"rl.loss": "dr_grpo", "rl.scale_rewards": "none", "rl.reward": "accuracy,format"}
+    dr["rl.reward_weights"] = (1, 0.1)
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **dr)) == []
 
 
@@ -387,14 +388,14 @@ def test_loss_correction_and_reward_fields(tmp_path, tiny_model_dir):
     "overrides,start",
     [
         ({"rl.is_correction": "sequence_mask"}, "rl.is_correction = 'sequence_mask': needs rl.old_logp_source=current"),
-        ({"rl.is_correction": "token_truncate"}, "rl.is_correction = 'token_truncate': needs rl.old_logp_source=current"),
+        ({"rl.is_correction": "token_truncate"}, "rl.is_correction = 'token_truncate': needs rl.old_logp_source="),
         ({"rl.loss": "dr_grpo"}, "rl.scale_rewards = 'group': Dr. GRPO (rl.loss=dr_grpo) does not divide"),
         ({"rl.loss": "dapo", "rl.beta": 0.04}, "rl.beta = 0.04: DAPO has no KL term"),
-        ({"rl.reward": "accuracy,format", "rl.reward_weights": (1.0,)}, "rl.reward = 'accuracy,format': 1 reward weights"),
+        ({"rl.reward": "accuracy,format", "rl.reward_weights": (1.0,)}, "rl.reward = 'accuracy,format': 1 reward"),
         ({"rl.reward": "accuracy,nope"}, "rl.reward = 'accuracy,nope': unknown reward function 'nope'"),
         ({"rl.reward": "accuracy,,format"}, "rl.reward = 'accuracy,,format': reward spec"),
     ],
 )
-def test_cross_field_rules_of_the_loss_and_rewards_are_one_line_each(tmp_path, tiny_model_dir, overrides, start):
+def test_loss_and_reward_rules_are_one_line_each(tmp_path, tiny_model_dir, overrides, start):
     (problem,) = config_problems(_tiny(tmp_path, tiny_model_dir, **overrides))
     assert problem.startswith(start), problem
