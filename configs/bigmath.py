@@ -7,9 +7,9 @@ The data path accepts a local jsonl/parquet file or, online, a hub dataset name.
 from qerl_jax.config import data_path, default_config
 
 VARIANTS = {
-    "7b": dict(path="models/Qwen2.5-7B-Instruct", lr=1e-5, micro_batch_size=8),
-    "14b": dict(path="models/Qwen2.5-14B-Instruct", lr=5e-6, micro_batch_size=4),
-    "32b": dict(path="models/Qwen2.5-32B-Instruct", lr=5e-6, micro_batch_size=2),
+    "7b": dict(path="Qwen/Qwen2.5-7B-Instruct", lr=1e-5, micro_batch_size=8),
+    "14b": dict(path="Qwen/Qwen2.5-14B-Instruct", lr=5e-6, micro_batch_size=4),
+    "32b": dict(path="Qwen/Qwen2.5-32B-Instruct", lr=5e-6, micro_batch_size=2),
 }
 
 

@@ -1,6 +1,7 @@
 """QeRL on GSM8K: Qwen2.5-7B-Instruct, NVFP4 base, LoRA r16, AQN, DAPO-style loss (the reference recipe).
 
-  python -m qerl_jax.main --config=configs/gsm8k.py --config.model.path=/models/Qwen2.5-7B-Instruct
+  python -m qerl_jax.main --config=configs/gsm8k.py  (model.path: the hub id; or a local directory,
+  --config.model.path=/models/Qwen2.5-7B-Instruct)
 GRPO with a KL term instead:  --config.rl.loss=grpo --config.rl.beta=0.04
 """
 
@@ -10,7 +11,7 @@ from qerl_jax.config import data_path, default_config
 def get_config():
     c = default_config()
     c.workdir = "runs/gsm8k"
-    c.model.path = "models/Qwen2.5-7B-Instruct"
+    c.model.path = "Qwen/Qwen2.5-7B-Instruct"
     c.model.quant = "nvfp4"
     c.data.train = data_path("gsm8k/train.jsonl")
     c.data.eval = data_path("gsm8k/test.jsonl")

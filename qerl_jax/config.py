@@ -54,14 +54,22 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.max_batch = 0  # sequences decoded at once (refilled as they stop); 0 = sized to the free device memory
 
     c.rl = ml_collections.ConfigDict()
-    c.rl.loss = "dapo"  # dapo | grpo
+    c.rl.loss = "dapo"  # dapo | grpo | bnpo (the QeRL reference's) | dr_grpo (needs scale_rewards=none)
     c.rl.eps_low = 0.2
     c.rl.eps_high = 0.28
     c.rl.beta = 0.0  # KL weight to the LoRA-free reference (GRPO uses 0.04)
     # The ratio's denominator: "rollout" = the sampler's log-probs (quantized, AQN noise in the norms);
     # "current" = the train forward's own (ratio 1 with one update per rollout, as TRL).
     c.rl.old_logp_source = "rollout"
-    c.rl.reward = "accuracy"  # a registered reward (accuracy | format | accuracy_format) or "module:function"
+    # With old_logp_source=current: weight each token's loss by the truncated importance ratio of the
+    # train forward and the sampler (none | token_truncate | sequence_truncate | sequence_mask), cap is_cap.
+    c.rl.is_correction = "none"
+    c.rl.is_cap = 3.0
+    c.rl.scale_rewards = "group"  # advantages (r - group mean) / std of the group | batch | none (no division)
+    # A registered reward (accuracy | format | accuracy_format) or "module:function", or several of them
+    # comma-separated ("accuracy,format"), summed with rl.reward_weights (() = 1 each).
+    c.rl.reward = "accuracy"
+    c.rl.reward_weights = ()
     c.rl.reward_timeout_s = 10.0  # per completion; a reward worker past it is restarted and the item scores 0
     c.rl.dynamic_sampling = True  # DAPO: drop groups with equal rewards, refill
     c.rl.max_refill_rounds = 2

@@ -1,8 +1,10 @@
 """Verifiable math rewards: answer extraction, equivalence checking, scoring pool.
 
 A reward function takes (completion text, ground-truth answer string) and
-returns a float. They are registered by name (`get_reward_fn(name)`), so the
-choice is a config string.
+returns a float; it may also name, as keyword parameters (or take **kwargs),
+the prompt and the dataset row's other fields (`call_reward`). They are
+registered by name (`get_reward_fn(name)`), so the choice is a config string;
+"accuracy,format" names several, summed with weights (`parse_reward_spec`).
 
 Safety: model output is never passed to `eval`/`exec`. Besides our own
 regexes, only math-verify's LaTeX parser (antlr grammar) sees it, never its
@@ -23,6 +25,7 @@ import dataclasses
 import fractions
 import functools
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -90,6 +93,46 @@ def get_reward_fn(name: str) -> RewardFn:
     raise ValueError(
         f"unknown reward function {name!r}; known: {', '.join(list_reward_fns())}, or 'package.module:function'."
     )
+
+
+def parse_reward_spec(spec: str, weights: Sequence[float] = ()) -> list[tuple[str, float]]:
+    """[(name, weight)] of a comma-separated reward spec ("accuracy,format"); weights () = 1 each.
+
+    Each name must resolve (`get_reward_fn`); raises ValueError naming what is wrong.
+    """
+    names = [n.strip() for n in spec.split(",")]
+    if not spec.strip() or any(not n for n in names):
+        raise ValueError(f"reward spec {spec!r} has an empty name; expected e.g. 'accuracy' or 'accuracy,format'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward spec {spec!r} names a reward twice")
+    weights = tuple(weights) or (1.0,) * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"{len(weights)} reward weights for the {len(names)} rewards of {spec!r}")
+    for name in names:
+        get_reward_fn(name)
+    return [(n, float(w)) for n, w in zip(names, weights)]
+
+
+@functools.lru_cache(maxsize=64)
+def _keyword_names(fn: Callable) -> frozenset[str] | None:
+    """The keyword parameters `fn` takes after its first two, or None when it takes **kwargs."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins): positional only
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def call_reward(fn: Callable, completion: str, answer: str, fields: dict[str, Any] | None = None) -> float:
+    """fn(completion, answer, **fields), passing only the fields `fn` names (all if it takes **kwargs).
+
+    fields: the prompt ("prompt") and the dataset row's other columns, e.g. "source_id".
+    """
+    names = _keyword_names(fn)
+    fields = fields or {}
+    return fn(completion, answer, **(fields if names is None else {k: v for k, v in fields.items() if k in names}))
 
 
 # --------------------------------------------------------------------------
@@ -364,7 +407,7 @@ def _read_frame(fd: int) -> Any:
 
 
 def _worker_loop() -> None:
-    """Worker entry point: frames (fn, idx, completion, answer) -> (idx, reward, err)."""
+    """Worker entry point: frames (fn, idx, completion, answer, fields) -> (idx, reward, err)."""
     in_fd, out_fd = 0, os.dup(1)
     os.dup2(2, 1)  # Stray prints from libraries must not corrupt the frame stream.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
@@ -383,8 +426,8 @@ def _worker_loop() -> None:
             return
         idx, err, r = -1, None, 0.0
         try:
-            fn, idx, completion, answer = msg
-            r = float(fn(completion, answer))
+            fn, idx, completion, answer, fields = msg
+            r = float(call_reward(fn, completion, answer, fields))
             if not math.isfinite(r):
                 err, r = f"non-finite reward {r}", 0.0
         except BaseException as e:  # Includes math-verify's TimeoutException.
@@ -498,32 +541,60 @@ class RewardPool:
         reward_fn: str | RewardFn = "accuracy",
         *,
         timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
     ) -> concurrent.futures.Future:
         """Starts scoring a batch; the future yields float32 rewards [len(completions)].
 
-        `timeout_s` overrides the pool's per-item timeout for this batch.
+        `timeout_s` overrides the pool's per-item timeout for this batch; `fields`: per item, the
+        keyword fields `call_reward` may pass (the prompt, the dataset row's other columns).
+        """
+        return self.submit_each(completions, answers, [reward_fn], timeout_s=timeout_s, fields=fields, _squeeze=True)
+
+    def submit_each(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        reward_fns: Sequence[str | RewardFn],
+        *,
+        timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
+        _squeeze: bool = False,
+    ) -> concurrent.futures.Future:
+        """Like `submit` for several rewards at once: the future yields float32 [len(reward_fns), N].
+
+        Every (reward, item) pair is one work item with its own deadline; one that raises, times
+        out or crashes its worker scores 0.0 and is counted in `stats`.
         """
         if self._closed:
             raise RuntimeError("RewardPool is closed.")
         completions, answers = list(completions), list(answers)
         if len(completions) != len(answers):
             raise ValueError(f"got {len(completions)} completions but {len(answers)} answers.")
+        fields = [{} for _ in completions] if fields is None else [dict(f) for f in fields]
+        if len(fields) != len(completions):
+            raise ValueError(f"got {len(completions)} completions but {len(fields)} field dicts.")
         for name, seq in (("completions", completions), ("answers", answers)):
             bad = [i for i, x in enumerate(seq) if not isinstance(x, str)]
             if bad:
                 raise TypeError(f"{name}[{bad[0]}] is {type(seq[bad[0]]).__name__}, expected str.")
-        fn = _resolve(reward_fn)
+        fns = [_resolve(f) for f in reward_fns]
+        for fn in fns:
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise ValueError(
+                    f"reward_fn {fn!r} cannot be sent to worker processes ({e}); use a "
+                    "registered name or a module-level function."
+                ) from e
         try:
-            pickle.dumps(fn)
+            pickle.dumps(fields)
         except Exception as e:
-            raise ValueError(
-                f"reward_fn {fn!r} cannot be sent to worker processes ({e}); use a "
-                "registered name or a module-level function."
-            ) from e
+            raise ValueError(f"reward fields cannot be sent to worker processes ({e}).") from e
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
-        return self._dispatcher.submit(self._run, fn, completions, answers, timeout_s)
+        run = lambda: self._run(fns, completions, answers, fields, timeout_s)  # noqa: E731
+        return self._dispatcher.submit((lambda: run()[0]) if _squeeze else run)
 
     def score(
         self,
@@ -532,20 +603,43 @@ class RewardPool:
         reward_fn: str | RewardFn = "accuracy",
         *,
         timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
     ) -> np.ndarray:
         """Blocking `submit(...).result()`: float32 rewards [len(completions)]."""
-        return self.submit(completions, answers, reward_fn, timeout_s=timeout_s).result()
+        return self.submit(completions, answers, reward_fn, timeout_s=timeout_s, fields=fields).result()
 
-    def _run(self, fn: RewardFn, completions: list[str], answers: list[str], timeout_s: float) -> np.ndarray:
-        rewards = np.zeros((len(completions),), np.float32)
-        todo = collections.deque(range(len(completions)))
+    def score_each(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        reward_fns: Sequence[str | RewardFn],
+        *,
+        timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
+    ) -> np.ndarray:
+        """Blocking `submit_each(...).result()`: float32 rewards [len(reward_fns), len(completions)]."""
+        return self.submit_each(completions, answers, reward_fns, timeout_s=timeout_s, fields=fields).result()
+
+    def _run(
+        self,
+        fns: list[RewardFn],
+        completions: list[str],
+        answers: list[str],
+        fields: list[dict[str, Any]],
+        timeout_s: float,
+    ) -> np.ndarray:
+        n = len(completions)
+        rewards = np.zeros((len(fns), n), np.float32)
+        flat = rewards.reshape(-1)  # item k: reward k // n on completion k % n
+        todo = collections.deque(range(len(fns) * n))
         busy: dict[int, tuple[int, float]] = {}  # Worker slot -> (item, deadline).
         while todo or busy:
             for k, w in enumerate(self._workers):
                 if w.ready and k not in busy and todo:
                     i = todo.popleft()
+                    j, c = divmod(i, n)
                     try:
-                        _write_frame(w.in_fd, (fn, i, completions[i], answers[i]))
+                        _write_frame(w.in_fd, (fns[j], i, completions[c], answers[c], fields[c]))
                     except (OSError, ValueError):  # The worker died while idle.
                         todo.appendleft(i)
                         self.stats["crashes"] += 1
@@ -580,7 +674,7 @@ class RewardPool:
                     raise RuntimeError(f"reward worker failed to start:\n{err}")
                 else:
                     i, _ = busy.pop(k)
-                    rewards[i] = r
+                    flat[i] = r
                     self.stats["scored"] += 1
                     if err is not None:
                         self.stats["errors"] += 1
@@ -588,7 +682,7 @@ class RewardPool:
             now = time.monotonic()
             for k in [k for k, (_, d) in busy.items() if now > d]:
                 i, _ = busy.pop(k)
-                rewards[i] = 0.0
+                flat[i] = 0.0
                 self.stats["timeouts"] += 1
                 log.warning("reward item %d ran past %.1fs; worker restarted, reward 0.0.", i, timeout_s)
                 self._replace(k)

@@ -76,7 +76,8 @@ def collect_experience(
     timing = {"rollout": 0.0, "reward": 0.0}
     kept = {"rollouts": [], "answers": [], "completions": [], "prompts": [], "rewards": [], "accuracy": []}
     sampled = kept_count = gen_tokens = 0
-    all_raw, all_shaped, neg_logp_sum = [], [], 0.0  # every sampled row, kept or not
+    all_raw, all_shaped, all_each, neg_logp_sum = [], [], [], 0.0  # every sampled row, kept or not
+    reward_spec = rewards.parse_reward_spec(cfg.rl.reward, cfg.rl.reward_weights)
     for round_ in range(1 + (cfg.rl.max_refill_rounds if cfg.rl.dynamic_sampling else 0)):
         prompts = next(loader)
         tok = tokenize_prompts(
@@ -113,7 +114,11 @@ def collect_experience(
         )
         source_rows = np.repeat(tok.kept_indices, g)  # dataset row of each sequence
         answers = [prompts["answer"][i] for i in source_rows]
-        raw = pool.score(completions, answers, cfg.rl.reward)
+        each = pool.score_each(
+            completions, answers, [name for name, _ in reward_spec], fields=_reward_fields(prompts, source_rows)
+        )
+        all_each.append(each)
+        raw = np.asarray([w for _, w in reward_spec], np.float32) @ each
         timing["reward"] += time.perf_counter() - t0
         shaped = raw.copy()
         if cfg.rl.overlong_cache:
@@ -152,6 +157,8 @@ def collect_experience(
     if all_raw:  # over every sampled row (DAPO's kept groups are biased to varied rewards)
         stats["reward/mean_sampled"] = float(np.concatenate(all_shaped).mean())
         stats["reward/accuracy_sampled"] = float((np.concatenate(all_raw) >= 1.0).mean())
+        for (name, _), scores in zip(reward_spec, np.concatenate(all_each, axis=1)):  # unweighted, per reward
+            stats[f"reward/{name}_mean_sampled"] = float(scores.mean())
         # -log p of the sampled tokens under the sampler (quantized, AQN noise in its norms): a
         # Monte Carlo estimate of the sampling policy's entropy per token
         stats["rollout/entropy_mc"] = neg_logp_sum / max(gen_tokens, 1)
@@ -168,6 +175,13 @@ def collect_experience(
         groups_kept=kept_count,
     )
     return exp, stats
+
+
+def _reward_fields(prompts: dict[str, Any], source_rows: np.ndarray) -> list[dict[str, Any]]:
+    """Per sequence, the keyword fields a reward may take: its prompt and its dataset row's other columns."""
+    columns = [k for k in prompts if k != "answer"]
+    value = lambda x: x.item() if isinstance(x, np.generic) else x  # noqa: E731 (plain Python for the workers)
+    return [{k: value(prompts[k][i]) for k in columns} for i in source_rows]
 
 
 def _select(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
@@ -202,7 +216,7 @@ def _concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
 def make_train_batch(cfg, exp: Experience) -> dict[str, jax.Array]:
     """Advantages + the train step's padded batch (rows padded to a fixed count, masked out)."""
     g = cfg.rollout.group_size
-    advantages = np.asarray(losses.group_advantages(exp.rewards, g))
+    advantages = np.asarray(losses.group_advantages(exp.rewards, g, scale=cfg.rl.scale_rewards))
     batch = to_train_batch(exp.rollout, trim_to_multiple=max(64, cfg.rollout.max_new_tokens // 4))
     if cfg.rl.mask_truncated:
         batch["response_mask"] = batch["response_mask"] * (~exp.rollout.truncated)[:, None].astype(jnp.int32)
@@ -278,6 +292,9 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         eps_high=cfg.rl.eps_high,
         beta=cfg.rl.beta,
         old_logp_source=cfg.rl.old_logp_source,
+        is_correction=cfg.rl.is_correction,
+        is_cap=cfg.rl.is_cap,
+        max_completion_len=cfg.rollout.max_new_tokens,
     )
     train_step = rl_step.make_train_step(
         policy.config,

@@ -25,7 +25,7 @@ from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
 from qerl_jax.quant import BLOCK_SIZES, CONFIG_FORMATS, FORMATS
-from qerl_jax.rl.losses import LOSS_KINDS, OLD_LOGP_SOURCES
+from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
 
 COMMANDS = ("train", "eval")
 BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
@@ -143,6 +143,15 @@ def paths(nonempty: bool) -> Check:
     return check
 
 
+def numbers() -> Check:
+    def check(v):
+        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(_is_number(x) for x in v):
+            return f"expected a tuple of finite numbers, got {v!r}"
+        return None
+
+    return check
+
+
 def _mesh_axis(v):
     if not _is_int(v) or (v < 1 and v != -1):
         return f"expected a positive integer or -1 (all remaining devices), got {v!r}"
@@ -178,9 +187,13 @@ FIELDS: dict[str, Check] = {
     "rl.eps_high": number(0.0),
     "rl.beta": number(0.0),
     "rl.reward": text(nonempty=True),
+    "rl.reward_weights": numbers(),
     "rl.reward_timeout_s": number(0.0, lo_open=True),
     "rl.reward_workers": integer(0),
     "rl.old_logp_source": choice(OLD_LOGP_SOURCES),
+    "rl.is_correction": choice(IS_CORRECTIONS),
+    "rl.is_cap": number(1.0),
+    "rl.scale_rewards": choice(REWARD_SCALES),
     "rl.dynamic_sampling": boolean(),
     "rl.max_refill_rounds": integer(0),
     "rl.mask_truncated": boolean(),
@@ -316,11 +329,25 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
         out.append(
             f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
         )
-    if train and has("rl.reward"):
+    if train and has("rl.reward", "rl.reward_weights"):
         try:
-            rewards.get_reward_fn(f["rl.reward"])
+            rewards.parse_reward_spec(f["rl.reward"], f["rl.reward_weights"])
         except ValueError as e:
             out.append(f"rl.reward = {f['rl.reward']!r}: {e}")
+    if train and has("rl.is_correction", "rl.old_logp_source"):
+        if f["rl.is_correction"] != "none" and f["rl.old_logp_source"] != "current":
+            out.append(
+                f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with "
+                f"{f['rl.old_logp_source']!r} the ratio's denominator already is the sampler's log-prob, so the "
+                "PPO ratio is the sampler/trainer importance ratio"
+            )
+    if train and has("rl.loss", "rl.scale_rewards") and f["rl.loss"] == "dr_grpo" and f["rl.scale_rewards"] != "none":
+        out.append(
+            f"rl.scale_rewards = {f['rl.scale_rewards']!r}: Dr. GRPO (rl.loss=dr_grpo) does not divide advantages by "
+            "a std; set rl.scale_rewards=none"
+        )
+    if train and has("rl.loss", "rl.beta") and f["rl.loss"] == "dapo" and f["rl.beta"] > 0:
+        out.append(f"rl.beta = {f['rl.beta']}: DAPO has no KL term; use rl.loss=grpo or bnpo for a KL penalty")
     if train and has("workdir", "resume") and not f["resume"]:
         steps = saved_steps(os.path.join(f["workdir"], "checkpoints"))
         if steps:
@@ -389,10 +416,10 @@ def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, l
             return None, None, []  # built by the run
     else:
         try:
-            model_dir = resolve_model_dir(cfg)
+            model_dir = resolve_model_dir(cfg, download=False)  # a hub id not cached yet: downloaded by the run
         except UserFacingError as e:
             return None, None, [str(e)]
-    if not os.path.isdir(model_dir):
+    if model_dir is None or not os.path.isdir(model_dir):
         return None, None, []  # a single-file format: checked by its reader
     try:
         config, raw = loader.read_config(model_dir)

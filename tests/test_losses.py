@@ -18,8 +18,10 @@ from qerl_jax.rl.losses import (
 )
 
 
-def _np_loss(logp, old, adv, mask, kind, eps_low, eps_high, beta=0.0, ref=None):
-    """Token-by-token loop implementation of the GRPO/DAPO objective (to minimise)."""
+def _np_loss(logp, old, adv, mask, kind, eps_low, eps_high, beta=0.0, ref=None, max_len=None, weight=None):
+    """Token-by-token loop implementation of the GRPO/DAPO/BNPO/Dr.GRPO objectives (to minimise).
+
+    weight: per-token importance weights [B, T] multiplying the clipped surrogate (None: 1)."""
     b, t = logp.shape
     seq_losses, tok_sum, n_tok = [], 0.0, 0
     for i in range(b):
@@ -29,14 +31,18 @@ def _np_loss(logp, old, adv, mask, kind, eps_low, eps_high, beta=0.0, ref=None):
                 continue
             r = np.exp(np.float64(logp[i, j]) - old[i, j])
             surrogate = min(r * adv[i], np.clip(r, 1 - eps_low, 1 + eps_high) * adv[i])
-            loss = -surrogate
+            loss = -surrogate * (1.0 if weight is None else weight[i, j])
             if beta:
                 d = ref[i, j] - logp[i, j]
                 loss += beta * (np.exp(d) - d - 1)
             s, n = s + loss, n + 1
         seq_losses.append(s / max(n, 1))
         tok_sum, n_tok = tok_sum + s, n_tok + n
-    return tok_sum / max(n_tok, 1) if kind == "dapo" else np.mean(seq_losses)
+    if kind in ("dapo", "bnpo"):  # token sum / tokens of the batch
+        return tok_sum / max(n_tok, 1)
+    if kind == "dr_grpo":  # token sum / (B * max_completion_length)
+        return tok_sum / (b * max_len)
+    return np.mean(seq_losses)  # grpo: mean of the per-sequence token means
 
 
 def _hand_batch():
@@ -62,15 +68,18 @@ def _hand_batch():
     return logp, old, adv, mask, ref, entropy
 
 
-@pytest.mark.parametrize("kind,beta", [("dapo", 0.0), ("grpo", 0.0), ("grpo", 0.05)])
+@pytest.mark.parametrize(
+    "kind,beta",
+    [("dapo", 0.0), ("grpo", 0.0), ("grpo", 0.05), ("bnpo", 0.0), ("bnpo", 0.05), ("dr_grpo", 0.0), ("dr_grpo", 0.05)],
+)
 def test_loss_matches_numpy(kind, beta):
     logp, old, adv, mask, ref, entropy = _hand_batch()
-    cfg = LossConfig(kind=kind, eps_low=0.2, eps_high=0.28, beta=beta)
+    cfg = LossConfig(kind=kind, eps_low=0.2, eps_high=0.28, beta=beta, max_completion_len=9)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     loss, m = jax.jit(lambda *a: policy_loss(*a, cfg, ref_logp=f32(ref), entropy=f32(entropy)))(
         f32(logp), f32(old), f32(adv), f32(mask)
     )
-    want = _np_loss(logp, old, adv, mask, kind, 0.2, 0.28, beta, ref)
+    want = _np_loss(logp, old, adv, mask, kind, 0.2, 0.28, beta, ref, max_len=9)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)
 
@@ -94,20 +103,28 @@ def test_loss_matches_numpy(kind, beta):
     assert float(m["response_tokens"]) == mask.sum()
 
 
-def test_dapo_and_grpo_aggregate_differently():
+def test_loss_kinds_aggregate_differently():
     logp, old, adv, mask, _, _ = _hand_batch()
     args = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)]
     dapo, _ = policy_loss(*args, LossConfig(kind="dapo"))
     grpo, _ = policy_loss(*args, LossConfig(kind="grpo"))
+    dr, _ = policy_loss(*args, LossConfig(kind="dr_grpo", max_completion_len=6))
     assert abs(float(dapo) - float(grpo)) > 1e-3  # unequal lengths: token vs sequence averaging
+    # Dr. GRPO divides the same token sum by B * L = 24 instead of the 15 response tokens
+    np.testing.assert_allclose(float(dr), float(dapo) * mask.sum() / 24, rtol=1e-6)
 
 
 def test_normalizer_makes_micro_batches_sum_to_full_batch():
     logp, old, adv, mask, ref, _ = _hand_batch()
-    for cfg in (LossConfig(kind="dapo"), LossConfig(kind="grpo", beta=0.1)):
+    for cfg in (
+        LossConfig(kind="dapo"),
+        LossConfig(kind="grpo", beta=0.1),
+        LossConfig(kind="bnpo", beta=0.1),
+        LossConfig(kind="dr_grpo", max_completion_len=7, old_logp_source="current", is_correction="sequence_mask"),
+    ):
         args = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)]
         full, _ = policy_loss(*args, cfg, ref_logp=jnp.asarray(ref, jnp.float32))
-        norm = mask.sum() if cfg.kind == "dapo" else mask.shape[0]
+        norm = {"dapo": mask.sum(), "bnpo": mask.sum(), "grpo": mask.shape[0], "dr_grpo": mask.shape[0] * 7}[cfg.kind]
         parts = [
             policy_loss(
                 *[x[i : i + 2] for x in args], cfg, ref_logp=jnp.asarray(ref[i : i + 2], jnp.float32), normalizer=norm
@@ -197,10 +214,81 @@ def test_group_advantages_match_numpy_and_trl(ddof):
         t = torch.tensor(rewards).view(-1, 4)
         trl = (t - t.mean(1, keepdim=True)) / (t.std(1, keepdim=True) + 1e-6)
         np.testing.assert_allclose(adv, trl.reshape(-1).numpy(), rtol=1e-5, atol=1e-6)
-    unscaled = np.asarray(group_advantages(jnp.asarray(rewards), 4, scale_by_std=False))
+    unscaled = np.asarray(group_advantages(jnp.asarray(rewards), 4, scale="none"))
     np.testing.assert_allclose(unscaled, (g - g.mean(1, keepdims=True)).reshape(-1), atol=1e-6)
+    # TRL's scale_rewards="batch": the group-centred rewards over the std of the whole batch's rewards
+    batch = np.asarray(group_advantages(jnp.asarray(rewards), 4, eps=1e-6, scale="batch", ddof=ddof))
+    want_batch = (g - g.mean(1, keepdims=True)) / (rewards.std(ddof=ddof) + 1e-6)
+    np.testing.assert_allclose(batch, want_batch.reshape(-1), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(batch, adv)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(jnp.asarray(rewards), 4, scale="prompt")
     with pytest.raises(ValueError, match="divisible"):
         group_advantages(jnp.asarray(rewards), 5)
+
+
+def _np_is_weights(logp, sampler, mask, mode, cap):
+    """TRL's vLLM importance-sampling correction: exp of the token (or summed sequence) log-ratio of
+    the trainer's and the sampler's log-probs, clamped above at cap (truncate) or zeroed above it (mask)."""
+    d = (logp.astype(np.float64) - sampler) * mask
+    if mode.startswith("sequence"):
+        d = np.broadcast_to(d.sum(1, keepdims=True), d.shape)
+    r = np.exp(d)
+    if mode.endswith("truncate"):
+        return np.minimum(r, cap), r > cap
+    return np.where(r > cap, 0.0, r), r > cap
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("kind,beta", [("grpo", 0.05), ("bnpo", 0.0)])
+def test_is_correction_matches_numpy(mode, kind, beta):
+    logp, old, adv, mask, ref, _ = _hand_batch()
+    logp[mask == 0] = -1.0
+    old = old.copy()
+    old[0, :4] -= np.array([0.0, 0.4, 1.5, 0.1])  # row 0: token 2's weight e^1.5 > 3, its product e^2 too
+    old[1] -= 0.05  # row 1: all tokens a little above 1, product below the cap
+    cap = 3.0
+    w, over = _np_is_weights(logp, old, mask, mode, cap)
+    sel = mask.astype(bool)
+    assert over[sel].any() and not over[sel].all()  # some weights are capped, others not
+    cfg = LossConfig(kind=kind, beta=beta, old_logp_source="current", is_correction=mode, is_cap=cap)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    (loss, m), g = jax.value_and_grad(
+        lambda lp: policy_loss(lp, f32(old), f32(adv), f32(mask), cfg, ref_logp=f32(ref)), has_aux=True
+    )(f32(logp))
+    # old_logp_source="current": ratio 1, so the loss is the IS-weighted -A (+ beta KL)
+    want = _np_loss(logp, logp, adv, mask, kind, 0.2, 0.28, beta, ref, weight=w)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(m["is_weight_mean"]), w[sel].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["is_weight_max"]), w[sel].max(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["is_clip_frac"]), over[sel].mean(), rtol=1e-6)
+    d = (logp - old)[sel]
+    np.testing.assert_allclose(float(m["sampler_kl"]), np.mean(np.exp(d) - d - 1), rtol=1e-4)
+    # the weights are constants: d loss / d logp = -A * w / normaliser (+ the KL's own gradient)
+    norm = mask.sum() if kind == "bnpo" else mask.shape[0] * np.maximum(mask.sum(1, keepdims=True), 1)
+    dk = ref - logp
+    want_g = (-adv[:, None] * w + beta * (1 - np.exp(dk))) * mask / norm
+    np.testing.assert_allclose(np.asarray(g), want_g, atol=1e-6, rtol=1e-5)
+
+
+def test_is_correction_none_leaves_the_loss_unweighted():
+    logp, old, adv, mask, _, _ = _hand_batch()
+    args = [jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)]
+    plain, m = policy_loss(*args, LossConfig(old_logp_source="current"))
+    tis, _ = policy_loss(*args, LossConfig(old_logp_source="current", is_correction="token_truncate"))
+    assert "is_weight_mean" not in m and float(m["sampler_kl"]) > 1e-3
+    assert abs(float(plain) - float(tis)) > 1e-3
+
+
+def test_is_correction_config_errors():
+    with pytest.raises(ValueError, match="needs old_logp_source='current'"):
+        LossConfig(is_correction="sequence_mask")
+    with pytest.raises(ValueError, match="is_correction"):
+        LossConfig(old_logp_source="current", is_correction="token_mask")
+    with pytest.raises(ValueError, match="is_cap"):
+        LossConfig(old_logp_source="current", is_correction="token_truncate", is_cap=0.5)
+    with pytest.raises(ValueError, match="max_completion_len"):
+        LossConfig(kind="dr_grpo")
 
 
 def test_dynamic_sampling_mask():

@@ -43,6 +43,18 @@ def _dying_reward(completion: str, answer: str) -> float:
     return 1.0 if completion == answer else 0.0
 
 
+def _prompt_reward(completion: str, answer: str, prompt: str, *, source_id: str = "") -> float:
+    """Test reward naming two row fields: the prompt's length, + 100 for source_id "gold"."""
+    return len(prompt) + (100.0 if source_id == "gold" else 0.0)
+
+
+def _row_reward(completion: str, answer: str, **row) -> float:
+    """Test reward taking every field: the row's index; raises on "boom"."""
+    if completion == "boom":
+        raise ValueError("boom")
+    return float(row["index"])
+
+
 @pytest.fixture(scope="module")
 def pool():
     with R.RewardPool(2, timeout_s=20.0) as p:
@@ -336,3 +348,43 @@ def test_closed_pool_refuses_work():
     assert all(proc.poll() is not None for proc in procs)
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(["a"], ["1"])
+
+
+def test_call_reward_passes_the_fields_a_reward_names():
+    fields = {"prompt": "abc", "source_id": "gold", "index": 7}
+    assert R.call_reward(_prompt_reward, "x", "1", fields) == 103.0  # index not passed: not a parameter
+    assert R.call_reward(_row_reward, "x", "1", fields) == 7.0  # **row takes every field
+    assert R.call_reward(R.accuracy_reward, "\\boxed{1}", "1", fields) == 1.0  # (completion, answer) only
+    with pytest.raises(TypeError):
+        R.call_reward(_prompt_reward, "x", "1", {})  # its required prompt is missing
+
+
+def test_parse_reward_spec():
+    assert R.parse_reward_spec("accuracy") == [("accuracy", 1.0)]
+    assert R.parse_reward_spec("accuracy, format", (1.0, 0.1)) == [("accuracy", 1.0), ("format", 0.1)]
+    got = R.parse_reward_spec("test_rewards:_row_reward,format")
+    assert got == [("test_rewards:_row_reward", 1.0), ("format", 1.0)]
+    for spec, weights, match in (
+        ("accuracy,format", (1.0,), "1 reward weights for the 2 rewards"),
+        ("accuracy,accuracy", (), "twice"),
+        ("accuracy,", (), "empty name"),
+        ("accuracy,nope", (), "unknown reward function 'nope'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            R.parse_reward_spec(spec, weights)
+
+
+def test_score_each_runs_every_reward_with_the_row_fields_in_the_workers(pool):
+    completions = ["\\boxed{3}", "boom", "no"]
+    fields = [{"prompt": "p" * (i + 1), "source_id": "gold" if i == 2 else "s", "index": 10 + i} for i in range(3)]
+    errors_before = pool.stats["errors"]
+    got = pool.score_each(
+        completions, ["3", "3", "3"], ["accuracy", _prompt_reward, _row_reward], fields=fields
+    )
+    assert got.shape == (3, 3) and got.dtype == np.float32
+    np.testing.assert_array_equal(got[0], [1.0, 0.0, 0.0])  # accuracy
+    np.testing.assert_array_equal(got[1], [1.0, 2.0, 103.0])  # len(prompt) + 100 for "gold"
+    np.testing.assert_array_equal(got[2], [10.0, 0.0, 12.0])  # "boom" raised: 0 for that item only
+    assert pool.stats["errors"] == errors_before + 1
+    with pytest.raises(ValueError, match="3 completions but 2 field dicts"):
+        pool.submit_each(completions, ["3"] * 3, ["accuracy"], fields=fields[:2])

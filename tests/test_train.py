@@ -56,6 +56,12 @@ def digit_reward(completion: str, ground_truth: str) -> float:
 DIGIT_REWARD = "test_train:digit_reward"  # imported by name in the reward workers
 
 
+def prompt_reward(completion: str, ground_truth: str, prompt: str, source_id: str) -> float:
+    """A reward reading the row's fields: the prompt's length / 1000, + 1 when the row has an id."""
+    del completion, ground_truth
+    return len(prompt) / 1000 + float(bool(source_id))
+
+
 def _config(workdir, model_dir, **overrides):
     cfg = load_config("tiny")
     cfg.workdir = str(workdir)
@@ -467,3 +473,61 @@ def test_aqn_arm_at_sigma_zero_samples_the_same_rollouts_as_the_plain_arm(tmp_pa
     for tag in ("rollout/entropy_mc", "train/sampler_abs_log_ratio", "rollout/response_length_mean", "train/loss"):
         assert runs[True][tag][0] == runs[False][tag][0], tag  # step 0: bit-identical
     assert runs[True]["rollout/entropy_mc"][1] != runs[False]["rollout/entropy_mc"][1]
+
+
+def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_model_dir):
+    from qerl_jax import rewards
+    from qerl_jax.data import PromptLoader, load_math_dataset
+    from qerl_jax.policy import load_policy
+    from qerl_jax.rl import losses
+
+    cfg = _config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "rl.reward": f"{DIGIT_REWARD},test_train:prompt_reward",
+            "rl.reward_weights": (1.0, 0.5),
+            "rollout.prompts_per_step": 4,
+            "rollout.group_size": 4,
+            "rollout.max_new_tokens": 8,
+        },
+    )
+    policy = load_policy(cfg)
+    dataset = load_math_dataset(cfg.data.train)
+    loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
+    with rewards.RewardPool(2, timeout_s=120.0) as pool:  # a worker's first item imports this module
+        exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
+    digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
+    prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])
+    assert np.ptp(prompt) > 0  # the second reward really varies with the row
+    np.testing.assert_allclose(exp.rewards, digits + 0.5 * prompt, rtol=1e-6)
+    np.testing.assert_allclose(stats[f"reward/{DIGIT_REWARD}_mean_sampled"], digits.mean(), rtol=1e-5)
+    np.testing.assert_allclose(stats["reward/test_train:prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
+    for scale in ("group", "batch", "none"):
+        cfg.rl.scale_rewards = scale
+        got = np.asarray(train.make_train_batch(cfg, exp)["advantages"])[: len(exp.rewards)]
+        np.testing.assert_allclose(got, np.asarray(losses.group_advantages(exp.rewards, 4, scale=scale)), rtol=1e-6)
+    g = exp.rewards.reshape(-1, 4)
+    np.testing.assert_allclose(got, (g - g.mean(1, keepdims=True)).reshape(-1), atol=1e-6)  # "none"
+
+
+def test_mismatch_correction_run_logs_its_weights(tmp_path, tiny_model_dir):
+    cfg = _config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "train.total_steps": 2,  # the last step samples with AQN noise on (stage 1)
+            "train.checkpoint_every": 100,
+            "rl.reward": DIGIT_REWARD,
+            "rl.loss": "bnpo",
+            "rl.old_logp_source": "current",
+            "rl.is_correction": "token_truncate",
+            "rl.is_cap": 1.001,
+        },
+    )
+    metrics = train.train(cfg)
+    # the sampler has AQN noise in its norms: weights differ from 1 (~1e-3 on this tiny model), some above the cap
+    assert metrics["train/sampler_kl"] > 0
+    assert 0 < metrics["train/is_clip_frac"] < 1
+    assert metrics["train/is_weight_max"] <= 1.001 + 1e-6
+    assert metrics["train/is_weight_mean"] != 1.0

@@ -38,7 +38,9 @@ def model_copy(tmp_path, tiny_model_dir):
     return shutil.copytree(tiny_model_dir, tmp_path / "model")
 
 
-def test_shipped_configs_are_valid(tmp_path, tiny_model_dir):
+def test_shipped_configs_are_valid(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the configs name hub ids; not in this (empty) hub cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert config_problems(_tiny(tmp_path, tiny_model_dir), "train") == []
     assert config_problems(_tiny(tmp_path, tiny_model_dir), "eval") == []
     tiny = load_config("tiny")
@@ -361,3 +363,39 @@ def test_rollout_batch_is_zero_or_at_least_one_group(tmp_path, tiny_model_dir):
     (problem,) = config_problems(cfg)
     assert problem.startswith("rollout.max_batch = 3: smaller than one group (rollout.group_size = 4)")
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"rollout.max_batch": 0})) == []  # 0: sized to memory
+
+
+def test_loss_correction_and_reward_fields(tmp_path, tiny_model_dir):
+    bad = {
+        "rl.loss": "ppo",
+        "rl.is_correction": "token_mask",
+        "rl.is_cap": 0.5,
+        "rl.scale_rewards": "prompt",
+        "rl.reward_weights": ("1",),
+    }
+    problems = config_problems(_tiny(tmp_path, tiny_model_dir, **bad))
+    assert sorted(_paths(problems)) == sorted(bad), problems
+    assert "rl.is_cap = 0.5: must be in [1.0, inf]" in problems
+    assert "rl.reward_weights = ('1',): expected a tuple of finite numbers, got ('1',)" in problems
+    good = {"rl.loss": "bnpo", "rl.beta": 0.04, "rl.old_logp_source": "current", "rl.is_correction": "sequence_mask"}
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **good)) == []
+    dr = {"rl.loss": "dr_grpo", "rl.scale_rewards": "none", "rl.reward": "accuracy,format"}
+    dr["rl.reward_weights"] = (1, 0.1)
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **dr)) == []
+
+
+@pytest.mark.parametrize(
+    "overrides,start",
+    [
+        ({"rl.is_correction": "sequence_mask"}, "rl.is_correction = 'sequence_mask': needs rl.old_logp_source=current"),
+        ({"rl.is_correction": "token_truncate"}, "rl.is_correction = 'token_truncate': needs rl.old_logp_source="),
+        ({"rl.loss": "dr_grpo"}, "rl.scale_rewards = 'group': Dr. GRPO (rl.loss=dr_grpo) does not divide"),
+        ({"rl.loss": "dapo", "rl.beta": 0.04}, "rl.beta = 0.04: DAPO has no KL term"),
+        ({"rl.reward": "accuracy,format", "rl.reward_weights": (1.0,)}, "rl.reward = 'accuracy,format': 1 reward"),
+        ({"rl.reward": "accuracy,nope"}, "rl.reward = 'accuracy,nope': unknown reward function 'nope'"),
+        ({"rl.reward": "accuracy,,format"}, "rl.reward = 'accuracy,,format': reward spec"),
+    ],
+)
+def test_loss_and_reward_rules_are_one_line_each(tmp_path, tiny_model_dir, overrides, start):
+    (problem,) = config_problems(_tiny(tmp_path, tiny_model_dir, **overrides))
+    assert problem.startswith(start), problem

@@ -1,4 +1,4 @@
-"""GRPO and DAPO policy losses, group advantages and DAPO's sampling/reward helpers.
+"""GRPO-family policy losses, group advantages, sampler/trainer mismatch correction, DAPO's helpers.
 
 All arrays here are on one grid: logp, old_logp, ref_logp, response_mask [B, T] refer to the
 same token positions (the train step maps the rollout's token-aligned arrays onto the
@@ -8,9 +8,17 @@ Per response token, with ratio = exp(logp - old_logp) and advantage A of its seq
   pg = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))     (PPO clipped surrogate)
   kl = exp(ref - logp) - (ref - logp) - 1                                (k3 estimator, GRPO, beta > 0)
   token_loss = pg + beta * kl
-Aggregation:
-  "grpo": mean over the B sequences of each sequence's token mean (DeepSeekMath / TRL loss_type="grpo")
-  "dapo": sum over all response tokens of the batch / their number (token-level, DAPO), no KL.
+Aggregation (B sequences, M response tokens in the update's batch, L = max_completion_len):
+  "grpo":    mean over the B sequences of each sequence's token mean (DeepSeekMath / TRL loss_type="grpo")
+  "dapo":    sum over all response tokens / M (token-level, DAPO), no KL.
+  "bnpo":    sum over all response tokens / M, KL allowed (TRL's "bnpo", the QeRL reference's loss).
+             TRL divides by the tokens of each gradient-accumulation micro-batch; here micro-batches
+             never change the update, so the local batch is the update's batch.
+  "dr_grpo": sum over all response tokens / (B * L) (Dr. GRPO: no length normalisation; pair it with
+             advantages that are not std-scaled, `group_advantages(..., scale="none")`).
+Mismatch correction (old_logp_source="current", where the ratio is 1 and the sampler's log-probs
+are otherwise unused): pg is multiplied by a stop-gradient importance weight of the train forward
+against the sampler, w = pi_train / pi_sampler (`importance_weights`, TRL's vLLM IS correction).
 The log-ratio is clamped to [-20, 20] before exp (as verl) so a far-off token cannot overflow.
 """
 
@@ -21,8 +29,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-LOSS_KINDS = ("dapo", "grpo")
+LOSS_KINDS = ("bnpo", "dapo", "dr_grpo", "grpo")
 OLD_LOGP_SOURCES = ("rollout", "current")
+IS_CORRECTIONS = ("none", "token_truncate", "sequence_truncate", "sequence_mask")
+REWARD_SCALES = ("group", "batch", "none")
 _MAX_LOG_RATIO = 20.0
 
 
@@ -30,12 +40,21 @@ _MAX_LOG_RATIO = 20.0
 class LossConfig:
     """Policy-loss settings.
 
-    kind: "dapo" (token-level mean, no KL) or "grpo" (sequence mean then batch mean, optional KL).
+    kind: one of LOSS_KINDS (see the module doc): "dapo" (token-level mean, no KL), "bnpo" (token-level
+      mean, optional KL), "grpo" (sequence mean then batch mean, optional KL), "dr_grpo" (token sum
+      over B * max_completion_len, optional KL).
     eps_low / eps_high: the ratio is clipped to [1 - eps_low, 1 + eps_high] (clip-higher: eps_high > eps_low).
     beta: weight of the k3 KL to the reference policy (the base without LoRA); GRPO only.
     old_logp_source: "rollout" uses the batch's old_logp (the sampler's log-probs) in the ratio;
       "current" uses stop_gradient(logp), i.e. ratio == 1 with the on-policy gradient, which is
-      what TRL does when each rollout batch gets exactly one update (old_logp then unused).
+      what TRL does when each rollout batch gets exactly one update (old_logp then only feeds the
+      mismatch correction and metrics).
+    is_correction: "none" or how the sampler/trainer importance weight is formed (needs
+      old_logp_source="current": with "rollout" the ratio already is pi_train / pi_sampler):
+      "token_truncate" min(w_t, cap); "sequence_truncate" min(prod_t w_t, cap) on every token of
+      the sequence; "sequence_mask" prod_t w_t, or 0 for the sequence when above the cap.
+    is_cap: the cap C of is_correction (TRL's vllm_importance_sampling_cap, 3).
+    max_completion_len: L of "dr_grpo" (the rollout's max_new_tokens); unused by the other kinds.
     """
 
     kind: str = "dapo"
@@ -43,6 +62,9 @@ class LossConfig:
     eps_high: float = 0.28
     beta: float = 0.0
     old_logp_source: str = "rollout"
+    is_correction: str = "none"
+    is_cap: float = 3.0
+    max_completion_len: int = 0
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -59,6 +81,20 @@ class LossConfig:
             raise ValueError(
                 f"LossConfig.old_logp_source {self.old_logp_source!r} is unknown; expected {OLD_LOGP_SOURCES}"
             )
+        if self.is_correction not in IS_CORRECTIONS:
+            raise ValueError(f"LossConfig.is_correction {self.is_correction!r} is unknown; expected {IS_CORRECTIONS}")
+        if self.is_correction != "none" and self.old_logp_source != "current":
+            raise ValueError(
+                f"LossConfig.is_correction={self.is_correction!r} needs old_logp_source='current': with "
+                f"{self.old_logp_source!r} the ratio's denominator already is the sampler's log-prob"
+            )
+        if not self.is_cap >= 1.0:
+            raise ValueError(f"LossConfig.is_cap must be >= 1; got {self.is_cap}")
+        if self.kind == "dr_grpo" and self.max_completion_len < 1:
+            raise ValueError(
+                f"LossConfig(kind='dr_grpo') needs max_completion_len >= 1 (the rollout's max_new_tokens); "
+                f"got {self.max_completion_len}"
+            )
 
     @property
     def needs_ref(self) -> bool:
@@ -66,26 +102,31 @@ class LossConfig:
 
 
 def group_advantages(
-    rewards: jax.Array, group_size: int, eps: float = 1e-6, scale_by_std: bool = True, ddof: int = 1
+    rewards: jax.Array, group_size: int, eps: float = 1e-6, scale: str = "group", ddof: int = 1
 ) -> jax.Array:
-    """GRPO advantages (r - mean_g) / (std_g + eps) per group of `group_size` consecutive samples.
+    """GRPO advantages (r - mean_g) / (std + eps) per group of `group_size` consecutive samples.
 
     rewards: float [num_groups * group_size], the G completions of a prompt adjacent.
+    scale (TRL's scale_rewards): "group" divides by the group's std, "batch" by the std of all
+      the rewards, "none" returns r - mean_g (Dr. GRPO).
     ddof: 1 (default) is the Bessel-corrected std that TRL (torch .std()) and verl (torch.std)
       use; ddof=0 gives the population std. A group with equal rewards gets advantage 0.
-    scale_by_std=False returns r - mean_g (Dr. GRPO).
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(
             f"rewards must be 1-D with a length divisible by group_size={group_size}; got shape {rewards.shape}"
         )
-    if scale_by_std and group_size - ddof < 1:
+    if scale not in REWARD_SCALES:
+        raise ValueError(f"scale {scale!r} is unknown; expected one of {REWARD_SCALES}")
+    if scale != "none" and (group_size if scale == "group" else rewards.shape[0]) - ddof < 1:
         raise ValueError(f"group_size={group_size} is too small for a std with ddof={ddof}")
     r_GxN = rewards.reshape(-1, group_size)
     centered = r_GxN - r_GxN.mean(axis=1, keepdims=True)
-    if scale_by_std:
+    if scale == "group":
         centered = centered / (r_GxN.std(axis=1, ddof=ddof, keepdims=True) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.std(ddof=ddof) + eps)
     return centered.reshape(-1)
 
 
@@ -119,14 +160,40 @@ def overlong_penalty(lengths: jax.Array, max_len: int, cache_len: int, penalty: 
     return -penalty * jnp.clip(over, 0.0, 1.0)
 
 
+def importance_weights(
+    logp: jax.Array, sampler_logp: jax.Array, response_mask: jax.Array, cfg: LossConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Sampler/trainer importance weights, float32 [B, T] (stop-gradient), and where they were capped.
+
+    logp: the train forward's log-probs [B, T]; sampler_logp: the rollout's, same grid. The
+    weight of a token is pi_train / pi_sampler (token_truncate) or the product over its sequence's
+    response tokens (sequence_*), capped at cfg.is_cap (truncate) or zeroed above it (mask);
+    1 everywhere for "none". Returns (weights, over_cap bool [B, T]: the raw weight exceeded the cap).
+    """
+    mask = response_mask.astype(bool)
+    log_w = jnp.where(mask, jax.lax.stop_gradient(logp) - sampler_logp, 0.0)
+    if cfg.is_correction.startswith("sequence"):
+        log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+    w = jnp.exp(jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    over = mask & (w > cfg.is_cap)
+    if cfg.is_correction == "none":
+        return jnp.ones_like(w), jnp.zeros_like(over)
+    if cfg.is_correction.endswith("truncate"):
+        return jnp.minimum(w, cfg.is_cap), over
+    return jnp.where(over, 0.0, w), over
+
+
 def per_token_terms(
     logp: jax.Array,
     old_logp: jax.Array,
     advantages: jax.Array,
     cfg: LossConfig,
     ref_logp: jax.Array | None = None,
+    is_weight: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """Unmasked per-token quantities [B, T]: token_loss, pg, ratio, clipped, kl_old (and kl_ref)."""
+    """Unmasked per-token quantities [B, T]: token_loss, pg, ratio, clipped, kl_old (and kl_ref).
+
+    is_weight: the mismatch correction's weights [B, T] (`importance_weights`), multiplying pg."""
     if cfg.old_logp_source == "current":
         old_logp = jax.lax.stop_gradient(logp)
     log_ratio = jnp.clip(logp - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -135,6 +202,8 @@ def per_token_terms(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg = jnp.maximum(pg_unclipped, pg_clipped)
+    if is_weight is not None:
+        pg = is_weight * pg
     neg = jax.lax.stop_gradient(-log_ratio)  # metric: k3 estimate of KL(old || current)
     out = {
         "pg": pg,
@@ -156,10 +225,13 @@ def per_token_terms(
 
 
 def loss_normalizer(response_mask: jax.Array, cfg: LossConfig) -> jax.Array:
-    """What the summed loss is divided by: the number of response tokens (dapo) or of sequences (grpo)."""
+    """What the summed loss is divided by: the number of response tokens (dapo, bnpo), of sequences
+    (grpo), or sequences x max_completion_len (dr_grpo)."""
     mask = response_mask.astype(jnp.float32)
-    if cfg.kind == "dapo":
+    if cfg.kind in ("dapo", "bnpo"):
         return jnp.maximum(mask.sum(), 1.0)
+    if cfg.kind == "dr_grpo":
+        return jnp.float32(mask.shape[0] * cfg.max_completion_len)
     return jnp.float32(mask.shape[0])
 
 
@@ -174,7 +246,7 @@ def policy_loss(
     entropy: jax.Array | None = None,
     normalizer: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The GRPO/DAPO loss (to minimise) and its metrics.
+    """The policy loss of cfg.kind (to minimise) and its metrics.
 
     Args:
       logp: float32 [B, T], current policy log-probs of the sampled tokens (differentiable).
@@ -203,10 +275,18 @@ def policy_loss(
     mask = response_mask.astype(bool)
     maskf = mask.astype(jnp.float32)
     advantages = jnp.where(mask.any(axis=1), advantages.astype(jnp.float32), 0.0)  # rows without tokens: inert
-    terms = per_token_terms(logp, jnp.where(mask, old_logp, logp), advantages, cfg, ref_logp)
+    is_weight, over_cap = importance_weights(logp, old_logp, mask, cfg)
+    terms = per_token_terms(
+        logp,
+        jnp.where(mask, old_logp, logp),
+        advantages,
+        cfg,
+        ref_logp,
+        is_weight=None if cfg.is_correction == "none" else is_weight,
+    )
     # The train forward against the batch's old_logp (the sampler's), whatever old_logp_source:
     # how far the sampler (quantized, noisy norms) is from the policy the loss differentiates.
-    sampler_cfg = dataclasses.replace(cfg, old_logp_source="rollout", beta=0.0)
+    sampler_cfg = dataclasses.replace(cfg, old_logp_source="rollout", beta=0.0, is_correction="none")
     sampler_terms = (
         terms if cfg.old_logp_source == "rollout" else per_token_terms(logp, old_logp, advantages, sampler_cfg)
     )
@@ -214,7 +294,7 @@ def policy_loss(
 
     if normalizer is None:
         normalizer = loss_normalizer(response_mask, cfg)
-    if cfg.kind == "dapo":
+    if cfg.kind != "grpo":
         agg = lambda x: masked(x).sum() / normalizer  # noqa: E731
     else:
         seq_len = jnp.maximum(maskf.sum(axis=1), 1.0)
@@ -228,12 +308,14 @@ def policy_loss(
     n_seq = jnp.maximum(has_tokens.sum(), 1)
     adv_mean = jnp.where(has_tokens, advantages, 0.0).sum() / n_seq
     adv_var = jnp.where(has_tokens, (advantages - adv_mean) ** 2, 0.0).sum() / n_seq
+    sampler_d = jnp.clip(jax.lax.stop_gradient(logp) - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     metrics = {
         "loss": jax.lax.stop_gradient(loss),
         "pg_loss": jax.lax.stop_gradient(agg(terms["pg"])),
         "clip_frac": tok_mean(terms["clipped"].astype(jnp.float32)),
         "sampler_clip_frac": tok_mean(sampler_terms["clipped"].astype(jnp.float32)),
         "sampler_abs_log_ratio": tok_mean(jnp.abs(jax.lax.stop_gradient(logp) - old_logp)),
+        "sampler_kl": tok_mean(jnp.exp(sampler_d) - sampler_d - 1.0),
         "approx_kl": tok_mean(terms["kl_old"]),
         "ratio_mean": tok_mean(ratio),
         "ratio_min": jnp.where(n_tok > 0, jnp.min(jnp.where(mask, ratio, jnp.inf)), 1.0),
@@ -242,6 +324,10 @@ def policy_loss(
         "adv_std": jax.lax.stop_gradient(jnp.sqrt(adv_var)),
         "response_tokens": n_tok,
     }
+    if cfg.is_correction != "none":
+        metrics["is_weight_mean"] = tok_mean(is_weight)
+        metrics["is_weight_max"] = jnp.where(n_tok > 0, jnp.max(jnp.where(mask, is_weight, -jnp.inf)), 1.0)
+        metrics["is_clip_frac"] = tok_mean(over_cap.astype(jnp.float32))
     if entropy is not None:
         metrics["entropy"] = tok_mean(entropy)
     if "kl_ref" in terms:
