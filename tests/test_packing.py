@@ -41,7 +41,7 @@ def test_pack_batch_places_every_token_once():
         np.testing.assert_array_equal(p["response_mask"][i, :n], resp[i, t - n :])
         np.testing.assert_array_equal(p["old_logp"][i, :n], old[i, t - n :])
         seg = p["segment_ids"].reshape(-1)[index[:n]]
-        assert (seg == seg[0]).all()  # one segment per sequence
+        assert len(set(seg.tolist())) <= 1  # one segment per sequence
     used = p["token_index"][p["token_index"] >= 0]
     assert len(np.unique(used)) == lengths.sum()  # no slot holds two tokens
     assert token_counts(p) == {"real": int(lengths.sum()), "computed": 48}
