@@ -2,6 +2,15 @@
 
     PYTHONPATH=. python benchmarks/grpo_step.py --out $OUT/grpo_step.json          # GPU: 7B
     PYTHONPATH=. python benchmarks/grpo_step.py --tiny --out /tmp/grpo_step.json   # CPU smoke test
+    PYTHONPATH=. python benchmarks/grpo_step.py --workload gsm8k --out $OUT/grpo_gsm8k.json   # GPU, 7B
+    PYTHONPATH=. python benchmarks/grpo_step.py --workload gsm8k --tiny --out /tmp/grpo_gsm8k.json
+
+--workload gsm8k: the recipe's step at 7B shapes with the rollout benchmark's seeded long-tailed
+completion lengths (benchmarks/rollout.py `gsm8k_inputs`: EOS at each row's drawn length), per
+base (nvfp4, bf16) the train phase twice: "padded" (every sequence in its own row, rows as wide as
+the batch's longest sequence: the step's cost before packing) and "packed" (`rl.packing`, as the
+training loop does). Each case records train_tokens_real (prompt + response tokens trained on)
+and train_tokens_computed (slots the train forward computes, padding included).
 
 For each base (bf16 LoRA, NF4, NVFP4) a child process builds the random model on the device
 (benchmarks/random_model.py) and runs the training loop's own pieces: `rollout.generate`
@@ -46,11 +55,14 @@ def parse_args(argv=None):
     p.add_argument("--logprob-chunk", type=int, default=256)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per child process")
     p.add_argument("--out", default=None)
+    p.add_argument("--workload", default="fixed", choices=("fixed", "gsm8k"), help="see the module doc")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.model, args.prompts, args.group, args.prompt_len, args.new_tokens = "tiny", 2, 4, 16, 16
         args.rank, args.micro_batch_size, args.logprob_chunk = 4, 4, 16
+        if args.workload == "gsm8k":  # 16 sequences fill ~5 packed rows: a micro-batch of 4 would round to 8
+            args.micro_batch_size = 1
     return args
 
 
@@ -178,6 +190,95 @@ def run_case(args, fmt: str) -> dict:
     return row
 
 
+def run_gsm8k_case(args, fmt: str) -> dict:
+    """The gsm8k workload (module doc) for one base: rollout with EOS at the drawn lengths, reward,
+    then the train phase padded and packed, each timed warm."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, HERE)
+    import random_model  # noqa: PLC0415
+    import rollout as rollout_bench  # noqa: PLC0415
+
+    from qerl_jax import lora, optim, rewards
+    from qerl_jax.models.qwen2 import ModelConfig
+    from qerl_jax.rl import losses, packing
+    from qerl_jax.rl.step import init_train_state, make_train_step
+    from qerl_jax.rollout.sampler import generate, to_train_batch
+    from qerl_jax.rollout.sampling import SamplingConfig
+
+    run, prompt_ids, lengths = rollout_bench.gsm8k_inputs(args)
+    config = ModelConfig(**(rollout_bench.TINY if args.tiny else rollout_bench.QWEN25_7B))
+    backend = backend_for(fmt)
+    frozen = random_model.random_params(config, quant=fmt, seed=0)
+    lcfg = lora.LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
+    scale = lora.lora_scale(lcfg)
+    optimizer = optim.make_optimizer(1e-5, warmup_steps=0, total_steps=100)
+    state = init_train_state(lora.init_lora(jax.random.key(1), config, lcfg), optimizer)
+    n = run["prompts"] * run["group"]
+    mb = args.micro_batch_size
+    row = {"format": fmt, "backend": backend, "model": "tiny" if args.tiny else "7B", "sequences": n,
+           "prompt_len": run["prompt_len"], "max_new_tokens": run["max_new"], "micro_batch_size": mb,
+           "mean_completion": float(lengths.mean())}  # fmt: skip
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=run["max_new"], ignore_eos=True)
+    kw = dict(group_size=run["group"], lora_scale=scale, backend=backend, max_new_tokens_per_seq=lengths)
+    policy = {**frozen, "lora": state.lora}
+    mask = np.ones_like(prompt_ids)
+    jax.block_until_ready(generate(config, policy, prompt_ids, mask, jax.random.key(2), sampling, **kw).tokens)
+    t0 = time.perf_counter()
+    batch = generate(config, policy, prompt_ids, mask, jax.random.key(3), sampling, **kw)
+    jax.block_until_ready(batch.tokens)
+    row["rollout_s"] = time.perf_counter() - t0
+    tokens, got = np.asarray(batch.tokens), np.asarray(batch.lengths)
+    answers = [str(int(r[0]) % 100) for r in tokens]
+    texts = [" ".join(map(str, r[:k].tolist())) for r, k in zip(tokens, got)]
+    with rewards.RewardPool() as pool:
+        pool.score(texts[:2], answers[:2])
+        t0 = time.perf_counter()
+        scores = pool.score(texts, answers)
+        row["reward_s"] = time.perf_counter() - t0
+    scores = scores + np.random.default_rng(0).uniform(0, 1, scores.shape).astype(np.float32)
+    padded = {k: np.asarray(v) for k, v in to_train_batch(batch).items()}
+    padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), run["group"]))
+    seq_len = padded["attention_mask"].sum(axis=1)
+    layouts = {  # today's cost: one sequence per row at the longest one's width; vs first-fit packing
+        "padded": packing.pack_batch(padded, int(seq_len.max()), rows_multiple=mb, rows=[[i] for i in range(n)]),
+        "packed": packing.pack_batch(padded, run["prompt_len"] + run["max_new"], rows_multiple=mb),
+    }
+    step = make_train_step(
+        config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=scale, backend=backend,
+        remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
+        micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
+    )  # fmt: skip
+    f = {"base": frozen["base"], "norms": frozen["norms"]}
+    row["cases"] = {}
+    for name, train_batch in layouts.items():
+        counts = packing.token_counts(train_batch)
+        state, m = step(state, f, train_batch)  # compile
+        jax.block_until_ready(m)
+        t0 = time.perf_counter()
+        state, m = step(state, f, train_batch)
+        jax.block_until_ready(m)
+        train_s = time.perf_counter() - t0
+        row["cases"][name] = {
+            "train_tokens_real": counts["real"],
+            "train_tokens_computed": counts["computed"],
+            "computed_over_real": counts["computed"] / counts["real"],
+            "rows": int(train_batch["input_ids"].shape[0]),
+            "row_len": int(train_batch["input_ids"].shape[1]),
+            "train_s": train_s,
+            "step_s": row["rollout_s"] + row["reward_s"] + train_s,
+            "loss": float(m["loss"]),
+        }
+    pad, pk = row["cases"]["padded"], row["cases"]["packed"]
+    row["packed_step_over_padded"] = pk["step_s"] / pad["step_s"]
+    row["packed_train_over_padded"] = pk["train_s"] / pad["train_s"]
+    stats = jax.devices()[0].memory_stats() or {}
+    row["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30 or None
+    return row
+
+
 def _train_flops(row: dict, config, args) -> None:
     import peer  # noqa: PLC0415
 
@@ -256,7 +357,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.case:
         try:
-            row = run_peer_case(args) if args.case == "peer" else run_case(args, args.case)
+            if args.workload == "gsm8k":
+                row = run_gsm8k_case(args, args.case)
+            else:
+                row = run_peer_case(args) if args.case == "peer" else run_case(args, args.case)
         except Exception as e:  # reported, not fatal: the other formats still run
             row = {
                 "format": args.case,
@@ -266,7 +370,10 @@ def main(argv=None) -> None:
         print(RESULT_PREFIX + json.dumps(row), flush=True)
         return
     rows = []
-    for fmt in args.formats.split(","):
+    formats = args.formats
+    if args.workload == "gsm8k" and formats == "bf16,nvfp4,peer":
+        formats = "nvfp4,bf16"
+    for fmt in formats.split(","):
         cmd = [
             sys.executable,
             os.path.abspath(__file__),
@@ -292,6 +399,9 @@ def main(argv=None) -> None:
             args.attention,
             "--remat",
             args.remat,
+            "--workload",
+            args.workload,
+            *(["--tiny"] if args.tiny else []),
         ]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
@@ -301,6 +411,9 @@ def main(argv=None) -> None:
             )
         except subprocess.TimeoutExpired:
             rows.append({"format": fmt, "error": f"timed out after {args.timeout} s"})
+    if args.workload == "gsm8k":
+        report_gsm8k(rows, args)
+        return
     base = next((r for r in rows if r.get("format") == "bf16" and "step_s" in r), None)
     print(
         f"\nGRPO step, {args.model}-shaped random model, {args.prompts} prompts x {args.group} = "
@@ -323,6 +436,25 @@ def main(argv=None) -> None:
             f"{r['train_s']:8.2f} {r.get('train_tflops', float('nan')):13.1f} "
             f"{r['step_s']:8.2f} {speedup:7.2f}x {r['peak_gib'] or float('nan'):9.1f}"
         )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
+def report_gsm8k(rows: list[dict], args) -> None:
+    print("\nGRPO step, gsm8k workload (long-tailed completions): train phase padded vs packed")
+    print(f"{'base':6} {'case':7} {'real tok':>9} {'computed':>9} {'x real':>7} {'train s':>8} {'step s':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['format']:6} error: {r['error'][:300]}")
+            continue
+        for name, c in r["cases"].items():
+            print(
+                f"{r['format']:6} {name:7} {c['train_tokens_real']:9d} {c['train_tokens_computed']:9d} "
+                f"{c['computed_over_real']:7.2f} {c['train_s']:8.2f} {c['step_s']:8.2f}"
+            )
+        print(f"{r['format']:6} packed step / padded step: {r['packed_step_over_padded']:.3f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

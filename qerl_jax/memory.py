@@ -241,8 +241,10 @@ def plan_memory(
       prompt_len, max_new_tokens: the KV cache holds S = prompt_len + max_new_tokens slots. The
         rollout pads them to its shape buckets (prompts to a power of two, new tokens to a
         multiple of 64): pass bucketed sizes for an exact cache term.
-      micro_batch_size: sequences per forward/backward of the training step.
-      train_seq_len: tokens per training sequence (None: prompt_len + max_new_tokens).
+      micro_batch_size: packed rows per forward/backward of the training step (`rl.packing`:
+        several sequences' real tokens share a row).
+      train_seq_len: slots per packed row (None: prompt_len + max_new_tokens, what the training
+        loop packs into).
       remat: per-layer gradient checkpointing in the training forward: "full" (or True), "proj"
         (projection outputs saved too) or "none" (or False); see `models.qwen2.REMAT_MODES`.
       attention: the training forward's attention, "xla" (scores materialized) or "flash".

@@ -36,7 +36,7 @@ from qerl_jax.policy import (
     optimizer_from_config,
     sampling_config,
 )
-from qerl_jax.rl import losses
+from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
 from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch
 
@@ -213,29 +213,23 @@ def _concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
     )
 
 
-def make_train_batch(cfg, exp: Experience) -> dict[str, jax.Array]:
-    """Advantages + the train step's padded batch (rows padded to a fixed count, masked out)."""
+def make_train_batch(cfg, exp: Experience) -> dict[str, np.ndarray]:
+    """Advantages + the train step's packed batch (`rl.packing`): every sequence's real tokens in rows
+    of max_prompt_len + max_new_tokens slots, a multiple of the micro-batch of them; filler
+    sequences (no tokens) keep the sequence count fixed."""
     g = cfg.rollout.group_size
     advantages = np.asarray(losses.group_advantages(exp.rewards, g, scale=cfg.rl.scale_rewards))
-    batch = to_train_batch(exp.rollout, trim_to_multiple=max(64, cfg.rollout.max_new_tokens // 4))
+    batch = {k: np.asarray(v) for k, v in to_train_batch(exp.rollout).items()}
     if cfg.rl.mask_truncated:
-        batch["response_mask"] = batch["response_mask"] * (~exp.rollout.truncated)[:, None].astype(jnp.int32)
-    batch["advantages"] = jnp.asarray(advantages, jnp.float32)
+        batch["response_mask"] = batch["response_mask"] * (~np.asarray(exp.rollout.truncated))[:, None]
+    batch["advantages"] = advantages.astype(np.float32)
     rows = cfg.rollout.prompts_per_step * g
     rows = -(-rows // cfg.rl.micro_batch_size) * cfg.rl.micro_batch_size
     n = batch["input_ids"].shape[0]
-    if n < rows:  # inert filler rows (no response tokens) keep the step's shape fixed
-        fill = lambda x, v: jnp.concatenate([x, jnp.full((rows - n, *x.shape[1:]), v, x.dtype)])  # noqa: E731
-        batch = {
-            "input_ids": fill(batch["input_ids"], 0),
-            "attention_mask": jnp.concatenate(
-                [batch["attention_mask"], jnp.repeat(batch["attention_mask"][:1], rows - n, 0)]
-            ),
-            "response_mask": fill(batch["response_mask"], 0),
-            "old_logp": fill(batch["old_logp"], 0.0),
-            "advantages": fill(batch["advantages"], 0.0),
-        }
-    return batch
+    if n < rows:  # inert filler sequences (no tokens) keep the step's shapes fixed
+        batch = {k: np.concatenate([v, np.zeros((rows - n, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
+    row_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    return packing.pack_batch(batch, row_len, rows_multiple=cfg.rl.micro_batch_size)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -379,7 +373,9 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
                 metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
                 metrics["train/skipped_total"] = float(state.total_skips)  # non-finite steps so far
                 metrics["time/train_s"] = dt
-                metrics["train/tokens_per_s"] = float(np.asarray(batch["attention_mask"]).sum()) / max(dt, 1e-9)
+                counts = packing.token_counts(batch)
+                metrics["train/tokens_per_s"] = counts["real"] / max(dt, 1e-9)
+                metrics["train/packed_fill"] = counts["real"] / max(counts["computed"], 1)
                 if cfg.train.sample_every and step % cfg.train.sample_every == 0:
                     writer.text(step, "samples", _samples_markdown(exp))
             metrics["time/step_s"] = time.perf_counter() - t_step

@@ -12,6 +12,7 @@ from qerl_jax.lora import LoraConfig, init_lora, lora_scale
 from qerl_jax.optim import make_optimizer, make_schedule
 from qerl_jax.rl.logprobs import to_token_aligned, token_logprobs
 from qerl_jax.rl.losses import LossConfig, policy_loss
+from qerl_jax.rl.packing import pack_batch, to_sequence_layout
 from qerl_jax.rl.step import NonFiniteError, check_nonfinite, init_train_state, make_train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -73,7 +74,20 @@ def _batch(setup, noise=0.3, adv=(1.0, -0.7, 0.4, -1.2)):
 _STEPS = {}
 
 
-def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="xla"):
+def _packed(step, micro, row_len):
+    """The step on the packed form of a padded batch (the references below are padded computations)."""
+
+    def run(state, params, batch, ref_logp=None):
+        packed = pack_batch(batch, row_len, rows_multiple=micro or 1)
+        if ref_logp is not None:
+            ref_logp = to_sequence_layout(ref_logp, batch["attention_mask"], row_len)
+        return step(state, params, packed, ref_logp=ref_logp)
+
+    run.step = step
+    return run
+
+
+def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="xla", row_len=2 * T):
     key = (loss_cfg, micro, remat, chunk, attention)
     if key not in _STEPS:
         config, *_, opt = setup
@@ -88,7 +102,7 @@ def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="
             logprob_chunk=chunk,
             lr_schedule=make_schedule(LR, warmup_steps=0, total_steps=10, schedule="constant"),
         )
-    return _STEPS[key]
+    return _packed(_STEPS[key], micro, row_len)
 
 
 def test_on_policy_batch_has_unit_ratio(setup):
@@ -181,15 +195,49 @@ def test_flash_attention_and_remat_modes_keep_the_loss_and_lora_grads(setup, pac
     assert float(ref_m["grad_norm"]) > 0
 
 
-def test_flash_attention_rejects_masks_with_holes(setup):
-    _, params, lora, *_, opt = setup
+def test_packing_rejects_masks_with_holes(setup):
     batch = _batch(setup)
     holed = dict(batch, attention_mask=batch["attention_mask"].copy(), response_mask=batch["response_mask"].copy())
     holed["attention_mask"][3, 4] = 0
     holed["response_mask"][3, 4] = 0
     with pytest.raises(ValueError, match=r"rows \[3\] have padding between real tokens"):
-        _step(setup, micro=2, chunk=4, attention="flash")(init_train_state(lora, opt), params, holed)
-    _step(setup, micro=2, chunk=4)(init_train_state(lora, opt), params, holed)  # the xla attention takes any mask
+        pack_batch(holed, 2 * T)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dapo"])
+def test_one_long_and_many_short_sequences_give_the_padded_update(setup, kind):
+    """A long-tailed batch (one full-length sequence, many short ones, empty filler rows) packed into
+    few rows over several micro-steps: loss, LoRA gradients and metrics of the padded computation."""
+    config, params, lora, *_, opt = setup
+    loss_cfg = LossConfig(kind=kind, eps_low=0.2, eps_high=0.28)
+    rng = np.random.default_rng(3)
+    n, width = 10, 16
+    lengths = np.array([16, 4, 3, 5, 4, 3, 6, 4, 0, 0])  # two filler sequences with no tokens
+    attn = (np.arange(width)[None] >= width - lengths[:, None]).astype(np.int32)  # left-aligned prompts padded left
+    ids = rng.integers(0, config.vocab_size, (n, width)).astype(np.int32) * attn
+    resp = attn * (np.arange(width)[None] >= width - lengths[:, None] + 2)
+    resp = resp.astype(np.float32)
+    old = np.where(resp > 0, rng.normal(-2.0, 0.5, (n, width)), 0.0).astype(np.float32)
+    adv = rng.normal(0, 1, n).astype(np.float32)
+    adv[8:] = 0
+    batch = dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logp=old, advantages=adv)
+    packed = pack_batch(batch, width, rows_multiple=1)
+    assert packed["input_ids"].shape[0] == 3  # 16 | 6+5+4 | 4+4+3+3 (first-fit decreasing)
+    step = make_train_step(config, loss_cfg, opt, lora_scale=SCALE, remat=False, micro_batch_size=1)
+    state, m = step(init_train_state(lora, opt), params, packed)
+
+    def direct_loss(lo):  # the padded batch, one sequence per row (jit: a fresh forward per call)
+        lp = jax.jit(lambda lo_: token_logprobs(config, {**params, "lora": lo_}, ids, attn, lora_scale=SCALE))(lo)
+        return policy_loss(lp[0], old[:, 1:], adv, resp[:, 1:], loss_cfg, entropy=lp[1])
+
+    (loss, dm), grads = jax.value_and_grad(direct_loss, has_aux=True)(lora)
+    for new, old_, g in zip(jax.tree.leaves(state.lora), jax.tree.leaves(lora), jax.tree.leaves(grads)):
+        np.testing.assert_allclose((np.asarray(old_) - np.asarray(new)) / LR, np.asarray(g), atol=1e-7, rtol=1e-4)
+    np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    for k in ("pg_loss", "clip_frac", "entropy", "approx_kl", "ratio_min", "ratio_max", "adv_mean", "adv_std",
+              "response_tokens", "sampler_abs_log_ratio"):
+        np.testing.assert_allclose(float(m[k]), float(dm[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    assert float(m["grad_norm"]) > 0
 
 
 def test_nonfinite_batches_are_skipped_and_counted(setup):
@@ -233,22 +281,22 @@ def test_kl_reference_is_the_base_without_lora(setup):
 
 def test_bad_batches_are_rejected(setup):
     _, params, lora, *_, opt = setup
-    step = _step(setup, micro=2, remat=True, chunk=4)
-    good = _batch(setup)
+    step = _step(setup, micro=2, remat=True, chunk=4).step
+    good = pack_batch(_batch(setup), 2 * T, rows_multiple=2)
     state = init_train_state(lora, opt)
     cases = {
         "old_logp": dict(good, old_logp=good["old_logp"][:, :-1]),
-        "advantages": dict(good, advantages=good["advantages"][:3]),
+        "segment_ids": dict(good, segment_ids=good["segment_ids"][:, :-1]),
         "missing": {k: v for k, v in good.items() if k != "response_mask"},
-        "micro_batch_size": {k: v[:3] for k, v in good.items()},
+        "micro_batch_size": dict(good, input_ids=good["input_ids"][:1], segment_ids=good["segment_ids"][:1]),
         "position 0": dict(good, response_mask=np.ones_like(good["response_mask"])),
-        "padding": dict(good, response_mask=good["attention_mask"] * 0 + np.arange(T)[None] >= 1),
+        "past their sequence's end": dict(good, response_mask=(good["token_index"] < 0).astype(np.float32)),
         "ref_logp": None,
     }
     for what, batch in cases.items():
         with pytest.raises(ValueError, match=what):
             if what == "ref_logp":
-                step(state, params, good, ref_logp=np.zeros((B, T + 1), np.float32))
+                step(state, params, good, ref_logp=np.zeros((B, 2 * T + 1), np.float32))
             else:
                 step(state, params, batch)
 

@@ -419,7 +419,8 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     for c, a, r in zip(exp.completions, exp.answers, exp.rewards):
         assert digit_reward(c, a) == r
     batch = train.make_train_batch(cfg, exp)
-    assert batch["input_ids"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
+    assert batch["advantages"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
+    assert batch["input_ids"].shape[0] % cfg.rl.micro_batch_size == 0 and (batch["token_index"][len(exp.completions) :] == -1).all()
 
 
 def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path):

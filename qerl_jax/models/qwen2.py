@@ -318,7 +318,7 @@ class DecoderLayer(nn.Module):
         return [self._proj(n, x) for n in names]
 
     @nn.compact
-    def __call__(self, h_BxTxD, cache_kv, positions_BxT, kv_valid_BxS, cache_index):
+    def __call__(self, h_BxTxD, cache_kv, positions_BxT, kv_valid_BxS, cache_index, segment_ids_BxT=None):
         cfg = self.config
         b, t, _ = h_BxTxD.shape
         x = rms_norm(h_BxTxD, self.get_variable("norms", "input_layernorm"), cfg.rms_norm_eps)
@@ -330,6 +330,14 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, positions_BxT, inv_freq)
         k = apply_rope(k, positions_BxT, inv_freq)
 
+        if segment_ids_BxT is not None:  # packed rows: causal attention within each segment only
+            with jax.named_scope("attention"):
+                if self.options.attention == "flash" and _flash_implementation(q.dtype) == "cudnn":
+                    attn = packed_flash_attention(q, k, v, segment_ids_BxT)
+                else:
+                    same_BxTxS = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+                    attn = _attention(q, k, v, same_BxTxS & jnp.tri(t, dtype=bool)[None])
+            return self._rest(h_BxTxD, attn), None
         if cache_kv is None and self.options.attention == "flash":
             # Rows arrive with their real tokens first (`forward` shifts them): causal attention
             # over each row's first `length` keys is exactly the kv_valid mask's. Padding queries
@@ -403,6 +411,7 @@ class Qwen2(nn.Module):
         cache=None,
         cache_index: jax.Array | int | DecodeSlots = 0,
         compute_logits: bool = True,
+        segment_ids_BxT: jax.Array | None = None,
     ):
         """Runs the decoder over T new tokens.
 
@@ -416,6 +425,8 @@ class Qwen2(nn.Module):
           cache_index: where the new tokens go in the cache (and their causal slot offset); or,
             for one new token per row (T = 1), a `DecodeSlots` of per-row slots.
           compute_logits: False returns the final normed hidden states [B, T, D] instead.
+          segment_ids_BxT: packed rows (no cache): int32 ids, a token attends causally only to
+            tokens of its own segment (kv_valid_BxS is then unused).
         Returns:
           (float32 logits [B, T, V] or hidden [B, T, D], the updated cache or None).
         """
@@ -431,10 +442,10 @@ class Qwen2(nn.Module):
             layer_cls,
             variable_axes={"base": 0, "norms": 0, "lora": 0},
             split_rngs={},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
         )(cfg, self.options, name="layers")
-        h, new_cache = layers(h, cache, positions_BxT, kv_valid_BxS, cache_index)
+        h, new_cache = layers(h, cache, positions_BxT, kv_valid_BxS, cache_index, segment_ids_BxT)
 
         h = rms_norm(h, self.get_variable("norms", "final_norm"), cfg.rms_norm_eps)
         if not compute_logits:
@@ -442,6 +453,55 @@ class Qwen2(nn.Module):
         head = base if cfg.tie_word_embeddings else self.get_variable("base", "lm_head")
         logits = jnp.einsum("btd,vd->btv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
         return logits, new_cache
+
+
+def packed_flash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT) -> jax.Array:
+    """cuDNN's fused attention over packed rows (its ragged layout: per-row segment lengths and
+    offsets), causal within each segment; [B, T, H, D]. GPU only; `attention` with the
+    block-diagonal causal mask is the reference (benchmarks/devtools/packed_attention_check.py).
+
+    Segments must be contiguous runs covering the whole row (`rl.packing` lays them out so).
+    """
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType  # noqa: PLC0415
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention  # noqa: PLC0415
+
+    b, t = segment_ids_BxT.shape
+    # Segment m of a row starts where the id changes; at most T segments per row.
+    starts_BxT = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1
+    )
+    n_B = jnp.sum(starts_BxT, axis=1)
+    cols_T = jnp.arange(t, dtype=jnp.int32)
+    # offsets [B, T + 1]: each segment's first column, -1 after (the API's [B, M + 1] with M = T);
+    # seqlen [B, T]: each segment's length, -1 after.
+    order_BxT = jnp.argsort(jnp.where(starts_BxT, cols_T[None], t + cols_T[None]), axis=1).astype(jnp.int32)
+    m_T = cols_T
+    valid_BxT = m_T[None] < n_B[:, None]
+    next_BxT = jnp.where(m_T[None] + 1 < n_B[:, None], jnp.roll(order_BxT, -1, axis=1), t)
+    seqlen_BxT = jnp.where(valid_BxT, next_BxT - order_BxT, -1)
+    offsets_BxT1 = jnp.concatenate([jnp.where(valid_BxT, order_BxT, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return cudnn_attention(
+        q_BxTxHxD,
+        k_BxTxKxD,
+        v_BxTxKxD,
+        q_seqlen=seqlen_BxT,
+        kv_seqlen=seqlen_BxT,
+        q_offsets=offsets_BxT1,
+        kv_offsets=offsets_BxT1,
+        scale=q_BxTxHxD.shape[-1] ** -0.5,
+        mask_type=MaskType.PADDING_CAUSAL,
+    )
+
+
+def positions_from_segments(segment_ids_BxT: jax.Array) -> jax.Array:
+    """Rotary positions of packed rows: 0 at the first token of each segment (a contiguous run of one id)."""
+    t = segment_ids_BxT.shape[1]
+    cols_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids_BxT.shape)
+    new_BxT = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BxT[:, :1], bool), segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1
+    )
+    start_BxT = jax.lax.cummax(jnp.where(new_BxT, cols_BxT, 0), axis=1)
+    return cols_BxT - start_BxT
 
 
 def positions_from_mask(attention_mask_BxT: jax.Array) -> jax.Array:
@@ -468,10 +528,13 @@ def forward(
     remat: bool | str = False,
     attention: str = "xla",
     compute_logits: bool = True,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Pure full-sequence forward: float32 logits [B, T, V] (or hidden [B, T, D]).
 
     input_ids int32 [B, T]; attention_mask [B, T] with 0 on (left) padding, all ones if None.
+    segment_ids: int32 [B, T] for packed rows (`rl.packing`), instead of attention_mask: each
+    contiguous run of one id is a sequence of its own (causal attention within it, positions from 0).
     remat: one of REMAT_MODES (or a bool); attention: one of ATTENTION_MODES ("flash" needs each
     row's real tokens contiguous: left and/or right padding, no holes).
     """
@@ -484,6 +547,19 @@ def forward(
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention {attention!r} is not supported; expected one of {ATTENTION_MODES}")
     options = ForwardOptions(lora_scale=lora_scale, backend=backend, remat=remat_mode(remat), attention=attention)
+    if segment_ids is not None:
+        if segment_ids.shape != input_ids.shape:
+            raise ValueError(f"segment_ids shape {segment_ids.shape} != input_ids shape {input_ids.shape}")
+        segment_ids = segment_ids.astype(jnp.int32)
+        out, _ = Qwen2(config, options).apply(
+            variables(params),
+            input_ids.astype(jnp.int32),
+            positions_from_segments(segment_ids),
+            None,
+            compute_logits=compute_logits,
+            segment_ids_BxT=segment_ids,
+        )
+        return out
     ids_BxT, mask_BxT = input_ids.astype(jnp.int32), attention_mask
     if attention == "flash":  # real tokens first in every row (see ATTENTION_MODES); shifted back below
         shift_B = jnp.argmax(mask_BxT.astype(bool), axis=1).astype(jnp.int32)

@@ -101,11 +101,14 @@ def token_logprobs(
     attention: str = "xla",
     chunk_size: int | None = None,
     temperature: float = 1.0,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Next-token log-probs and entropies of `input_ids` under `params` (LoRA included if present).
 
     Args:
-      input_ids: int32 [B, T]; attention_mask: [B, T], 0 on (left) padding.
+      input_ids: int32 [B, T]; attention_mask: [B, T], 0 on (left) padding (None with segment_ids).
+      segment_ids: int32 [B, T] of packed rows (`models.qwen2.forward`); logp[:, t] is then
+        meaningful only where tokens t and t + 1 are of one segment.
       lora_scale, backend, remat, attention: passed to the model forward (`models.qwen2.forward`).
       chunk_size: positions per LM-head chunk (None: all at once).
       temperature: logits are divided by it (the sampler's temperature, so that rollout and
@@ -128,6 +131,7 @@ def token_logprobs(
         remat=remat,
         attention=attention,
         compute_logits=False,
+        segment_ids=segment_ids,
     )
     return head_logprobs(
         h_BxTxD[:, :-1],

@@ -1,13 +1,13 @@
 """The jitted GRPO/DAPO train step: LoRA-only gradients, micro-batch accumulation, non-finite skips.
 
-Batch format (produced by the rollout engine), all token-aligned [B, T]:
-  input_ids      int32   left-padded prompt, then the response, then right padding
-  attention_mask int     1 on real tokens (prompt and response), 0 on padding
-  response_mask  float/bool  1 on response tokens that count in the loss (never position 0)
-  old_logp       float32 log-prob of the token at position t under the sampling policy (0 elsewhere)
-  advantages     float32 [B]
-The step maps the token-aligned arrays onto `token_logprobs`' next-token grid [B, T-1] with
-`to_next_token_grid` (x[:, 1:]), the one place where the shift happens.
+Batch format: a packed batch (`rl.packing.pack_batch` of the rollout's padded one): the B
+sequences' real tokens back to back in R rows of L slots (input_ids, segment_ids [R, L]), and per
+sequence, token-aligned and left-aligned [B, L]: token_index (each token's packed slot),
+response_mask, old_logp; advantages [B]. The forward runs on the packed rows (attention within each
+segment); its log-probs are gathered onto the per-sequence next-token grid [B, L-1] (logp of token
+t + 1 sits at token t's slot; `to_next_token_grid` maps the per-sequence arrays onto it), where the
+loss is exactly the padded batch's. R is a multiple of the micro-batch; the micro-batches run one
+compiled micro-step each (a Python loop: any R, one program), then one compiled update.
 
 Only `TrainState.lora` and the optimizer state change; the frozen {base, norms} are an input,
 never donated nor copied. Several optimizer updates per rollout batch (PPO epochs, or
@@ -30,8 +30,9 @@ from qerl_jax.lora import check_lora, with_lora
 from qerl_jax.models.qwen2 import ModelConfig
 from qerl_jax.rl.logprobs import to_next_token_grid, token_logprobs
 from qerl_jax.rl.losses import LossConfig, loss_normalizer, policy_loss
+from qerl_jax.rl.packing import PACKED_KEYS
 
-BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "old_logp", "advantages")
+BATCH_KEYS = PACKED_KEYS
 
 
 @struct.dataclass
@@ -73,52 +74,43 @@ def check_nonfinite(state: TrainState, max_consecutive: int) -> None:
         )
 
 
-def validate_batch(
-    batch: dict[str, Any], micro_batch_size: int | None, ref_logp=None, *, contiguous: bool = False
-) -> tuple[int, int]:
-    """Checks keys, shapes and the response alignment of a rollout batch; returns (B, T).
-
-    contiguous: also check that each row's real tokens (attention_mask 1) are contiguous, as the
-    "flash" attention needs (rollout batches are: left-padded prompt, response, right padding)."""
+def validate_batch(batch: dict[str, Any], micro_batch_size: int | None, ref_logp=None) -> tuple[int, int, int]:
+    """Checks keys, shapes and the response alignment of a packed batch; returns (R, L, B)."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
-        raise ValueError(f"train batch is missing {missing}; expected keys {BATCH_KEYS}")
+        raise ValueError(f"train batch is missing {missing}; expected keys {BATCH_KEYS} (rl.packing.pack_batch)")
     ids = batch["input_ids"]
     if ids.ndim != 2 or ids.shape[1] < 2:
-        raise ValueError(f"batch['input_ids'] must be [B, T] with T >= 2; got shape {tuple(ids.shape)}")
-    b, t = ids.shape
-    for k in ("attention_mask", "response_mask", "old_logp"):
-        if tuple(batch[k].shape) != (b, t):
+        raise ValueError(f"batch['input_ids'] must be [R, L] with L >= 2; got shape {tuple(ids.shape)}")
+    r, length = ids.shape
+    if tuple(batch["segment_ids"].shape) != (r, length):
+        raise ValueError(f"batch['segment_ids'] has shape {tuple(batch['segment_ids'].shape)}; expected {(r, length)}")
+    b = batch["advantages"].shape[0] if batch["advantages"].ndim == 1 else -1
+    for k in ("token_index", "response_mask", "old_logp"):
+        if tuple(batch[k].shape) != (b, length):
             raise ValueError(
-                f"batch[{k!r}] has shape {tuple(batch[k].shape)}; expected {(b, t)} like batch['input_ids']"
+                f"batch[{k!r}] has shape {tuple(batch[k].shape)}; expected (B, L) = {(b, length)} "
+                "(B from batch['advantages'] [B], L from batch['input_ids'] [R, L])"
             )
-    if tuple(batch["advantages"].shape) != (b,):
-        raise ValueError(f"batch['advantages'] has shape {tuple(batch['advantages'].shape)}; expected ({b},)")
-    if ref_logp is not None and tuple(ref_logp.shape) != (b, t):
-        raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}; expected {(b, t)} (token-aligned like old_logp)")
-    if micro_batch_size is not None and b % micro_batch_size:
-        raise ValueError(f"batch size {b} is not a multiple of micro_batch_size={micro_batch_size}")
+    if ref_logp is not None and tuple(ref_logp.shape) != (b, length):
+        raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}; expected {(b, length)} (like old_logp)")
+    if micro_batch_size is not None and r % micro_batch_size:
+        raise ValueError(f"packed rows {r} are not a multiple of micro_batch_size={micro_batch_size}")
     resp = np.asarray(batch["response_mask"]).astype(bool)
     if resp[:, 0].any():
         raise ValueError("batch['response_mask'][:, 0] is set: position 0 has no log-prob (it has no prefix)")
-    attn = np.asarray(batch["attention_mask"]).astype(bool)
-    if (resp & ~attn).any():
-        raise ValueError("batch['response_mask'] marks tokens whose attention_mask is 0 (padding)")
-    if contiguous:
-        run_starts = attn & ~np.pad(attn, ((0, 0), (1, 0)))[:, :-1]  # first token of each run of real tokens
-        holes = np.flatnonzero(run_starts.sum(axis=1) > 1)
-        if holes.size:
-            raise ValueError(
-                f"batch['attention_mask'] rows {holes[:5].tolist()} have padding between real tokens; the 'flash' "
-                "attention needs each row's real tokens contiguous (left and/or right padding only)"
-            )
-    return b, t
+    index = np.asarray(batch["token_index"])
+    if (resp & (index < 0)).any():
+        raise ValueError("batch['response_mask'] marks tokens past their sequence's end (token_index -1)")
+    if index.max(initial=-1) >= r * length:
+        raise ValueError(f"batch['token_index'] points past the {r} x {length} packed slots")
+    return r, length, b
 
 
 def train_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
-    """The batch's BATCH_KEYS as the jitted step takes them: int32 input_ids / attention_mask, float32
-    response_mask / old_logp / advantages (`make_train_step(...).jitted` for lowering)."""
-    dtypes = {"input_ids": jnp.int32, "attention_mask": jnp.int32}
+    """The batch's BATCH_KEYS as the jitted step takes them: int32 input_ids / segment_ids / token_index,
+    float32 response_mask / old_logp / advantages."""
+    dtypes = {"input_ids": jnp.int32, "segment_ids": jnp.int32, "token_index": jnp.int32}
     return {k: jnp.asarray(batch[k], dtypes.get(k, jnp.float32)) for k in BATCH_KEYS}
 
 
@@ -149,70 +141,83 @@ def make_train_step(
     """Builds `train_step(state, frozen, batch, ref_logp=None) -> (state, metrics)`.
 
     frozen: {"base", "norms"} (clean norms; any "lora" key is ignored). batch: see module doc.
-    ref_logp: optional token-aligned [B, T] reference log-probs; when LossConfig.beta > 0 and it
-      is None, they are computed in the step from the same base without LoRA.
-    micro_batch_size: B is processed in B / micro_batch_size chunks under `lax.scan`, gradients
-      summed (each micro-loss is normalised by the full batch's token/sequence count, so the
-      update equals the full-batch one); None: one chunk.
+    ref_logp: optional reference log-probs [B, L], laid out like old_logp; when LossConfig.beta > 0
+      and it is None, they are computed in the step from the same base without LoRA.
+    micro_batch_size: the packed rows are processed micro_batch_size at a time, gradients summed
+      (each micro-loss is normalised by the full batch's token/sequence count, so the update
+      equals the full-batch one); None: all rows at once.
     logprob_chunk: LM-head chunk size for `token_logprobs`; remat: per-layer checkpointing, one of
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
-    `models.qwen2.ATTENTION_MODES` ("flash" needs each row's real tokens contiguous, which
-    `validate_batch` checks).
-    The jitted function donates `state`. A step whose loss or gradient is not finite leaves
+    `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
+    The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs. A step whose loss or gradient is not finite leaves
     lora/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
     Metrics: policy_loss's metrics + grad_norm (before clipping), skipped, consecutive_skips,
     step (updates applied after this step) and lr (of this update, when lr_schedule is given).
     """
 
-    def logprobs(params, ids, mask):
+    def logprobs(params, ids, seg):
         return token_logprobs(
             config,
             params,
             ids,
-            mask,
+            None,
             lora_scale=lora_scale,
             backend=backend,
             remat=remat,
             attention=attention,
             chunk_size=logprob_chunk,
             temperature=temperature,
+            segment_ids=seg,
         )
 
-    def step_fn(state: TrainState, frozen, batch, ref_logp):
-        b, t = batch["input_ids"].shape
-        mb = micro_batch_size or b
-        n_micro = b // mb
+    def to_sequences(x_RxLm1, source_BxLm1, first_row):
+        """Packed next-token values of rows [first_row, first_row + R) -> the sequences' grid (0 elsewhere)."""
+        r, lm1 = x_RxLm1.shape
+        flat = jnp.pad(x_RxLm1, ((0, 0), (0, 1))).reshape(-1)
+        local = source_BxLm1 - first_row * (lm1 + 1)
+        inside = (source_BxLm1 >= 0) & (local >= 0) & (local < flat.shape[0])
+        return jnp.where(inside, jnp.take(flat, jnp.clip(local, 0, flat.shape[0] - 1)), 0.0), inside
+
+    def grid_arrays(batch, ref_logp):
+        # Token t + 1's log-prob is computed at token t's slot: the source of grid column t is token t's.
+        source = batch["token_index"][:, :-1]
+        source = jnp.where(batch["token_index"][:, 1:] >= 0, source, -1)
         resp = to_next_token_grid(batch["response_mask"]).astype(jnp.float32)
         old = to_next_token_grid(batch["old_logp"]).astype(jnp.float32)
         ref = None if ref_logp is None else to_next_token_grid(ref_logp).astype(jnp.float32)
-        adv = batch["advantages"].astype(jnp.float32)
+        return source, resp, old, batch["advantages"].astype(jnp.float32), ref
+
+    def micro_fn(lora, frozen, ids, seg, first_row, batch, ref_logp, acc):
+        """One micro-batch of packed rows: its loss share's LoRA gradient, added to acc."""
+        grad_acc, logp_acc, ent_acc, ref_acc = acc
+        source, resp, old, adv, ref = grid_arrays(batch, ref_logp)
         normalizer = loss_normalizer(resp, loss_cfg)
-        # Micro-batch i holds rows i, i + n_micro, ...: a batch sharded in contiguous blocks over
-        # a "data" mesh axis then stays sharded within every micro-batch (each device runs its
-        # share of every micro-step); consecutive rows per micro-batch would put the sharded
-        # axis on the scanned one, and every device would run every micro-batch.
-        split = lambda x: None if x is None else x.reshape(mb, n_micro, *x.shape[1:]).swapaxes(0, 1)  # noqa: E731
-        xs = tuple(map(split, (batch["input_ids"], batch["attention_mask"], resp, old, adv, ref)))
+        if ref is None and loss_cfg.needs_ref:
+            ref_rows = jax.lax.stop_gradient(logprobs(frozen, ids, seg)[0])  # same base, LoRA off
+            ref = to_sequences(ref_rows, source, first_row)[0]
 
-        def micro(grad_acc, x):
-            ids, am, rm, old_mb, adv_mb, ref_mb = x
-            if ref_mb is None and loss_cfg.needs_ref:
-                ref_mb = jax.lax.stop_gradient(logprobs(frozen, ids, am)[0])  # same base, LoRA off
+        def loss_fn(lora_):
+            logp_rows, ent_rows = logprobs(with_lora(frozen, lora_), ids, seg)
+            logp, inside = to_sequences(logp_rows, source, first_row)
+            with jax.named_scope("loss"):
+                # Only this micro-batch's sequences count; the normalizer is the full batch's.
+                loss, _ = policy_loss(logp, old, adv, resp * inside, loss_cfg, ref_logp=ref, normalizer=normalizer)
+            return loss, (logp, to_sequences(ent_rows, source, first_row)[0], inside)
 
-            def loss_fn(lora):
-                logp, ent = logprobs(with_lora(frozen, lora), ids, am)
-                with jax.named_scope("loss"):
-                    loss, _ = policy_loss(logp, old_mb, adv_mb, rm, loss_cfg, ref_logp=ref_mb, normalizer=normalizer)
-                return loss, (logp, ent)
+        (_, (logp, ent, inside)), g = jax.value_and_grad(loss_fn, has_aux=True)(lora)
+        grad_acc = jax.tree.map(lambda a, gi: a + gi.astype(a.dtype), grad_acc, g)
+        logp_acc = jnp.where(inside, jax.lax.stop_gradient(logp), logp_acc)
+        ent_acc = jnp.where(inside, ent, ent_acc)
+        if ref_acc is not None:
+            ref_acc = jnp.where(inside, ref, ref_acc)
+        return grad_acc, logp_acc, ent_acc, ref_acc
 
-            (_, (logp, ent)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.lora)
-            grad_acc = jax.tree.map(lambda a, gi: a + gi.astype(a.dtype), grad_acc, g)
-            return grad_acc, (jax.lax.stop_gradient(logp), ent, ref_mb)
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.lora)
-        grads, (logp, ent, ref_used) = jax.lax.scan(micro, zeros, xs)
-        unsplit = lambda x: None if x is None else x.swapaxes(0, 1).reshape(b, t - 1)  # noqa: E731
-        logp, ent, ref_used = unsplit(logp), unsplit(ent), unsplit(ref_used)
+    def update_fn(state: TrainState, batch, ref_logp, acc):
+        """The optimizer update from the summed gradients, and the batch's metrics."""
+        grads, logp, ent, ref_used = acc
+        _, resp, old, adv, ref = grid_arrays(batch, ref_logp)
+        ref_used = ref if ref is not None else ref_used
+        normalizer = loss_normalizer(resp, loss_cfg)
         loss, metrics = policy_loss(
             logp, old, adv, resp, loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer
         )
@@ -242,17 +247,42 @@ def make_train_step(
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         return new_state, metrics
 
-    jitted = jax.jit(step_fn, donate_argnums=(0,))
+    micro_jit = jax.jit(micro_fn, donate_argnums=(7,))
+    update_jit = jax.jit(update_fn, donate_argnums=(0,))
     checked_lora: list[Any] = []
 
     def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
-        validate_batch(batch, micro_batch_size, ref_logp, contiguous=attention == "flash")
+        r, length, b = validate_batch(batch, micro_batch_size, ref_logp)
         structure = jax.tree.structure(state.lora)
         if structure not in checked_lora:
             check_lora(state.lora, config)
             checked_lora.append(structure)
         ref = None if ref_logp is None else jnp.asarray(ref_logp, jnp.float32)
-        return jitted(state, {"base": frozen["base"], "norms": frozen["norms"]}, train_arrays(batch), ref)
+        frozen = {"base": frozen["base"], "norms": frozen["norms"]}
+        arrays = train_arrays(batch)
+        per_seq = {k: v for k, v in arrays.items() if k not in ("input_ids", "segment_ids")}
+        grid = lambda: jnp.zeros((b, length - 1), jnp.float32)  # noqa: E731
+        acc = (
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.lora),
+            grid(),
+            grid(),
+            grid() if ref is None and loss_cfg.needs_ref else None,
+        )
+        mb = micro_batch_size or r
+        for first in range(0, r, mb):
+            rows = slice(first, first + mb)
+            acc = micro_jit(
+                state.lora,
+                frozen,
+                arrays["input_ids"][rows],
+                arrays["segment_ids"][rows],
+                jnp.int32(first),
+                per_seq,
+                ref,
+                acc,
+            )
+        return update_jit(state, per_seq, ref, acc)
 
-    train_step.jitted = jitted  # for lowering / memory analysis (benchmarks)
+    train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
+    train_step.update = update_jit
     return train_step
