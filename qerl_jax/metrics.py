@@ -50,7 +50,8 @@ class MetricWriter:
         jsonl = os.path.join(logdir, SCALARS_JSONL)
         if purge_step is not None and os.path.exists(jsonl):
             _drop_jsonl_rows_from(jsonl, purge_step)
-        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix=f".{os.getpid()}")
+        # The nanosecond suffix keeps two writers of one second apart, in the order TensorBoard reads them.
+        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix=f".{time.time_ns()}")
         if purge_step is not None:
             start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
             self._events.write_event(event_pb2.Event(wall_time=time.time(), step=int(purge_step), session_log=start))
