@@ -367,15 +367,17 @@ def _dataset_problems(path: str, name: str, max_bad_fraction: float = 1.0) -> li
             return []
     except ValueError as e:
         return [f"{path} = {name!r}: {e}"]
-    if os.path.exists(os.path.expanduser(name)) or ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
+    if os.path.exists(os.path.expanduser(name)):
         return _dataset_content_problems(path, name, max_bad_fraction)
+    if ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
+        return []
     known = ", ".join(sorted(KNOWN_DATASETS) + sorted(ALIASES) + ["arithmetic:train", "arithmetic:test"])
     return [f"{path} = {name!r}: no such file or directory, and not a known dataset name ({known})"]
 
 
 def _dataset_content_problems(path: str, name: str, max_bad_fraction: float) -> list[str]:
-    """Reads the dataset as the run will (a hub dataset: from its cache, or the network): its rows,
-    file type and malformed-row share are checked before the model is loaded."""
+    """Reads a local dataset as the run will: its rows, file type and malformed-row share are checked
+    before the model is loaded."""
     from qerl_jax.data import load_math_dataset  # noqa: PLC0415 (imports `datasets`)
 
     try:
