@@ -7,6 +7,7 @@ per problem on stderr; a problem found while running (`policy.UserFacingError`) 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Any, Callable, NoReturn
@@ -40,6 +41,10 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(_unknown_field(e, argv))
     except OSError as e:  # ml_collections: an override on a config file that did not load
         fail(_config_file_error(e, argv))
+    except SyntaxError as e:  # the config file itself does not parse
+        fail(f"--{CONFIG_FLAG}={e.filename}:{e.lineno}: the config file does not parse: {e.msg}")
+    except (ImportError, NameError) as e:  # the config file's module-level code failed
+        fail(f"--{CONFIG_FLAG}: the config file failed to load: {type(e).__name__}: {e}")
 
 
 def run(main: Callable[[list[str]], Any]) -> None:
@@ -48,8 +53,16 @@ def run(main: Callable[[list[str]], Any]) -> None:
     app.run(main, flags_parser=parse_flags)
 
 
-def run_command(command: Callable[[Any], Any], config_flag: flags.FlagHolder, argv: list[str]) -> Any:
-    """`command(config)`, printing a problem the user can fix as `error: ...` (no traceback)."""
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def run_command(
+    command: Callable[[Any], Any], config_flag: flags.FlagHolder, argv: list[str], *, resumable: bool = False
+) -> Any:
+    """`command(config)`, printing a problem the user can fix as `error: ...` (no traceback).
+
+    Ctrl-C ends it with one line (for a `resumable` command: how to continue) and status 130.
+    """
     if len(argv) > 1:
         fail(f"unexpected arguments: {' '.join(argv[1:])} (config fields are set as --config.<section>.<field>=value)")
     from qerl_jax.policy import UserFacingError  # noqa: PLC0415 (after flag parsing: fast --help)
@@ -69,6 +82,14 @@ def run_command(command: Callable[[Any], Any], config_flag: flags.FlagHolder, ar
         return command(cfg)
     except UserFacingError as e:
         fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        hint = ""
+        if resumable:
+            hint = (
+                f"; its last checkpoint is kept: continue with --config.resume=True "
+                f"(workdir {os.path.abspath(str(cfg.workdir))})"
+            )
+        fail(f"interrupted{hint}", INTERRUPTED_EXIT)
 
 
 def _flag_error(text: str) -> str:

@@ -13,7 +13,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     from qerl_jax import train  # noqa: PLC0415 (after flag parsing: fast --help)
 
-    cli.run_command(train.train, _CONFIG, argv)
+    cli.run_command(train.train, _CONFIG, argv, resumable=True)
 
 
 def run() -> None:

@@ -34,14 +34,29 @@ class MetricWriter:
 
     Written synchronously (tensorboardX's record writer, without `SummaryWriter`'s background
     queue), so a run that stops on an error, or is killed, keeps every step it logged.
+
+    `purge_step` (a resumed run: the step it continues from) drops what an earlier invocation
+    logged at that step and after, so redone steps appear once: the rows of scalars.jsonl are
+    rewritten without them, and the new event file starts with a session-start event at that step,
+    on which TensorBoard discards the older files' events from that step on (event files cannot be
+    truncated in place).
     """
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, purge_step: int | None = None):
         from tensorboardX.event_file_writer import EventsWriter  # noqa: PLC0415
+        from tensorboardX.proto import event_pb2  # noqa: PLC0415
 
         os.makedirs(logdir, exist_ok=True)
-        self._events = EventsWriter(os.path.join(logdir, "events"))
-        self._jsonl = open(os.path.join(logdir, SCALARS_JSONL), "a")
+        jsonl = os.path.join(logdir, SCALARS_JSONL)
+        if purge_step is not None and os.path.exists(jsonl):
+            _drop_jsonl_rows_from(jsonl, purge_step)
+        # The nanosecond suffix keeps two writers of one second apart, in the order TensorBoard reads them.
+        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix=f".{time.time_ns()}")
+        if purge_step is not None:
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._events.write_event(event_pb2.Event(wall_time=time.time(), step=int(purge_step), session_log=start))
+            self._events.flush()
+        self._jsonl = open(jsonl, "a")
 
     def _write(self, step: int, summaries: list) -> None:
         from tensorboardX.proto import event_pb2, summary_pb2  # noqa: PLC0415
@@ -75,6 +90,23 @@ class MetricWriter:
         self._jsonl.close()
 
 
+def _drop_jsonl_rows_from(path: str, step: int) -> None:
+    """Rewrites scalars.jsonl (atomically) without its rows at `step` and after, nor a row cut short by a kill."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     """All scalars of the event files under `logdir`: tag -> [(step, value)] (for tests/notebooks)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
@@ -86,7 +118,7 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
 
 def read_jsonl_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     """The scalars of `logdir/scalars.jsonl`: tag -> [(step, value)], the last value of a repeated
-    step winning (a resumed run logs its steps again from its checkpoint)."""
+    step winning."""
     by_tag: dict[str, dict[int, float]] = {}
     with open(os.path.join(logdir, SCALARS_JSONL)) as f:
         for line in f:

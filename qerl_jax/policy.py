@@ -115,6 +115,11 @@ def resolve_model_dir(cfg: ml_collections.ConfigDict, *, download: bool = True) 
     if cfg.model.tiny:
         return tiny.build_tiny_checkpoint(tiny_model_dir(cfg))
     path = cfg.model.path
+    if path and os.path.isfile(path) and not path.endswith(".gguf"):
+        raise UserFacingError(
+            f"model path {path!r} is a file; expected a checkpoint directory (config.json + safetensors) or a "
+            ".gguf file"
+        )
     if path and is_hub_id(path):
         return hub_snapshot(path, download=download)
     if not path or not (os.path.isdir(path) or path.endswith(".gguf") and os.path.isfile(path)):

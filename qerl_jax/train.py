@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate
+from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate, workdir
 from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
@@ -243,10 +243,16 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Runs cfg.train.total_steps QeRL steps; returns the last step's metrics.
 
     The config is checked first (`validate.validate_config`): nothing is loaded or written
-    before every problem of it is reported.
+    before every problem of it is reported. The workdir is then held (`workdir.lock`) until the
+    run ends: a second run on it is refused.
     """
     t_start = time.perf_counter()
     validate.validate_config(cfg, "train")
+    with workdir.lock(cfg.workdir):
+        return _train(cfg, t_start)
+
+
+def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     os.makedirs(cfg.workdir, exist_ok=True)
     if cfg.compile_cache:
         compile_cache.enable_compilation_cache(cfg.workdir)
@@ -323,7 +329,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     if cfg.resume:
         state, start = _resume(ckpt, state, loader)
 
-    writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"))
+    writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"), purge_step=start if cfg.resume else None)
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}

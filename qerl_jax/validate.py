@@ -269,6 +269,8 @@ def config_problems(cfg: ml_collections.ConfigDict, command: str = "train") -> l
         else:
             problems.append(f"{path} = {value!r}: {msg}")
     problems += _rule_problems(good, command)
+    problems += _unknown_field_problems(cfg)
+    problems += _workdir_problems(good, command)
     problems += _file_problems(cfg, good, command)
     return problems
 
@@ -361,13 +363,14 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
 def _file_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any], command: str) -> list[str]:
     """The files the command reads: datasets, the adapter to evaluate, the model directory."""
     out = []
+    bad = f.get("data.max_bad_fraction", 1.0)
     if command == "train" and "data.train" in f:
-        out += _dataset_problems("data.train", f["data.train"])
+        out += _dataset_problems("data.train", f["data.train"], bad)
     if "eval.datasets" in f and "eval.num_examples" in f and (command == "eval" or f["eval.num_examples"]):
         if not f["eval.datasets"]:
             out.append("eval.datasets = (): must name at least one dataset")
         for i, name in enumerate(f["eval.datasets"]):
-            out += _dataset_problems(f"eval.datasets[{i}]", name)
+            out += _dataset_problems(f"eval.datasets[{i}]", name, bad)
     if command == "eval" and f.get("eval.checkpoint"):
         out += _adapter_problems(f["eval.checkpoint"])
     if all(p in f for p in ("model.tiny", "model.path", "workdir")):
@@ -385,21 +388,79 @@ def saved_steps(checkpoint_dir: str) -> list[int]:
     return sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit())
 
 
-def _dataset_problems(path: str, name: str) -> list[str]:
+def _dataset_problems(path: str, name: str, max_bad_fraction: float = 1.0) -> list[str]:
     try:
         if arithmetic.parse_name(name) is not None:  # a generated source ("arithmetic:train")
             return []
     except ValueError as e:
         return [f"{path} = {name!r}: {e}"]
-    if os.path.exists(os.path.expanduser(name)) or ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
+    if os.path.exists(os.path.expanduser(name)):
+        return _dataset_content_problems(path, name, max_bad_fraction)
+    if ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
         return []
     known = ", ".join(sorted(KNOWN_DATASETS) + sorted(ALIASES) + ["arithmetic:train", "arithmetic:test"])
     return [f"{path} = {name!r}: no such file or directory, and not a known dataset name ({known})"]
 
 
+def _dataset_content_problems(path: str, name: str, max_bad_fraction: float) -> list[str]:
+    """Reads a local dataset as the run will: its rows, file type and malformed-row share are checked
+    before the model is loaded."""
+    from qerl_jax.data import load_math_dataset  # noqa: PLC0415 (imports `datasets`)
+
+    try:
+        load_math_dataset(name, max_bad_fraction=max_bad_fraction)
+    except (OSError, ValueError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return [f"{path} = {name!r}: {reason[:400]}"]
+    return []
+
+
+def _unknown_field_problems(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Fields a config file set that `default_config()` does not have (a misspelt name is no new field)."""
+    import difflib  # noqa: PLC0415
+
+    from qerl_jax.config import default_config  # noqa: PLC0415
+
+    def walk(node: Any, ref: Any, prefix: str) -> list[str]:
+        out = []
+        for key in node.keys():
+            path = f"{prefix}{key}"
+            if key not in ref:
+                close = difflib.get_close_matches(key, list(ref.keys()), n=1)
+                hint = f'; did you mean "{prefix}{close[0]}"?' if close else ""
+                out.append(f"{path}: not a config field (set in the config file){hint}")
+            elif isinstance(ref[key], ml_collections.ConfigDict) and isinstance(node[key], ml_collections.ConfigDict):
+                out += walk(node[key], ref[key], f"{path}.")
+        return out
+
+    return walk(cfg, default_config(), "")
+
+
+def _workdir_problems(f: dict[str, Any], command: str) -> list[str]:
+    """The workdir a run writes to; resume=True on a workdir that holds no run; model.path next to model.tiny."""
+    from qerl_jax import workdir  # noqa: PLC0415
+
+    out = []
+    if command == "train" and "workdir" in f:
+        out += workdir.workdir_problems(f["workdir"])
+        if f.get("resume") and not out and not os.path.isdir(os.path.join(f["workdir"], "checkpoints")):
+            out.append(
+                f"resume = True, but workdir {f['workdir']!r} holds no run to continue (no checkpoints/): check the "
+                "workdir, or drop --config.resume=True to start a run"
+            )
+    if f.get("model.tiny") and f.get("model.path"):
+        out.append(
+            f"model.path = {f['model.path']!r}: ignored while model.tiny = True (the random tiny model); pass "
+            "--config.model.tiny=False to train this model, or drop model.path"
+        )
+    return out
+
+
 def _adapter_problems(path: str) -> list[str]:
     from qerl_jax.peft_adapter import ADAPTER_CONFIG  # noqa: PLC0415 (imports torch-free safetensors only)
 
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"eval.checkpoint = {path!r}: is a file (expected a run's workdir or a PEFT adapter folder)"]
     if not os.path.isdir(path):
         return [f"eval.checkpoint = {path!r}: does not exist (expected a run's workdir or a PEFT adapter)"]
     run_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path

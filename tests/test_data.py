@@ -149,7 +149,7 @@ def test_empty_and_missing_and_unknown(tmp_path):
     with pytest.raises(ValueError, match="unsupported file type '.csv'"):
         load_math_dataset(tmp_path / "x.csv")
     _write_jsonl(tmp_path / "train.jsonl", [{"problem": "p", "answer": "1"}])
-    with pytest.raises(ValueError, match="pass split=.*empty.jsonl"):
+    with pytest.raises(ValueError, match="empty.jsonl.*name one file"):
         load_math_dataset(tmp_path)
     with pytest.raises(ValueError, match="no file for split 'dev'"):
         load_math_dataset(tmp_path, "dev")

@@ -203,7 +203,10 @@ def _resolve_local(path: pathlib.Path, split: str | None) -> tuple[pathlib.Path,
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in _FILE_SUFFIXES)
     if split is None:
         if len(files) != 1:
-            raise ValueError(f"{path}: pass split=...; the folder holds {[p.name for p in files]}.")
+            raise ValueError(
+                f"{path}: a folder of {len(files)} dataset files ({[p.name for p in files]}); name one file "
+                f"(expected one of {_FILE_SUFFIXES})."
+            )
         return files[0], path.name, files[0].stem
     for p in files:
         if p.stem == split:

@@ -1,0 +1,137 @@
+"""The commands as a user runs them (subprocesses): bad input ends in one line naming the culprit,
+exit status 2, no traceback and nothing written; a busy workdir is refused; Ctrl-C is one line
+with the resume command and exit status 130."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qerl_jax import workdir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=300):
+    cmd = [sys.executable, "-m", "qerl_jax.main", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_one_line_error(out, *needles, code=2):
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, out.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+BAD_DATASETS = {
+    "malformed.jsonl": ('{"question": "q", "answer": "#### 1"}\nnot json\n{"nothing": 1}\n', "malformed.jsonl"),
+    "empty.jsonl": ("", "contains no rows"),
+    "problems.txt": ('{"question": "q", "answer": "#### 1"}\n', "unsupported file type '.txt'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_DATASETS))
+def test_bad_dataset_content_is_one_line_before_any_work(tmp_path, name):
+    text, needle = BAD_DATASETS[name]
+    data = _write(tmp_path / name, text)
+    out = _run("--config=configs/tiny.py", f"--config.workdir={tmp_path / 'run'}", f"--config.data.train={data}")
+    _assert_one_line_error(out, "data.train", needle)
+    assert "memory plan" not in out.stdout  # refused before the model is built
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_dataset_folder_names_no_missing_option(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("a", "b"):
+        _write(folder / f"{split}.jsonl", '{"question": "q", "answer": "#### 1"}\n')
+    out = _run("--config=configs/tiny.py", f"--config.workdir={tmp_path / 'run'}", f"--config.data.train={folder}")
+    _assert_one_line_error(out, "data.train", "name one file")
+    assert "split=" not in out.stderr
+
+
+def test_config_file_mistakes_are_one_line(tmp_path):
+    syntax = _write(tmp_path / "syntax.py", "from qerl_jax.config import default_config\ndef get_config(:\n")
+    out = _run(f"--config={syntax}")
+    _assert_one_line_error(out, f"{syntax}:2", "does not parse")
+
+    misspelt = _write(
+        tmp_path / "misspelt.py",
+        "from configs.tiny import get_config as tiny\n"
+        "def get_config():\n    c = tiny()\n    c.rollout.max_new_token = 32\n    return c\n",
+    )
+    out = _run(f"--config={misspelt}", f"--config.workdir={tmp_path / 'run'}")
+    _assert_one_line_error(out, "rollout.max_new_token:", 'did you mean "rollout.max_new_tokens"')
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_workdir_and_run_mistakes_are_one_line(tmp_path):
+    a_file = _write(tmp_path / "file", "")
+    _assert_one_line_error(_run("--config=configs/tiny.py", f"--config.workdir={a_file}"), "workdir", "is a file")
+    _assert_one_line_error(
+        _run("--config=configs/tiny.py", f"--config.workdir={a_file}/run"), "workdir", "is a file, not a directory"
+    )
+    empty = tmp_path / "fresh"
+    out = _run("--config=configs/tiny.py", f"--config.workdir={empty}", "--config.resume=True")
+    _assert_one_line_error(out, "resume = True", "holds no run")
+    assert not os.path.exists(empty)
+    out = _run("--config=configs/tiny.py", f"--config.workdir={empty}", f"--config.model.path={tmp_path}")
+    _assert_one_line_error(out, "model.path", "model.tiny = True")
+    assert not os.path.exists(empty)
+
+
+def test_a_second_run_on_a_busy_workdir_is_refused(tmp_path):
+    run = tmp_path / "run"
+    with workdir.lock(str(run)):  # a live run holds it
+        out = _run("--config=configs/tiny.py", f"--config.workdir={run}")
+    _assert_one_line_error(out, str(run), "in use by another run", f"pid {os.getpid()}")
+    assert sorted(os.listdir(run)) == [workdir.LOCK_FILE]  # nothing else written
+
+
+def test_a_killed_run_does_not_hold_the_workdir(tmp_path):
+    run = str(tmp_path / "run")
+    script = f"from qerl_jax import workdir; import time\nwith workdir.lock({run!r}):\n print('held', flush=True)\n time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(workdir.WorkdirBusyError, match=f"pid {holder.pid}"):
+        with workdir.lock(run):
+            pass
+    holder.kill()  # SIGKILL: no clean-up runs
+    holder.wait()
+    with workdir.lock(run):  # released by the kernel when its holder died
+        pass
+
+
+def test_ctrl_c_is_one_line_with_the_resume_command(tmp_path, tiny_model_dir):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "qerl_jax.main",
+        "--config=configs/tiny.py",
+        "--config.model.tiny=False",
+        f"--config.model.path={tiny_model_dir}",
+        f"--config.workdir={run}",
+        "--config.eval.num_examples=0",
+        "--config.train.checkpoint_every=1",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 400
+    while not os.path.isdir(run / "checkpoints" / "1") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
+    _, err = proc.communicate(timeout=120)
+    out = subprocess.CompletedProcess(cmd, proc.returncode, "", err)
+    _assert_one_line_error(out, "interrupted", "--config.resume=True", str(run), code=130)
