@@ -46,7 +46,9 @@ def test_shipped_configs_are_valid(tmp_path, tiny_model_dir, monkeypatch):
     tiny = load_config("tiny")
     tiny.workdir = str(tmp_path / "fresh")  # model.tiny: the model is built by the run
     assert config_problems(tiny) == []
-    for name, arg in (("gsm8k", None), ("bigmath", "32b"), ("baselines", "bf16"), ("baselines", "nf4_aqn")):
+    for name, arg in (("gsm8k", None), ("bigmath", "32b"), ("baselines", "bf16"), ("baselines", "nf4_aqn")) + tuple(
+        ("gsm8k_claims", arm) for arm in ("bf16_lr5e-6", "bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn")
+    ):
         cfg = load_config(name, arg)
         cfg.workdir = str(tmp_path / name)
         assert _paths(config_problems(cfg)) == ["model.path"], (name, arg)  # only the model is not here
