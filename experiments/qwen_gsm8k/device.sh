@@ -4,6 +4,7 @@
 # moved to /tmp/parts (one 50 MiB part per call: `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`).
 #   bash experiments/qwen_gsm8k/device.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
 #   bash experiments/qwen_gsm8k/device.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
+#   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
 # Everything it writes is tarred into $OUT/<pass>.tgz.
 set -u
 PASS=$1
@@ -13,7 +14,7 @@ mkdir -p "$OUT" $W
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 QERL_DATA_DIR=$PWD/.gpu/data
 GGUF=/tmp/q15.gguf
-python3 -m experiments.models qwen2.5-coder-1.5b --parts /tmp/parts --out $GGUF || exit 2
+[ $PASS = bench ] || python3 -m experiments.models qwen2.5-coder-1.5b --parts /tmp/parts --out $GGUF || exit 2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 T0=$(date +%s)
 case $PASS in
@@ -26,6 +27,13 @@ case $PASS in
         > $W/eval_$q.log 2>&1 &
     done
     wait ;;
+  bench)
+    timeout 60 python3 benchmarks/devtools/packed_attention_check.py > $W/packed_attention_check.log 2>&1
+    echo "packed attention check rc=$?"; cat $W/packed_attention_check.log | tail -n 8
+    timeout 330 python3 benchmarks/grpo_step.py --workload gsm8k --formats nvfp4,bf16 --timeout 160 \
+      --out $W/grpo_gsm8k.json > $W/grpo_gsm8k.log 2>&1
+    echo "grpo gsm8k rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 $W/grpo_gsm8k.log
+    ;;
   step)
     for q in nvfp4 bf16; do
       timeout 270 python3 -m qerl_jax.main --config=configs/gsm8k.py --config.model.path=$GGUF --config.model.quant=$q \

@@ -456,40 +456,18 @@ class Qwen2(nn.Module):
 
 
 def packed_flash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT) -> jax.Array:
-    """cuDNN's fused attention over packed rows (its ragged layout: per-row segment lengths and
-    offsets), causal within each segment; [B, T, H, D]. GPU only; `attention` with the
-    block-diagonal causal mask is the reference (benchmarks/devtools/packed_attention_check.py).
+    """cuDNN's fused attention over packed rows, causal within each segment; [B, T, H, D]. GPU only;
+    `attention` with the block-diagonal causal mask is the reference
+    (benchmarks/devtools/packed_attention_check.py).
 
-    Segments must be contiguous runs covering the whole row (`rl.packing` lays them out so).
+    The segments go in as a [B, 1, T, T] mask (cuDNN reads it as an additive bias beside its causal
+    mask: 2 bytes per score). cuDNN's ragged layout (per-row segment offsets) would need the
+    largest segment count as a static bound: with T segments per row its workspace at 7B shapes,
+    8 x 2304 tokens, is 1.1 TiB.
     """
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType  # noqa: PLC0415
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention  # noqa: PLC0415
-
-    b, t = segment_ids_BxT.shape
-    # Segment m of a row starts where the id changes; at most T segments per row.
-    starts_BxT = jnp.concatenate(
-        [jnp.ones((b, 1), bool), segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1
-    )
-    n_B = jnp.sum(starts_BxT, axis=1)
-    cols_T = jnp.arange(t, dtype=jnp.int32)
-    # offsets [B, T + 1]: each segment's first column, -1 after (the API's [B, M + 1] with M = T);
-    # seqlen [B, T]: each segment's length, -1 after.
-    order_BxT = jnp.argsort(jnp.where(starts_BxT, cols_T[None], t + cols_T[None]), axis=1).astype(jnp.int32)
-    m_T = cols_T
-    valid_BxT = m_T[None] < n_B[:, None]
-    next_BxT = jnp.where(m_T[None] + 1 < n_B[:, None], jnp.roll(order_BxT, -1, axis=1), t)
-    seqlen_BxT = jnp.where(valid_BxT, next_BxT - order_BxT, -1)
-    offsets_BxT1 = jnp.concatenate([jnp.where(valid_BxT, order_BxT, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    return cudnn_attention(
-        q_BxTxHxD,
-        k_BxTxKxD,
-        v_BxTxKxD,
-        q_seqlen=seqlen_BxT,
-        kv_seqlen=seqlen_BxT,
-        q_offsets=offsets_BxT1,
-        kv_offsets=offsets_BxT1,
-        scale=q_BxTxHxD.shape[-1] ** -0.5,
-        mask_type=MaskType.PADDING_CAUSAL,
+    same_segment_Bx1xTxT = (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask=same_segment_Bx1xTxT, is_causal=True, implementation="cudnn"
     )
 
 
