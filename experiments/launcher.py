@@ -77,8 +77,8 @@ def run_config(exp: Experiment, args, arm: str, seed: int):
     cfg = importlib.import_module(exp.config_module).get_config(arm)
     cfg.model.path = args.gguf
     cfg.seed = seed
-    cfg.resume = True
     cfg.workdir = os.path.join(args.out, "runs", arm, f"seed{seed}")
+    cfg.resume = os.path.isdir(os.path.join(cfg.workdir, "checkpoints"))  # continue a run that has begun
     cfg.train.total_steps = args.steps
     if args.tiny:
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 2, 4, 16

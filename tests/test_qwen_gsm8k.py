@@ -159,8 +159,10 @@ def test_run_config_sets_only_path_seed_workdir_and_steps(tmp_path):
     for arm in ARMS:
         cfg = launcher.run_config(EXPERIMENT, args, arm, 2)
         ref = gsm8k_claims.get_config(arm)
-        assert (cfg.model.path, cfg.seed, cfg.resume) == ("/m/q.gguf", 2, True)
+        assert (cfg.model.path, cfg.seed, cfg.resume) == ("/m/q.gguf", 2, False)
         assert cfg.workdir == os.path.join(str(tmp_path), "runs", arm, "seed2")
+        os.makedirs(os.path.join(cfg.workdir, "checkpoints"))
+        assert launcher.run_config(EXPERIMENT, args, arm, 2).resume  # a begun run continues
         for field in ("model.path", "seed", "workdir", "resume"):
             section, _, name = field.rpartition(".")
             (ref[section] if section else ref)[name] = (cfg[section] if section else cfg)[name]
