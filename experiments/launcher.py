@@ -222,7 +222,7 @@ def worker_base(exp: Experiment, args) -> None:
             sampling,
             group_size=group,
             backend=policy.backend,
-            max_batch=cfg.rollout.max_batch,
+            max_batch=cfg.rollout.max_batch or None,  # 0 = one batch
         )
         stats = _entropy_of_samples(policy, params, batch, sampling, row_block=64)
         samples[name] = (params, batch, stats, policy)
