@@ -1,6 +1,6 @@
 """The fidelity experiment's summary: curves (PNG), table and claims (markdown), numbers (JSON).
 
-  python experiments/fidelity/run.py --summarize --out runs/fidelity --results experiments/fidelity/results
+  python -m experiments.fidelity.run --summarize --out runs/fidelity --results experiments/fidelity/results
 
 Reads <out>/experiment.json, <out>/base/{entropy.json, bf16/summary.json, nvfp4/summary.json} and
 every <out>/runs/<arm>/seed<k>/ (tensorboard/scalars.jsonl, eval/step_<steps>/summary.json);
@@ -344,7 +344,7 @@ def summarize(out: str, results: str) -> dict:
         "",
         "```",
         commands,
-        f"python experiments/fidelity/run.py --summarize --out {out} --results {results}",
+        f"python -m experiments.fidelity.run --summarize --out {out} --results {results}",
         "```",
         "",
     ]

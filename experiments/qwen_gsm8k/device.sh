@@ -5,6 +5,8 @@
 #   bash experiments/qwen_gsm8k/device.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
 #   bash experiments/qwen_gsm8k/device.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
 #   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
+#   QG_ARGS="--arms nvfp4 bf16 --seeds 0 1 --max-minutes 8" bash experiments/qwen_gsm8k/device.sh train
+#                                                 # the experiment's launcher (run.py); again on a warm machine resumes
 # Everything it writes is tarred into $OUT/<pass>.tgz.
 set -u
 PASS=$1
@@ -41,6 +43,10 @@ case $PASS in
         --config.train.checkpoint_every=1000 > $W/step_$q.log 2>&1
       echo "$q rc=$? after $(( $(date +%s) - T0 )) s"
     done ;;
+  train)
+    # /tmp/qg (checkpoints, compilation cache) stays on the machine for the next call; $W/qg is its light copy.
+    python3 -m experiments.qwen_gsm8k.run --gguf $GGUF --out /tmp/qg --copy-to $W/qg ${QG_ARGS:-}
+    echo "launcher rc=$?" ;;
 esac
 echo "pass $PASS done after $(( $(date +%s) - T0 )) s"
 for f in $W/*.log; do echo "== $f"; tail -n 15 $f | cut -c1-300; done

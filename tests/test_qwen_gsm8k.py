@@ -1,0 +1,187 @@
+"""experiments/qwen_gsm8k: the summary's verdicts follow the numbers; the launcher's run configs."""
+
+import argparse
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import launcher
+from experiments.qwen_gsm8k import summarize
+from experiments.qwen_gsm8k.run import EXPERIMENT
+
+STEPS = 40
+ARMS = ("bf16_lr5e-6", "bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn")
+
+
+def _comparison(mean, half_width):
+    return {"mean_diff": mean, "se": half_width / 1.96, "ci95": [mean - half_width, mean + half_width], "n_prompts": 64}
+
+
+def _summary_file(path, gsm8k, n=1319):
+    os.makedirs(path, exist_ok=True)
+    datasets = {"gsm8k_test": {"pass_at_1": gsm8k, "num_examples": n}}
+    datasets["math500_test"] = {"pass_at_1": gsm8k / 2, "num_examples": 480}
+    json.dump({"datasets": datasets}, open(os.path.join(path, "summary.json"), "w"))
+
+
+def _write(out, slopes, finals, seeds=3, steps_done=STEPS, entropy_diff=(0.2, 0.05), noise=0.01):
+    """Synthetic runs: reward 0.3 + slope * step / 100 (+ noise); final accuracy per seed."""
+    os.makedirs(out, exist_ok=True)
+    json.dump({"steps": STEPS, "tiny": False, "gguf": "q.gguf", "sha256": "ab" * 32}, open(f"{out}/experiment.json", "w"))
+    with open(f"{out}/calls.jsonl", "w") as f:
+        f.write(json.dumps({"start": 0, "minutes": 7.5, "jobs": []}) + "\n")
+        f.write(json.dumps({"base_from": "/x", "minutes": 2.5}) + "\n")
+    open(f"{out}/commands.txt", "w").write("python -m experiments.qwen_gsm8k.run --out qg\n")
+    rng = np.random.default_rng(0)
+    for arm, slope in slopes.items():
+        for seed in range(seeds):
+            run = os.path.join(out, "runs", arm, f"seed{seed}")
+            os.makedirs(f"{run}/tensorboard")
+            with open(f"{run}/tensorboard/scalars.jsonl", "w") as f:
+                for step in range(steps_done):
+                    row = {
+                        "step": step,
+                        "aqn/sigma": 0.0,
+                        "reward/mean_sampled": 0.3 + slope * step / 100 + rng.normal(0, noise),
+                        "rollout/entropy_mc": 0.5,
+                        "rollout/truncated_frac": 0.02,
+                    }
+                    f.write(json.dumps(row) + "\n")
+            if steps_done == STEPS:
+                _summary_file(f"{run}/eval/step_{STEPS}", finals[arm] + 0.01 * (seed - 1))
+    for q, acc in (("bf16", 0.6), ("nvfp4", 0.55)):
+        _summary_file(f"{out}/base/{q}", acc)
+    mean, half = entropy_diff
+    keys = (
+        "nvfp4_minus_bf16_entropy",
+        "nvfp4_minus_bf16_neg_logp",
+        "nvfp4_minus_bf16_entropy_same_tokens",
+        "nvfp4_aqn_minus_bf16_entropy",
+    )
+    models = {m: {"entropy": 1.0 + (mean if m != "bf16" else 0.0)} for m in ("bf16", "nvfp4", "nvfp4_aqn")}
+    entropy = {"group_size": 4, "aqn_sigma": 0.01, "models": models, "comparisons": {k: _comparison(mean, half) for k in keys}}
+    json.dump(entropy, open(f"{out}/base/entropy.json", "w"))
+
+
+def _verdicts(s):
+    return {k: c["verdict"] for k, c in s["claims"].items()}
+
+
+def test_supported_verdicts_and_the_summary_schema(tmp_path):
+    out, res = str(tmp_path / "out"), str(tmp_path / "res")
+    slopes = {"bf16_lr5e-6": 0.1, "bf16": 0.2, "nvfp4": 0.3, "nvfp4_aqn": 0.6, "bf16_aqn": 0.2}
+    finals = {"bf16_lr5e-6": 0.6, "bf16": 0.62, "nvfp4": 0.63, "nvfp4_aqn": 0.7, "bf16_aqn": 0.6}
+    _write(out, slopes, finals)
+    s = summarize.summarize(out, res)
+    assert _verdicts(s) == {"a": "supported", "b": "supported", "c": "supported", "d": "supported"}
+    assert set(s) >= {"model", "task", "arms", "claims", "gpu_minutes"}
+    assert s["model"] == {"name": "Qwen2.5-Coder-1.5B-Instruct", "sha256": "ab" * 32, "gguf": "q.gguf"}
+    assert s["task"] == "gsm8k" and s["gpu_minutes"] == pytest.approx(10.0)
+    arm = s["arms"]["nvfp4_aqn"]
+    assert (arm["quant"], arm["lr"], arm["aqn"], arm["seeds"], arm["steps"]) == ("nvfp4", 1e-5, True, [0, 1, 2], STEPS)
+    assert arm["eval_before"] == {"gsm8k_test": 0.55, "n": 1319}
+    np.testing.assert_allclose(arm["eval_after"]["gsm8k_test"], [0.69, 0.70, 0.71])
+    assert arm["eval_after"]["n"] == 1319
+    np.testing.assert_allclose(arm["reward_slope_per_100"], 0.6, atol=0.05)  # noise sd 0.014
+    assert arm["truncated_frac"] == pytest.approx(0.02)
+    assert s["arms"]["bf16"]["eval_before"]["gsm8k_test"] == 0.6
+    assert set(s["claims"]["b"]["parts"]) == {"nvfp4_vs_bf16", "nvfp4_vs_bf16_lr5e-6"}
+    on_disk = json.load(open(f"{res}/summary.json"))
+    assert on_disk["arms"].keys() == set(ARMS)
+    for name in ("qwen_gsm8k.png", "results.md", "curves.json"):
+        assert os.path.isfile(f"{res}/{name}")
+    assert "python -m experiments.qwen_gsm8k.run --out qg" in open(f"{res}/results.md").read()
+
+
+# reward 0.3 + slope * step / 100: first 10% (steps 0..3) mean 0.3 + 1.5 slope / 100, last 20% (32..39) 0.3 + 35.5 slope / 100
+def test_growth_measures_against_numpy():
+    r = 0.3 + 0.5 * np.arange(STEPS) / 100
+    g = summarize.growth(r, threshold=0.4, window=1)
+    assert g["slope_per_100"] == pytest.approx(0.5)
+    assert g["relative_growth"] == pytest.approx((0.3 + 0.5 * 35.5 / 100) / (0.3 + 0.5 * 1.5 / 100) - 1)
+    assert g["steps_to_threshold"] == 20  # 0.3 + 0.005 * 20 = 0.4
+    assert summarize.growth(r, threshold=2.0, window=1)["steps_to_threshold"] is None
+
+
+@pytest.mark.parametrize(
+    "slopes,finals,entropy_diff,want",
+    [
+        (  # NVFP4 slower and worse, AQN no better, lower entropy
+            {"bf16_lr5e-6": 0.4, "bf16": 0.4, "nvfp4": 0.1, "nvfp4_aqn": 0.05},
+            {"bf16_lr5e-6": 0.7, "bf16": 0.7, "nvfp4": 0.6, "nvfp4_aqn": 0.6},
+            (-0.2, 0.05),
+            {"a": "not supported", "b": "not supported", "c": "not supported", "d": "not supported"},
+        ),
+        (  # b: faster than bf16 at equal lr but much slower than the reference's bf16 -> not supported overall
+            {"bf16_lr5e-6": 0.8, "bf16": 0.1, "nvfp4": 0.3, "nvfp4_aqn": 0.3},
+            {"bf16_lr5e-6": 0.6, "bf16": 0.6, "nvfp4": 0.6, "nvfp4_aqn": 0.6},
+            (0.005, 0.01),
+            {"a": "not supported", "b": "not supported", "c": "not supported"},
+        ),
+        (  # nothing clearly separated: within 2 SE
+            {"bf16_lr5e-6": 0.3, "bf16": 0.3, "nvfp4": 0.26, "nvfp4_aqn": 0.32},
+            {"bf16_lr5e-6": 0.6, "bf16": 0.6, "nvfp4": 0.6, "nvfp4_aqn": 0.595},
+            (0.1, 0.3),
+            {"a": "inconclusive", "b": "inconclusive", "c": "inconclusive", "d": "inconclusive"},
+        ),
+    ],
+    ids=["all_negative", "mixed_b", "within_noise"],
+)
+def test_negative_and_inconclusive_verdicts(tmp_path, slopes, finals, entropy_diff, want):
+    out = str(tmp_path / "out")
+    _write(out, slopes, finals, entropy_diff=entropy_diff, noise=0.05)
+    s = summarize.summarize(out, str(tmp_path / "res"))
+    assert {k: s["claims"][k]["verdict"] for k in want} == want
+    if slopes["bf16"] < slopes["nvfp4"] < slopes["bf16_lr5e-6"]:  # the mixed case: each part's own verdict
+        parts = s["claims"]["b"]["parts"]
+        assert parts["nvfp4_vs_bf16"]["verdict"] == "supported"
+        assert parts["nvfp4_vs_bf16_lr5e-6"]["verdict"] == "not supported"
+
+
+def test_one_seed_is_inconclusive_and_incomplete_runs_use_common_steps(tmp_path):
+    out = str(tmp_path / "out")
+    _write(out, {"bf16": 0.1, "nvfp4": 0.9, "nvfp4_aqn": 0.9}, {}, seeds=1, steps_done=25)
+    s = summarize.summarize(out, str(tmp_path / "res"))
+    assert s["common_steps"] == 25 and s["arms"]["nvfp4"]["steps"] == 25
+    for claim in ("b", "c", "d"):
+        assert s["claims"][claim]["verdict"] == "inconclusive"
+    assert s["claims"]["b"]["parts"]["nvfp4_vs_bf16"]["reason"] == "one seed"
+    assert s["arms"]["nvfp4"]["eval_after"] == {"gsm8k_test": [None], "n": None, "math500_test": [None]}
+    assert "(25/40, 0 evaluated)" in open(tmp_path / "res" / "results.md").read()
+
+
+def test_run_config_sets_only_path_seed_workdir_and_steps(tmp_path):
+    from configs import gsm8k_claims
+
+    args = argparse.Namespace(gguf="/m/q.gguf", out=str(tmp_path), steps=150, tiny=False)
+    for arm in ARMS:
+        cfg = launcher.run_config(EXPERIMENT, args, arm, 2)
+        ref = gsm8k_claims.get_config(arm)
+        assert (cfg.model.path, cfg.seed, cfg.resume) == ("/m/q.gguf", 2, False)
+        assert cfg.workdir == os.path.join(str(tmp_path), "runs", arm, "seed2")
+        os.makedirs(os.path.join(cfg.workdir, "checkpoints"))
+        assert launcher.run_config(EXPERIMENT, args, arm, 2).resume  # a begun run continues
+        for field in ("model.path", "seed", "workdir", "resume"):
+            section, _, name = field.rpartition(".")
+            (ref[section] if section else ref)[name] = (cfg[section] if section else cfg)[name]
+        assert cfg.to_dict() == ref.to_dict()  # everything else is the arm's config
+    ev = launcher.final_eval_config(EXPERIMENT, args, "nvfp4_aqn", 1)
+    assert ev.eval.checkpoint == os.path.join(str(tmp_path), "runs", "nvfp4_aqn", "seed1")
+    assert ev.eval.output_dir.endswith(os.path.join("seed1", "eval", "step_150"))
+    assert [os.path.relpath(p, os.path.dirname(os.path.dirname(p))) for p in ev.eval.datasets] == [
+        os.path.join("gsm8k", "test.jsonl"),
+        os.path.join("math500", "test.jsonl"),
+    ]
+    assert all(os.path.isfile(p) for p in ev.eval.datasets)
+
+
+def test_bad_input_exits_2_before_writing(tmp_path, capsys):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        launcher.main(EXPERIMENT, "", ["--gguf", str(gguf), "--out", str(out), "--base-from", str(tmp_path / "no")])
+    assert e.value.code == 2 and "--base-from" in capsys.readouterr().err
+    assert not out.exists()
