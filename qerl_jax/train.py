@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -158,7 +159,8 @@ def collect_experience(
         stats["reward/mean_sampled"] = float(np.concatenate(all_shaped).mean())
         stats["reward/accuracy_sampled"] = float((np.concatenate(all_raw) >= 1.0).mean())
         for (name, _), scores in zip(reward_spec, np.concatenate(all_each, axis=1)):  # unweighted, per reward
-            stats[f"reward/{name}_mean_sampled"] = float(scores.mean())
+            # TensorBoard keeps [A-Za-z0-9_./-] in tags: "module:function" would be logged under another name.
+            stats[f"reward/{re.sub(r'[^A-Za-z0-9_./-]', '_', name)}_mean_sampled"] = float(scores.mean())
         # -log p of the sampled tokens under the sampler (quantized, AQN noise in its norms): a
         # Monte Carlo estimate of the sampling policy's entropy per token
         stats["rollout/entropy_mc"] = neg_logp_sum / max(gen_tokens, 1)
