@@ -149,7 +149,8 @@ def make_train_step(
     logprob_chunk: LM-head chunk size for `token_logprobs`; remat: per-layer checkpointing, one of
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
     `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
-    The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs. A step whose loss or gradient is not finite leaves
+    The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs
+    (`train_step.lower_args` gives their arguments for a batch). A step whose loss or gradient is not finite leaves
     lora/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
     Metrics: policy_loss's metrics + grad_norm (before clipping), skipped, consecutive_skips,
     step (updates applied after this step) and lr (of this update, when lr_schedule is given).
@@ -251,7 +252,8 @@ def make_train_step(
     update_jit = jax.jit(update_fn, donate_argnums=(0,))
     checked_lora: list[Any] = []
 
-    def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+    def inputs(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        """The checked batch as the two programs take it: (frozen, arrays, per_seq, ref, zero accumulators)."""
         r, length, b = validate_batch(batch, micro_batch_size, ref_logp)
         structure = jax.tree.structure(state.lora)
         if structure not in checked_lora:
@@ -268,6 +270,11 @@ def make_train_step(
             grid(),
             grid() if ref is None and loss_cfg.needs_ref else None,
         )
+        return frozen, arrays, per_seq, ref, acc
+
+    def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
+        r = arrays["input_ids"].shape[0]
         mb = micro_batch_size or r
         for first in range(0, r, mb):
             rows = slice(first, first + mb)
@@ -283,6 +290,15 @@ def make_train_step(
             )
         return update_jit(state, per_seq, ref, acc)
 
+    def lower_args(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        """(micro_args, update_args): the first micro-step's and the update's arguments for `batch`,
+        e.g. `train_step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
+        frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
+        mb = micro_batch_size or arrays["input_ids"].shape[0]
+        ids, seg = arrays["input_ids"][:mb], arrays["segment_ids"][:mb]
+        return (state.lora, frozen, ids, seg, jnp.int32(0), per_seq, ref, acc), (state, per_seq, ref, acc)
+
     train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
     train_step.update = update_jit
+    train_step.lower_args = lower_args
     return train_step
