@@ -114,6 +114,16 @@ def train_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
     return {k: jnp.asarray(batch[k], dtypes.get(k, jnp.float32)) for k in BATCH_KEYS}
 
 
+def _micro_rows(x: jax.Array, rows: slice) -> jax.Array:
+    """Rows of a packed [R, L] array with its sharding kept: a data-parallel batch's micro-batch is
+    split over the devices (a plain slice would leave it on the devices holding those rows)."""
+    part = x[rows]
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
+        part = jax.device_put(part, sharding)
+    return part
+
+
 def minibatches(batch: dict[str, Any], num: int) -> Iterator[dict[str, Any]]:
     """Splits a rollout batch into `num` equal consecutive mini-batches (one optimizer update each)."""
     b = batch["input_ids"].shape[0]
@@ -281,8 +291,8 @@ def make_train_step(
             acc = micro_jit(
                 state.lora,
                 frozen,
-                arrays["input_ids"][rows],
-                arrays["segment_ids"][rows],
+                _micro_rows(arrays["input_ids"], rows),
+                _micro_rows(arrays["segment_ids"], rows),
                 jnp.int32(first),
                 per_seq,
                 ref,
@@ -295,7 +305,7 @@ def make_train_step(
         e.g. `train_step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
         frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
         mb = micro_batch_size or arrays["input_ids"].shape[0]
-        ids, seg = arrays["input_ids"][:mb], arrays["segment_ids"][:mb]
+        ids, seg = (_micro_rows(arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
         return (state.lora, frozen, ids, seg, jnp.int32(0), per_seq, ref, acc), (state, per_seq, ref, acc)
 
     train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
