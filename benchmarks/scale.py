@@ -26,8 +26,10 @@ train step's XLA memory analysis is reported too) and the memory plan's estimate
   `--decode-steps N` (default 128) runs only N sampling steps while the KV cache is sized for
   max-new-tokens: a decode step costs the same at every position (static shapes, attention
   over the whole cache), so the full time is extrapolated (0: run all steps).
-- train: AOT-compiled, then one step timed; tokens/s = B * T trained tokens / step time. The
-  batch is the rollout's tokens, continued with random tokens past the decoded steps.
+- train: the packed micro-step and the update AOT-compiled (XLA's memory analysis of the
+  micro-step), then one step timed; tokens/s = packed slots (R x L, `rl.packing` rows of
+  prompt + max-new-tokens) / step time. The batch is the rollout's tokens, continued with random
+  tokens past the decoded steps.
 A phase that fails on the pallas backend is re-run on xla (the error is recorded).
 
 GPU time: about 2-3 minutes per model (14b, 32b) with the defaults, compilation included;
@@ -213,12 +215,12 @@ def build_random_params(config, quant: str, seed: int):
 
 def run_model(args, name: str) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from qerl_jax import memory
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
     from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
     from qerl_jax.rollout import SamplingConfig, generate, to_train_batch
@@ -391,15 +393,15 @@ def run_model(args, name: str) -> dict[str, Any]:
         }
         train_rollout = None
         n = args.train_seqs or rows
-        batch = {k: jnp.asarray(v)[:n] for k, v in batch.items()}
-        batch["advantages"] = jnp.asarray(rng.standard_normal(n).astype(np.float32))
-        mb_used = mb if n % mb == 0 else 1
+        batch = {k: np.asarray(v)[:n] for k, v in batch.items()}
+        batch["advantages"] = rng.standard_normal(n).astype(np.float32)
         frozen = {"base": params["base"], "norms": params["norms"]}
-        rl_step.validate_batch(batch, mb_used)
-        clean = rl_step.train_arrays(batch)
+        packed = rl_step.train_arrays(packing.pack_batch(batch, t_total, rows_multiple=mb))
         with Phase(clock, record, "train") as out:
+            step = None
 
             def compile_step(backend_: str):
+                nonlocal step
                 step = rl_step.make_train_step(
                     config,
                     LossConfig(kind="dapo"),
@@ -408,10 +410,12 @@ def run_model(args, name: str) -> dict[str, Any]:
                     backend=backend_,
                     remat=remat,
                     attention=args.attention,
-                    micro_batch_size=mb_used,
+                    micro_batch_size=mb,
                     logprob_chunk=args.logprob_chunk,
                 )
-                return step.jitted.lower(state, frozen, clean, None).compile()
+                micro_args, update_args = step.lower_args(state, frozen, packed)
+                step.update.lower(*update_args).compile()
+                return step.micro.lower(*micro_args).compile()  # the step's peak: one micro-batch
 
             t0 = time.perf_counter()
             compiled = with_fallback(out, compile_step)
@@ -435,14 +439,15 @@ def run_model(args, name: str) -> dict[str, Any]:
                     + (xm.get("output_size_in_bytes", 0) - xm.get("alias_size_in_bytes", 0))
                 )
             t1 = time.perf_counter()
-            state, metrics = compiled(state, frozen, clean, None)
+            state, metrics = step(state, frozen, packed)  # the programs compiled above
             jax.block_until_ready((state, metrics))
             run = time.perf_counter() - t1
-            tokens = int(np.prod(clean["input_ids"].shape))
+            tokens = int(np.prod(packed["input_ids"].shape))
             out.update(
                 sequences=n,
-                seq_len=int(clean["input_ids"].shape[1]),
-                micro_batch_size=mb_used,
+                seq_len=t_total,
+                packed_rows=int(packed["input_ids"].shape[0]),
+                micro_batch_size=mb,
                 logprob_chunk=args.logprob_chunk,
                 step_run_s=round(run, 3),
                 trained_tokens=tokens,

@@ -14,8 +14,9 @@ on every projection, 64 sequences of 256 prompt + 512 response tokens, DAPO loss
   full) for bf16 and NVFP4.
 - `peer`: transformers + PEFT, bf16, gradient checkpointing, the same batch, loss and micro-batches.
 
-Each case runs in its own process (its own peak memory): build, compile, one warm-up step, then the
-median of --steps timed steps. Reported: step time, tokens/s, TFLOP/s by the FLOP formula of
+Each case runs in its own process (its own peak memory): build, one warm-up step (it compiles the
+packed micro-step and the update: `rl.packing` rows of prompt + response slots, as the training
+loop packs them), then the median of --steps timed steps. Reported: step time, tokens/s, TFLOP/s by the FLOP formula of
 `peer.train_flops` (printed), that as a fraction of a bf16 8192^3 matmul timed in the same process
 (16 chained products, best of 5: the measured peak, not the datasheet's), the device's peak memory, compile time. Prints a table,
 writes JSON.
@@ -141,6 +142,7 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
 
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
     from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
 
@@ -157,8 +159,8 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
     batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
-    clean = rl_step.train_arrays(batch)
-    rl_step.validate_batch(clean, mb, contiguous=attention == "flash")
+    packed = packing.pack_batch(batch, seq, rows_multiple=mb)
+    row.update({f"train_tokens_{k}": v for k, v in packing.token_counts(packed).items()})
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
     step = rl_step.make_train_step(
         config,
@@ -171,16 +173,19 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
         micro_batch_size=mb,
         logprob_chunk=args.logprob_chunk,
     )
-    t0 = time.perf_counter()
-    compiled = step.jitted.lower(state, frozen, clean, None).compile()
-    row["compile_s"] = round(time.perf_counter() - t0, 1)
+    compiles: list[float] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(secs) if name.endswith("backend_compile_duration") else None
+    )
     times = []
-    for i in range(args.steps + 1):  # the first step is a warm-up
+    for i in range(args.steps + 1):  # the first step compiles the micro-step and the update: a warm-up
         t0 = time.perf_counter()
-        state, metrics = compiled(state, frozen, clean, None)
+        state, metrics = step(state, frozen, packed)
         jax.block_until_ready((state, metrics))
         if i:
             times.append(time.perf_counter() - t0)
+        else:
+            row["compile_s"] = round(sum(compiles), 1)
     stats = _mem_stats() or {}
     row.update(
         step_s=statistics.median(times),
@@ -189,7 +194,7 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
         grad_norm=float(metrics["grad_norm"]),
         peak_bytes_in_use=stats.get("peak_bytes_in_use"),
     )
-    del state, compiled, params, frozen
+    del state, params, frozen
     return _finish(row, bf16_matmul_tflops())
 
 

@@ -106,6 +106,7 @@ class MemoryPlan:
     train_layer_activations: int
     train_logits: int
     dequant_workspace: int
+    train_sequence_arrays: int = 0
     device_bytes: int | None = None
 
     @property
@@ -125,7 +126,9 @@ class MemoryPlan:
 
     @property
     def train_activations(self) -> int:
-        return self.train_saved_activations + self.train_layer_activations + self.train_logits
+        return (
+            self.train_saved_activations + self.train_layer_activations + self.train_logits + self.train_sequence_arrays
+        )
 
     @property
     def train_peak(self) -> int:
@@ -180,6 +183,7 @@ class MemoryPlan:
                 self.train_layer_activations,
             ),
             (f"log-prob chunk logits ({i['logprob_chunk']} tokens/seq)", self.train_logits),
+            (f"per-sequence grids ({i['rollout_batch']} seqs x {i['train_seq_len']}, f32)", self.train_sequence_arrays),
             ("= train phase peak", self.train_peak),
             ("TOTAL (max of the phases)", self.total),
         ]
@@ -204,6 +208,12 @@ def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     return value
+
+
+# Per-sequence [B, T] float32/int32 arrays of the packed train step (`rl.step`): 3 batch inputs, 2
+# accumulators, 6 grid temporaries of a micro-step (source slots, response mask, old log-probs, the
+# gathered log-probs and entropies, the in-micro-batch mask) and the log-probs' cotangent.
+SEQUENCE_GRID_ARRAYS = 12
 
 
 def plan_memory(
@@ -284,6 +294,10 @@ def plan_memory(
         remat: L + 1 such layers (every layer's activations plus one layer's cotangents).
       train_logits: M * C * V * 4 * 3, C = min(logprob_chunk, T): float32 logits of a chunk,
         the log-softmax temporary and their cotangent.
+      train_sequence_arrays: the packed step's per-sequence [B, T] arrays (B = rollout_batch):
+        SEQUENCE_GRID_ARRAYS * B*T*4 (the batch's token_index, response_mask, old_logp; the
+        log-prob and entropy accumulators; the micro-step's grid temporaries and the log-prob
+        cotangent), alive in every micro-step whatever the micro-batch.
       dequant_workspace: with a 4-bit base and the "xla" backend, one layer's quantized
         projections dequantized to bf16: sum of N*K*2.
     """
@@ -383,6 +397,7 @@ def plan_memory(
         train_saved = 0
         train_layer = (n_layers + 1) * layer_fwd
     train_logits = 3 * m * logprob_chunk * v * LOGIT_BYTES
+    train_sequences = SEQUENCE_GRID_ARRAYS * rollout_batch * t * 4
 
     quantized = [p for p in PROJECTIONS if proj_quant(p) != "bf16"]
     dequant = sum(shapes[p][0] * shapes[p][1] for p in quantized) * DENSE_BYTES if backend == "xla" else 0
@@ -403,6 +418,7 @@ def plan_memory(
         train_layer_activations=train_layer,
         train_logits=train_logits,
         dequant_workspace=dequant,
+        train_sequence_arrays=train_sequences,
         device_bytes=device_bytes,
     )
 

@@ -338,6 +338,25 @@ def test_block_divisibility_is_checked():
     assert set(PROJECTIONS) == set(memory.projection_shapes(QWEN_7B))
 
 
+def test_packed_step_per_sequence_grids_count_batch_times_row_length():
+    kw = dict(group_size=8, max_new_tokens=512, prompt_len=256)
+    plan = memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=4, **kw)
+    assert plan.train_sequence_arrays == 12 * 64 * 768 * 4  # 12 [B, T] f32/int32 arrays, T = 256 + 512 slots
+    assert plan.train_activations == (
+        plan.train_saved_activations + plan.train_layer_activations + plan.train_logits + plan.train_sequence_arrays
+    )
+    # Whatever the micro-batch; with the batch and with the packed row length actually used.
+    assert memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=8, **kw).train_sequence_arrays == (
+        plan.train_sequence_arrays
+    )
+    assert memory.plan_memory(QWEN_7B, rollout_batch=128, micro_batch_size=4, **kw).train_sequence_arrays == (
+        2 * plan.train_sequence_arrays
+    )
+    short = memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=4, train_seq_len=384, **kw)
+    assert short.train_sequence_arrays == plan.train_sequence_arrays // 2
+    assert "per-sequence grids (64 seqs x 768, f32)" in plan.table()
+
+
 def test_proj_remat_saves_every_projection_output_and_flash_drops_the_scores():
     kw = dict(rollout_batch=64, group_size=8, micro_batch_size=4, max_new_tokens=512, prompt_len=256)
     full = memory.plan_memory(QWEN_7B, remat="full", **kw)

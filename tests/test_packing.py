@@ -1,4 +1,6 @@
-"""Sequence packing: first-fit-decreasing rows, the packed layout, and attention confined to segments."""
+"""Sequence packing: first-fit-decreasing and slack-fit rows, the packed layout, and attention confined to segments."""
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import pytest
 
 import qerl_jax
 from qerl_jax.models.qwen2 import positions_from_segments
-from qerl_jax.rl.packing import first_fit_decreasing, pack_batch, token_counts
+from qerl_jax.rl.packing import first_fit_decreasing, pack_batch, pack_rows, slack_fit_decreasing, token_counts
 
 
 def test_first_fit_decreasing_known_case_and_one_long_many_short():
@@ -19,6 +21,44 @@ def test_first_fit_decreasing_known_case_and_one_long_many_short():
     assert placed == list(range(31))  # every non-empty sequence exactly once, the empty ones nowhere
     with pytest.raises(ValueError, match="101 tokens does not fit rows of 100"):
         first_fit_decreasing([101], 100)
+
+
+def _check_rows(rows, lengths, row_len):
+    assert sorted(i for r in rows for i in r) == [i for i, n in enumerate(lengths) if n > 0]
+    assert all(sum(lengths[i] for i in r) <= row_len for r in rows)
+
+
+def test_slack_fit_fills_the_rows_first_fit_leaves_a_stray_in():
+    # The gsm8k --tiny workload's sequence lengths: 550 tokens, rows of 112 (one sequence at the cap).
+    lengths = [112, 72, 50, 38, 31, 31, 29, 26, 25, 22, 21, 20, 20, 18, 18, 17]
+    assert len(first_fit_decreasing(lengths, 112)) == 6  # ... | 21+20+20+18+18 | 17
+    rows = slack_fit_decreasing(lengths, 112)
+    _check_rows(rows, lengths, 112)
+    assert len(rows) == 5 == -(-sum(lengths) // 112)  # 560 slots for 550 tokens
+    assert pack_rows(lengths, 112) == rows
+    assert pack_rows([5, 3, 7, 2, 4, 1], 8) == first_fit_decreasing([5, 3, 7, 2, 4, 1], 8)  # first-fit is optimal
+    with pytest.raises(ValueError, match="101 tokens does not fit rows of 100"):
+        slack_fit_decreasing([101], 100)
+
+
+def test_slack_fit_rows_are_the_best_subset_sums_by_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        row_len = 30
+        lengths = rng.integers(0, 21, 8).tolist()
+        rows = slack_fit_decreasing(lengths, row_len)
+        _check_rows(rows, lengths, row_len)
+        assert len(pack_rows(lengths, row_len)) <= len(first_fit_decreasing(lengths, row_len))
+        left = [i for i, n in enumerate(lengths) if n > 0]
+        for row in rows:
+            first = max(left, key=lambda j: (lengths[j], -j))
+            assert row[0] == first  # each row starts with the longest sequence left
+            others = [i for i in left if i != first]
+            subsets = (c for k in range(len(others) + 1) for c in itertools.combinations(others, k))
+            fills = [sum(lengths[i] for i in c) for c in subsets]
+            best = max(f for f in fills if f <= row_len - lengths[first])
+            assert sum(lengths[i] for i in row) == lengths[first] + best
+            left = [i for i in left if i not in row]
 
 
 def test_pack_batch_places_every_token_once():

@@ -275,7 +275,6 @@ def test_data_parallel_rollout_tokens_equal_one_device(four_device_results, mode
 
 def _worker() -> dict:
     """Runs in a fresh process with 4 CPU devices; returns the comparisons as a dict."""
-    import re
     import time
 
     import jax
@@ -289,6 +288,7 @@ def _worker() -> dict:
     from qerl_jax.models.qwen2 import ModelConfig, forward, projection_shapes
     from qerl_jax.quant import quantize_params
     from qerl_jax.rl.losses import LossConfig
+    from qerl_jax.rl.packing import pack_batch
     from qerl_jax.rl.step import init_train_state, make_train_step
     from qerl_jax.rollout import SamplingConfig, generate
 
@@ -379,6 +379,7 @@ def _worker() -> dict:
         "old_logp": np.where(response > 0, -4.0 + 0.1 * rng.standard_normal((b, t)), 0.0).astype(np.float32),
         "advantages": np.array([1.0, -0.5, 0.25, -0.75], np.float32),
     }
+    train_batch = pack_batch(train_batch, t, rows_multiple=2)  # every sequence longer than t / 2: one per row
     loss_cfg = LossConfig(kind="grpo", beta=0.04, eps_low=0.2, eps_high=0.28)
     # Plain SGD: the LoRA update is -lr * gradient, so the new adapter compares the gradients.
     lr = 0.5
@@ -408,12 +409,12 @@ def _worker() -> dict:
             "grad_rel_err": float(np.abs(g - g_ref).max() / np.abs(g_ref).max()),
             "lora_a_spec": str(state.lora["layers"]["down_proj"]["a"].sharding.spec),
         }
-    # Rows of a micro-batch each device runs (from the partitioned program's next-token grids).
-    compiled = step.jitted.lower(
-        init_train_state(lora_s, optax.sgd(lr)), frozen, sharding.shard_batch(train_batch, mesh), None
-    ).compile()
-    rows = {int(r) for r in re.findall(rf"s32\[(\d+),{t - 1}\]", compiled.as_text())}
-    out["train_step"]["micro_rows_per_device"] = sorted(rows)
+    # Rows of a micro-batch each device runs (the partitioned micro-step's packed input_ids).
+    sharded_batch = sharding.shard_batch(train_batch, mesh)
+    micro_args, _ = step.lower_args(init_train_state(lora_s, optax.sgd(lr)), frozen, sharded_batch)
+    compiled = step.micro.lower(*micro_args).compile()
+    ids_sharding = compiled.input_shardings[0][2]
+    out["train_step"]["micro_rows_per_device"] = [int(ids_sharding.shard_shape(micro_args[2].shape)[0])]
     _tick("train step")
 
     # Rollouts: tensor-parallel weights (the rollout engine builds its batches on the host).

@@ -6,8 +6,9 @@
 The GRPO step's train phase at benchmarks/grpo_step.py's shape (Qwen2.5-7B shapes, random
 weights, LoRA rank 16 on every projection, 64 sequences x (256 + 512) tokens, DAPO loss,
 micro-batch 8; --remat and --attention as the train step takes them), one base format per
-process, with XLA's command buffers off (so each kernel names its HLO instruction). After a compile and two timed
-steps, one step runs under `jax.profiler.trace`. Every GPU kernel of the trace is attributed to
+process, with XLA's command buffers off (so each kernel names its HLO instruction). The batch is
+packed (`rl.packing`, as the training loop does); after compiling the micro-step and the update and
+two timed steps, one step runs under `jax.profiler.trace`. Every GPU kernel of the trace is attributed to
 the HLO instruction that launched it (the trace's `hlo_op` argument, or the kernel name) and,
 through the compiled module's metadata, to the JAX name stack that made it (`op_name`: the model
 marks attention, norms, RoPE, LoRA, base matmuls, the LM head and the loss with `jax.named_scope`). Reported: GPU busy time vs step time (host gaps), time by kind (dots, Pallas/Triton
@@ -80,6 +81,7 @@ def worker(args, fmt: str) -> dict:
 
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
     from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
 
@@ -90,7 +92,7 @@ def worker(args, fmt: str) -> dict:
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
     seq = args.prompt_len + args.new_tokens
     batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
-    clean = rl_step.train_arrays(batch)
+    packed = rl_step.train_arrays(packing.pack_batch(batch, seq, rows_multiple=args.micro_batch_size))
     backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
     step = rl_step.make_train_step(
@@ -105,20 +107,23 @@ def worker(args, fmt: str) -> dict:
         logprob_chunk=args.logprob_chunk,
     )
     t0 = time.perf_counter()
-    compiled = step.jitted.lower(state, frozen, clean, None).compile()
+    micro_args, update_args = step.lower_args(state, frozen, packed)
+    programs = [step.micro.lower(*micro_args).compile(), step.update.lower(*update_args).compile()]
     compile_s = time.perf_counter() - t0
-    meta = hlo_metadata(compiled.as_text())
+    # The step's calls reuse these programs; where an instruction name is in both, the micro-step's
+    # (run once per micro-batch) names it.
+    meta = {**hlo_metadata(programs[1].as_text()), **hlo_metadata(programs[0].as_text())}
     times = []
     for _ in range(args.steps + 1):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, frozen, clean, None)
+        state, metrics = step(state, frozen, packed)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[1:])
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, frozen, clean, None)
+        state, metrics = step(state, frozen, packed)
         jax.block_until_ready((state, metrics))
         profiled_s = time.perf_counter() - t0
     kernels = gpu_kernels_with_args(d)

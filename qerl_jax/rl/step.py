@@ -114,6 +114,16 @@ def train_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
     return {k: jnp.asarray(batch[k], dtypes.get(k, jnp.float32)) for k in BATCH_KEYS}
 
 
+def _micro_rows(x: jax.Array, rows: slice) -> jax.Array:
+    """Rows of a packed [R, L] array with its sharding kept: a data-parallel batch's micro-batch is
+    split over the devices (a plain slice would leave it on the devices holding those rows)."""
+    part = x[rows]
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
+        part = jax.device_put(part, sharding)
+    return part
+
+
 def minibatches(batch: dict[str, Any], num: int) -> Iterator[dict[str, Any]]:
     """Splits a rollout batch into `num` equal consecutive mini-batches (one optimizer update each)."""
     b = batch["input_ids"].shape[0]
@@ -149,7 +159,8 @@ def make_train_step(
     logprob_chunk: LM-head chunk size for `token_logprobs`; remat: per-layer checkpointing, one of
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
     `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
-    The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs. A step whose loss or gradient is not finite leaves
+    The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs
+    (`train_step.lower_args` gives their arguments for a batch). A step whose loss or gradient is not finite leaves
     lora/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
     Metrics: policy_loss's metrics + grad_norm (before clipping), skipped, consecutive_skips,
     step (updates applied after this step) and lr (of this update, when lr_schedule is given).
@@ -251,7 +262,8 @@ def make_train_step(
     update_jit = jax.jit(update_fn, donate_argnums=(0,))
     checked_lora: list[Any] = []
 
-    def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+    def inputs(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        """The checked batch as the two programs take it: (frozen, arrays, per_seq, ref, zero accumulators)."""
         r, length, b = validate_batch(batch, micro_batch_size, ref_logp)
         structure = jax.tree.structure(state.lora)
         if structure not in checked_lora:
@@ -268,14 +280,19 @@ def make_train_step(
             grid(),
             grid() if ref is None and loss_cfg.needs_ref else None,
         )
+        return frozen, arrays, per_seq, ref, acc
+
+    def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
+        r = arrays["input_ids"].shape[0]
         mb = micro_batch_size or r
         for first in range(0, r, mb):
             rows = slice(first, first + mb)
             acc = micro_jit(
                 state.lora,
                 frozen,
-                arrays["input_ids"][rows],
-                arrays["segment_ids"][rows],
+                _micro_rows(arrays["input_ids"], rows),
+                _micro_rows(arrays["segment_ids"], rows),
                 jnp.int32(first),
                 per_seq,
                 ref,
@@ -283,6 +300,15 @@ def make_train_step(
             )
         return update_jit(state, per_seq, ref, acc)
 
+    def lower_args(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        """(micro_args, update_args): the first micro-step's and the update's arguments for `batch`,
+        e.g. `train_step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
+        frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
+        mb = micro_batch_size or arrays["input_ids"].shape[0]
+        ids, seg = (_micro_rows(arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
+        return (state.lora, frozen, ids, seg, jnp.int32(0), per_seq, ref, acc), (state, per_seq, ref, acc)
+
     train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
     train_step.update = update_jit
+    train_step.lower_args = lower_args
     return train_step
