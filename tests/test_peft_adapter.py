@@ -1,5 +1,6 @@
 """PEFT export: our LoRA pytree, saved in PEFT's format, gives the same logits under transformers+peft."""
 
+import copy
 import json
 import os
 
@@ -94,14 +95,10 @@ def test_trained_norms_export_as_modules_to_save_and_reload(tmp_path, tiny_qwen2
     ids = np.random.default_rng(1).integers(0, config.vocab_size, (2, 9)).astype(np.int32)
     ours = np.asarray(qerl_jax.forward(config, with_lora(params, lora, norms), ids, lora_scale=2.0))
     lora_only = np.asarray(qerl_jax.forward(config, with_lora(params, lora), ids, lora_scale=2.0))
-    peft_model = PeftModel.from_pretrained(model, out).eval()
-    try:
-        with torch.no_grad():
-            ref = peft_model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
-    finally:
-        peft_model.unload()
-    restored = model.model.layers[0].input_layernorm.weight.detach().numpy()  # the session model is clean again
-    np.testing.assert_array_equal(restored, np.asarray(params["norms"]["layers"]["input_layernorm"][0]))
+    # A copy: peft's unload() keeps the modules_to_save copies, which would leak into the session model.
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), out).eval()
+    with torch.no_grad():
+        ref = peft_model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
     assert np.abs(ref - lora_only).max() > 1e-2  # the trained norms really change the logits
     np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
 
