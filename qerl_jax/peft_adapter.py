@@ -137,7 +137,8 @@ def load_peft_norms(adapter_dir: str, num_layers: int) -> dict[str, Any] | None:
     for name, by_layer in per_norm.items():
         if sorted(by_layer) != list(range(num_layers)):
             raise CheckpointError(
-                f"{weights_file}: {name} (modules_to_save) covers layers {sorted(by_layer)}, expected 0..{num_layers - 1}"
+                f"{weights_file}: {name} (modules_to_save) covers layers {sorted(by_layer)}, "
+                f"expected 0..{num_layers - 1}"
             )
     return {"layers": {name: np.stack([w[i] for i in range(num_layers)]) for name, w in per_norm.items()}}
 

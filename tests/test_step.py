@@ -375,7 +375,8 @@ def test_trained_norms_step_equals_direct_update_over_micro_batches(setup):
         return policy_loss(lp, batch["old_logp"][:, 1:], batch["advantages"], resp[:, 1:], DAPO)
 
     (loss, _), grads = jax.value_and_grad(direct_loss, has_aux=True)((lora, norms))
-    for new, old, g in zip(jax.tree.leaves((state.lora, state.norms)), jax.tree.leaves((lora, norms)), jax.tree.leaves(grads)):
+    leaves = jax.tree.leaves
+    for new, old, g in zip(leaves((state.lora, state.norms)), leaves((lora, norms)), leaves(grads)):
         np.testing.assert_allclose((np.asarray(old) - np.asarray(new)) / LR, np.asarray(g), atol=1e-6, rtol=1e-4)
     assert min(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(grads[1])) > 1e-4  # norms do move
     np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)

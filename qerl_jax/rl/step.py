@@ -10,7 +10,8 @@ loss is exactly the padded batch's. R is a multiple of the micro-batch; the micr
 compiled micro-step each (a Python loop: any R, one program), then one compiled update.
 
 Only `TrainState.lora` (and, when the norm scales train too, `TrainState.norms`) and the
-optimizer state change; the frozen {base, norms} are an input, never donated nor copied. Several optimizer updates per rollout batch (PPO epochs, or
+optimizer state change; the frozen {base, norms} are an input, never donated nor copied.
+Several optimizer updates per rollout batch (PPO epochs, or
 mini-batches as TRL's steps_per_generation) are the caller's loop: call the step once per
 update with the same rollout old_logp (`minibatches` splits a batch); with exactly one update per
 rollout, LossConfig(old_logp_source="current") reproduces TRL's on-policy ratio of 1.
@@ -166,8 +167,8 @@ def make_train_step(
     lora/norms/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
     state.norms (trained RMSNorm scales, or None) train beside the LoRA: the forward uses them in
     place of frozen["norms"]'s per-layer scales (the LoRA-free reference of beta > 0 keeps the frozen ones).
-    Metrics: policy_loss's metrics + grad_norm (before clipping, over LoRA and trained norms), skipped, consecutive_skips,
-    step (updates applied after this step) and lr (of this update, when lr_schedule is given).
+    Metrics: policy_loss's metrics + grad_norm (before clipping, over LoRA and trained norms), skipped,
+    consecutive_skips, step (updates applied after this step) and lr (of this update, when lr_schedule is given).
     """
 
     def logprobs(params, ids, seg):
@@ -203,7 +204,8 @@ def make_train_step(
         return source, resp, old, batch["advantages"].astype(jnp.float32), ref
 
     def micro_fn(trainable, frozen, ids, seg, first_row, batch, ref_logp, acc):
-        """One micro-batch of packed rows: its loss share's gradient of trainable = (lora, norms or None), added to acc."""
+        """One micro-batch of packed rows: its loss share's gradient of trainable = (lora, norms or None),
+        added to acc."""
         grad_acc, logp_acc, ent_acc, ref_acc = acc
         source, resp, old, adv, ref = grid_arrays(batch, ref_logp)
         normalizer = loss_normalizer(resp, loss_cfg)
