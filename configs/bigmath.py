@@ -32,6 +32,7 @@ def get_config(variant: str = "7b"):
     c.rl.dynamic_sampling = True
     c.rl.overlong_cache = 512
     c.rl.micro_batch_size = v["micro_batch_size"]
+    c.lora.train_norms = True  # the reference's --ln True: RMSNorm scales train beside LoRA
     c.optim.lr = v["lr"]
     c.train.total_steps = 500
     c.eval.datasets = (data_path("math500/test.jsonl"),)

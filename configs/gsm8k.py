@@ -26,6 +26,7 @@ def get_config():
     c.rl.mask_truncated = True
     c.lora.rank = 16
     c.lora.alpha = 16.0
+    c.lora.train_norms = True  # the reference's --ln True: RMSNorm scales train beside LoRA
     c.optim.lr = 1e-5  # NVFP4 + LoRA; bf16 LoRA is stable only up to ~5e-6 (paper)
     c.optim.b1, c.optim.b2 = 0.9, 0.99
     c.optim.weight_decay = 0.1

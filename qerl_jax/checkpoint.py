@@ -114,6 +114,10 @@ class Checkpointer:
             raise CheckpointReadError(f"no checkpoint in {self.directory} can be read ({why})")
         return None
 
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON metadata of a step alone (e.g. the run's config, to build the state's structure)."""
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def close(self) -> None:
         self._manager.close()
 

@@ -90,6 +90,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.lora.alpha = 16.0
     c.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     c.lora.rslora = False
+    # Train the per-layer input/post-attention RMSNorm scales beside LoRA (QeRL's --ln True; no weight
+    # decay; the rollout adds AQN's noise to the trained scales; exported as PEFT modules_to_save).
+    c.lora.train_norms = False
 
     c.aqn = ml_collections.ConfigDict()
     c.aqn.enabled = ml_collections.FieldReference(None, field_type=bool)  # None: on iff quantized

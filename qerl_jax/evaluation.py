@@ -3,9 +3,9 @@
 pass@1 (`pass_at_1`) with greedy decoding and, with eval.num_samples = k > 0, mean@k (`mean_at_k`)
 with sampling, on each
 dataset of eval.datasets, using the rollout engine. The policy is the config's base model in the
-config's quantization (`--config.model.quant=bf16|nf4|mxfp4|nvfp4`), plus the LoRA adapter of
-eval.checkpoint: a training run's directory (latest orbax checkpoint) or a PEFT adapter
-directory; "" evaluates the base model. Writes `<dataset>.jsonl` (prompt, completion, extracted
+config's quantization (`--config.model.quant=bf16|nf4|mxfp4|nvfp4`), plus the LoRA adapter (and
+trained norm scales, if the run trained them) of eval.checkpoint: a training run's directory
+(latest orbax checkpoint) or a PEFT adapter directory; "" evaluates the base model. Writes `<dataset>.jsonl` (prompt, completion, extracted
 answer, correct) and `summary.json` to eval.output_dir and logs to TensorBoard.
 """
 
@@ -25,36 +25,43 @@ from qerl_jax import compile_cache, lora, rewards, validate
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter
-from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter
+from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
 from qerl_jax.policy import Policy, UserFacingError, load_policy, lora_config, optimizer_from_config
 from qerl_jax.rl.step import init_train_state
 from qerl_jax.rollout.sampler import generate
 from qerl_jax.rollout.sampling import SamplingConfig
 
 
-def load_adapter(cfg: ml_collections.ConfigDict, policy: Policy) -> tuple[dict[str, Any] | None, float]:
-    """(LoRA pytree or None, lora_scale) from eval.checkpoint (run dir, orbax dir or PEFT dir)."""
+def load_adapter(
+    cfg: ml_collections.ConfigDict, policy: Policy
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float]:
+    """(LoRA pytree or None, trained norms or None, lora_scale) from eval.checkpoint (run dir, orbax dir
+    or PEFT dir). Whether norms were trained is the checkpoint's own: its run config, or the
+    adapter's modules_to_save."""
     path = cfg.eval.checkpoint
     if not path:
-        return None, 1.0
+        return None, None, 1.0
     if not os.path.isdir(path):
         raise UserFacingError(f"eval.checkpoint {path!r} does not exist (expected a run directory or a PEFT adapter)")
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
         adapter, adapter_cfg = load_peft_adapter(path, policy.config.num_hidden_layers)
+        norms = load_peft_norms(path, policy.config.num_hidden_layers)
         rank, alpha = adapter_cfg["r"], adapter_cfg["lora_alpha"]
         scale = alpha / (rank**0.5 if adapter_cfg.get("use_rslora") else rank)
-        return jax.device_put(adapter), float(scale)
+        return jax.device_put(adapter), jax.device_put(norms), float(scale)
     ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     ckpt = Checkpointer(ckpt_dir)
     if ckpt.latest_step() is None:
         raise UserFacingError(f"eval.checkpoint {path!r} holds no orbax checkpoint and no {ADAPTER_CONFIG}")
     lcfg = lora_config(cfg)
     optimizer, _ = optimizer_from_config(cfg)
-    like = init_train_state(lora.init_lora(jax.random.key(0), policy.config, lcfg), optimizer)
+    run_lora = ckpt.read_meta(ckpt.latest_step()).get("config", {}).get("lora", {})
+    norms = lora.init_trained_norms(policy.frozen["norms"]) if run_lora.get("train_norms") else None
+    like = init_train_state(lora.init_lora(jax.random.key(0), policy.config, lcfg), optimizer, norms)
     state, meta = ckpt.restore(None, like=like)
     ckpt.close()
     logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
-    return state.lora, lora.lora_scale(lcfg)
+    return state.lora, state.norms, lora.lora_scale(lcfg)
 
 
 def evaluate_params(
@@ -181,8 +188,8 @@ def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     if cfg.compile_cache:
         compile_cache.enable_compilation_cache(cfg.workdir)
     policy = load_policy(cfg)
-    adapter, scale = load_adapter(cfg, policy)
-    params = {**policy.frozen, **({"lora": adapter} if adapter is not None else {})}
+    adapter, norms, scale = load_adapter(cfg, policy)
+    params = lora.with_lora(policy.frozen, adapter, norms)
     output_dir = cfg.eval.output_dir or os.path.join(cfg.workdir, "eval")
     writer = MetricWriter(os.path.join(output_dir, "tensorboard"))
     try:

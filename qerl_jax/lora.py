@@ -3,7 +3,10 @@
 Layout (see the shared conventions): ``lora = {"layers": {proj: {"a": [L, r, K], "b": [L, N, r]}}}``
 for each targeted projection, stacked over layers like the base weights. A projection then
 computes ``y = x @ W.T + scale * (x @ a.T) @ b.T`` with ``scale = lora_scale(cfg)`` passed to the
-forward as a static float. Only this pytree is trained: it is what goes to optax.
+forward as a static float. This pytree is what goes to optax, with, when the norms train too
+(QeRL's `--ln True`, config lora.train_norms), the trained RMSNorm scales
+``{"layers": {name: [L, D] float32}}`` for name in TRAINED_NORMS (the final norm stays frozen):
+a second trainable pytree, float32 masters initialised from the frozen scales.
 """
 
 from __future__ import annotations
@@ -109,9 +112,12 @@ def check_lora(lora: dict[str, Any], config: ModelConfig) -> int:
     return ranks.pop()
 
 
-def with_lora(frozen: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, Any]:
-    """The model's params dict from the frozen {base, norms} and an adapter (None: no adapter)."""
-    params = {"base": frozen["base"], "norms": frozen["norms"]}
+def with_lora(
+    frozen: dict[str, Any], lora: dict[str, Any] | None, trained_norms: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The model's params dict from the frozen {base, norms}, an adapter (None: no adapter) and the
+    trained norm scales (None: the frozen ones)."""
+    params = {"base": frozen["base"], "norms": merge_norms(frozen["norms"], trained_norms)}
     if lora is not None:
         params["lora"] = lora
     return params
@@ -120,3 +126,30 @@ def with_lora(frozen: dict[str, Any], lora: dict[str, Any] | None) -> dict[str, 
 def num_lora_params(lora: dict[str, Any]) -> int:
     """Number of trainable scalars in the adapter."""
     return sum(int(x.size) for x in jax.tree.leaves(lora))
+
+
+# The RMSNorm scales trained beside LoRA (QeRL's `modules_to_save`); the final norm is not trained.
+TRAINED_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def init_trained_norms(norms: dict[str, Any]) -> dict[str, Any]:
+    """Float32 masters of the trained scales, copied from the frozen norms: {"layers": {name: [L, D]}}."""
+    return {"layers": {name: jnp.array(norms["layers"][name], jnp.float32, copy=True) for name in TRAINED_NORMS}}
+
+
+def merge_norms(norms: dict[str, Any], trained: dict[str, Any] | None) -> dict[str, Any]:
+    """The model's norms: the frozen ones with the trained per-layer scales in place (None: unchanged)."""
+    if trained is None:
+        return norms
+    return {**norms, "layers": {**norms["layers"], **trained["layers"]}}
+
+
+def check_trained_norms(trained: dict[str, Any], config: ModelConfig) -> None:
+    """Validates the trained norms' structure and shapes against the model."""
+    want = (config.num_hidden_layers, config.hidden_size)
+    layers = trained.get("layers") if isinstance(trained, dict) else None
+    if not isinstance(layers, dict) or sorted(layers) != sorted(TRAINED_NORMS):
+        raise ValueError(f"trained norms must be {{'layers': {{name: [L, D]}}}} for name in {TRAINED_NORMS}")
+    for name, w in layers.items():
+        if tuple(w.shape) != want:
+            raise ValueError(f"trained norms {name!r} have shape {tuple(w.shape)}; expected [L, D] = {want}")

@@ -164,7 +164,11 @@ class MemoryPlan:
                 self.embeddings,
             ),
             ("biases + norms (bf16)", self.biases_norms),
-            (f"LoRA params (f32, r={i['lora_rank']}, {len(i['lora_targets'])} targets)", self.lora_params),
+            (
+                f"LoRA params (f32, r={i['lora_rank']}, {len(i['lora_targets'])} targets)"
+                + (" + trained norms" if i.get("train_norms") else ""),
+                self.lora_params,
+            ),
             ("AdamW moments (f32, 2x)", self.optimizer_state),
             ("= persistent", self.persistent),
             (f"KV cache ({i['rollout_chunk']} seqs x {i['prompt_len'] + i['max_new_tokens']} tokens)", self.kv_cache),
@@ -235,6 +239,7 @@ def plan_memory(
     logprob_chunk: int | None = 256,
     backend: str = "xla",
     device_bytes: int | None = None,
+    train_norms: bool = False,
 ) -> MemoryPlan:
     """The memory plan of a GRPO run; all sizes in bytes.
 
@@ -262,13 +267,15 @@ def plan_memory(
       backend: "xla" dequantizes one layer's packed weights to bf16 before its matmuls;
         "pallas" dequantizes inside the kernel (no workspace).
       device_bytes: the device's memory, only recorded for `fits` and the table.
+      train_norms: the per-layer RMSNorm scales train beside LoRA (config lora.train_norms).
 
     Terms (bytes; L layers, D hidden, V vocab, KVH kv heads, hd head_dim, H heads):
       base_linear: sum over the 7 projections of L * `linear_weight_bytes(N, K, quant)`
         (a projection in `quant_skip` is bf16: N*K*2).
       embeddings: V*D*2 for embed plus V*D*2 for an untied lm_head (always bf16).
       biases_norms: L*(Hq + 2*Hkv)*2 q/k/v biases (attention_bias) + (2*L + 1)*D*2 RMSNorm scales.
-      lora_params: sum over targets of L * r * (N + K) * 4 (A [r, K] and B [N, r], float32).
+      lora_params: sum over targets of L * r * (N + K) * 4 (A [r, K] and B [N, r], float32), plus
+        with train_norms the float32 masters of the trained scales, 2 * L * D * 4.
       optimizer_state: 2 * lora_params (AdamW first and second moments).
       lora_grads: 2 * lora_params (the micro-batch gradient and the float32 accumulator).
       kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = rollout_chunk,
@@ -344,6 +351,7 @@ def plan_memory(
         attention=attention,
         logprob_chunk=logprob_chunk,
         backend=backend,
+        train_norms=bool(train_norms),
     )
 
     c = config
@@ -361,6 +369,7 @@ def plan_memory(
 
     targets = inputs["lora_targets"]
     lora_params = sum(n_layers * lora_rank * (shapes[p][0] + shapes[p][1]) for p in targets) * LORA_BYTES
+    lora_params += (2 * n_layers * d * LORA_BYTES) if train_norms else 0  # trained norm scales, float32
     optimizer_state = 2 * lora_params
     lora_grads = 2 * lora_params
 

@@ -11,6 +11,9 @@ function of the number of updates already applied `count` (0 for the first updat
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -58,11 +61,21 @@ def make_optimizer(
     """clip_by_global_norm(clip_norm) -> AdamW(schedule, b1, b2, eps, decoupled weight_decay).
 
     Matches torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW (weight decay p -= lr * wd * p,
-    applied to every LoRA matrix). clip_norm None/0 disables clipping.
+    applied to every LoRA matrix, not to norm scales: `decay_mask`). clip_norm None/0 disables clipping.
     """
     if clip_norm is not None and clip_norm < 0:
         raise ValueError(f"clip_norm must be >= 0 or None; got {clip_norm}")
     lr_fn = make_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)
     parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
-    parts.append(optax.adamw(lr_fn, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    parts.append(optax.adamw(lr_fn, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
     return optax.chain(*parts)
+
+
+def decay_mask(params: Any) -> Any:
+    """True for the leaves weight decay applies to: those with no "norm" in their path.
+
+    As transformers' Trainer (`get_decay_parameter_names`, what QeRL's reference trainer uses),
+    which leaves norm weights out of weight decay: trained RMSNorm scales are not decayed to 0.
+    """
+    has_norm = lambda path: any("norm" in str(getattr(k, "key", "")) for k in path)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(lambda path, _: not has_norm(path), params)

@@ -287,7 +287,8 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     init = lora.init_lora(init_key, policy.config, lcfg)
     if mesh is not None:
         init = sharding.shard_like_lora(init, mesh, "tp")
-    state = rl_step.init_train_state(init, optimizer)
+    norms = lora.init_trained_norms(policy.frozen["norms"]) if cfg.lora.train_norms else None
+    state = rl_step.init_train_state(init, optimizer, norms)
     loss_cfg = losses.LossConfig(
         kind=cfg.rl.loss,
         eps_low=cfg.rl.eps_low,
@@ -311,7 +312,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
         temperature=cfg.rollout.temperature,
         lr_schedule=lr_fn,
     )
-    noisy_norms = jax.jit(lambda norms, step: aqn.apply_aqn(acfg, norms, aqn_key, step))
+    noisy_norms = jax.jit(lambda norms, trained, step: rollout_norms(acfg, aqn_key, norms, trained, step))
 
     dataset = load_math_dataset(cfg.data.train, max_bad_fraction=cfg.data.max_bad_fraction)
     dataset, dropped = filter_overlong(
@@ -343,7 +344,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
             sigma = float(aqn.aqn_sigma(acfg, step))
             rollout_params = {
                 "base": policy.frozen["base"],
-                "norms": noisy_norms(policy.frozen["norms"], step),
+                "norms": noisy_norms(policy.frozen["norms"], state.norms, step),
                 "lora": state.lora,
             }
             pool_before = dict(pool.stats)
@@ -420,6 +421,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
         export_peft_adapter(
             jax.device_get(state.lora),
             os.path.join(cfg.workdir, "adapter"),
+            norms=jax.device_get(state.norms),
             rank=lcfg.rank,
             alpha=lcfg.alpha,
             rslora=lcfg.rslora,
@@ -429,6 +431,13 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     ckpt.close()
     tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))
     return metrics
+
+
+def rollout_norms(acfg: aqn.AQNConfig, key: jax.Array, frozen_norms, trained_norms, step):
+    """The rollout policy's norms at `step`: the trained scales (None: the frozen ones) in place of the
+    frozen per-layer ones, plus AQN's noise of the step (`aqn.apply_aqn`; as QeRL, which syncs the
+    trained norms into the rollout model and then adds the noise)."""
+    return aqn.apply_aqn(acfg, lora.merge_norms(frozen_norms, trained_norms), key, step)
 
 
 def _resume(ckpt: Checkpointer, state: rl_step.TrainState, loader: PromptLoader) -> tuple[rl_step.TrainState, int]:
@@ -513,6 +522,7 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         logprob_chunk=cfg.rl.logprob_chunk or None,
         quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
         backend=policy.backend,
+        train_norms=cfg.lora.train_norms,
     )
     tqdm.write(plan.table())
     auto_remat = cfg.rl.remat == "auto"
@@ -559,7 +569,7 @@ def _samples_markdown(exp: Experience, n: int = 2) -> str:
 
 
 def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) -> dict[str, float]:
-    params = {**policy.frozen, "lora": state.lora}
+    params = lora.with_lora(policy.frozen, state.lora, state.norms)
     output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
     summary = evaluation.evaluate_params(
         cfg,

@@ -208,6 +208,7 @@ FIELDS: dict[str, Check] = {
     "lora.alpha": number(0.0, lo_open=True),
     "lora.targets": names(PROJECTIONS, nonempty=True),
     "lora.rslora": boolean(),
+    "lora.train_norms": boolean(),
     "aqn.enabled": boolean(optional=True),
     "aqn.sigma_start": number(0.0),
     "aqn.sigma_end": number(0.0),

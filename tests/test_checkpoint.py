@@ -145,3 +145,30 @@ def test_restore_latest_refuses_when_no_checkpoint_reads_back(tmp_path):
     with pytest.raises(CheckpointReadError, match=r"no checkpoint in .*ckpt can be read \(step 4: .*; step 2: "):
         Checkpointer(str(tmp_path / "ckpt")).restore_latest(like=_state(0))
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]  # nothing moved
+
+
+def test_train_state_with_and_without_trained_norms_round_trips(tmp_path):
+    """TrainState with trained norms (lora.train_norms) reads back exactly, optimizer moments of the
+    norms included; without them (norms None) the state reads back as before; read_meta alone too."""
+    from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl.step import init_train_state
+
+    k = jax.random.key(3)
+    lora = {"layers": {"q_proj": {"a": jax.random.normal(k, (2, 4, 8)), "b": jnp.ones((2, 6, 4))}}}
+    norms = {"layers": {n: 1 + jax.random.normal(jax.random.fold_in(k, i), (2, 8)) for i, n in
+                        enumerate(("input_layernorm", "post_attention_layernorm"))}}
+    opt = make_optimizer(1e-3, warmup_steps=0, total_steps=4)
+    for name, trained in (("on", norms), ("off", None)):
+        state = init_train_state(lora, opt, trained)
+        moved = lambda x: x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x + 2  # noqa: E731
+        state = state.replace(opt_state=jax.tree.map(moved, state.opt_state))  # non-trivial moments and count
+        ckpt = Checkpointer(str(tmp_path / name))
+        ckpt.save(3, state, {"step": 3, "config": {"lora": {"train_norms": trained is not None}}})
+        like = init_train_state(jax.tree.map(jnp.zeros_like, lora), opt, None if trained is None else
+                                jax.tree.map(jnp.zeros_like, norms))
+        restored, _ = Checkpointer(str(tmp_path / name)).restore(3, like=like)
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert (restored.norms is None) == (trained is None)
+        assert ckpt.read_meta(3)["config"]["lora"]["train_norms"] == (trained is not None)

@@ -389,3 +389,22 @@ def test_fit_keeps_proj_remat_where_it_fits_and_falls_back_to_full():
     )
     # Without the fallback the plan's mode is kept (the micro-batch is lowered instead).
     assert memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"
+
+
+def test_trained_norms_add_their_masters_moments_and_grads():
+    from qerl_jax.lora import init_trained_norms
+    from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl.step import optimizer_params
+
+    config = qwen(128, 192, 3, 4, 2, vocab=200, head_dim=32)
+    params = _tiny_dense_params(config, jax.random.key(1))
+    kw = dict(quant="bf16", lora_rank=4, lora_targets=("q_proj", "down_proj"))
+    off, on = memory.plan_memory(config, **kw), memory.plan_memory(config, **kw, train_norms=True)
+    lora = init_lora(jax.random.key(2), config, LoraConfig(rank=4, targets=("q_proj", "down_proj")))
+    norms = init_trained_norms(params["norms"])
+    assert _tree_bytes((lora, norms)) == on.lora_params > off.lora_params
+    opt_state = make_optimizer(1e-3, warmup_steps=0, total_steps=2).init(optimizer_params(lora, norms))
+    moments = [s for s in jax.tree.leaves(opt_state) if s.ndim > 0]
+    assert sum(x.size * x.dtype.itemsize for x in moments) == on.optimizer_state
+    assert on.lora_grads - off.lora_grads == 2 * _tree_bytes(norms)
+    assert "trained norms" in on.table() and "trained norms" not in off.table()

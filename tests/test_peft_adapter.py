@@ -1,5 +1,6 @@
 """PEFT export: our LoRA pytree, saved in PEFT's format, gives the same logits under transformers+peft."""
 
+import copy
 import json
 import os
 
@@ -66,3 +67,45 @@ def test_load_round_trip(tmp_path, tiny_qwen2_dir):
     for proj in ("k_proj", "up_proj"):
         for part in ("a", "b"):
             np.testing.assert_array_equal(loaded["layers"][proj][part], lora["layers"][proj][part])
+
+
+def test_trained_norms_export_as_modules_to_save_and_reload(tmp_path, tiny_qwen2_dir):
+    """LoRA + trained norm scales, exported with modules_to_save: transformers + peft reproduce our
+    logits, and load_peft_norms / load_peft_adapter read back what was written."""
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+
+    from qerl_jax.lora import init_trained_norms, with_lora
+    from qerl_jax.peft_adapter import load_peft_adapter, load_peft_norms
+
+    path, model = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32")
+    lora = _random_lora(config, params, 4, ("q_proj", "up_proj"))
+    rng = np.random.default_rng(3)
+    norms = {"layers": {k: np.asarray(w) + rng.normal(0, 0.3, w.shape).astype(np.float32)
+                        for k, w in init_trained_norms(params["norms"])["layers"].items()}}
+    out = export_peft_adapter(lora, str(tmp_path / "adapter"), rank=4, alpha=8.0, norms=norms)
+    assert json.load(open(os.path.join(out, "adapter_config.json")))["modules_to_save"] == [
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
+    keys = set(load_file(os.path.join(out, "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.1.post_attention_layernorm.weight" in keys  # PEFT's own save name
+
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, (2, 9)).astype(np.int32)
+    ours = np.asarray(qerl_jax.forward(config, with_lora(params, lora, norms), ids, lora_scale=2.0))
+    lora_only = np.asarray(qerl_jax.forward(config, with_lora(params, lora), ids, lora_scale=2.0))
+    # A copy: peft's unload() keeps the modules_to_save copies, which would leak into the session model.
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), out).eval()
+    with torch.no_grad():
+        ref = peft_model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert np.abs(ref - lora_only).max() > 1e-2  # the trained norms really change the logits
+    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+
+    loaded = load_peft_norms(out, config.num_hidden_layers)
+    for name in norms["layers"]:
+        np.testing.assert_array_equal(loaded["layers"][name], norms["layers"][name])
+    loaded_lora, _ = load_peft_adapter(out, config.num_hidden_layers)
+    np.testing.assert_array_equal(loaded_lora["layers"]["up_proj"]["b"], lora["layers"]["up_proj"]["b"])
+    plain = export_peft_adapter(lora, str(tmp_path / "plain"), rank=4, alpha=8.0)
+    assert load_peft_norms(plain, config.num_hidden_layers) is None

@@ -355,3 +355,53 @@ def test_optimizer_matches_torch_adamw_with_clipping():
         topt.step()
     for k in params:
         np.testing.assert_allclose(np.asarray(ours[k]), tp[k].detach().numpy(), atol=1e-6, rtol=1e-5)
+
+
+def test_trained_norms_step_equals_direct_update_over_micro_batches(setup):
+    """With trained norms the step's update of LoRA and norms is -LR * the direct gradient of both
+    (accumulated over micro-batches); the final norm and the frozen params stay as they were."""
+    from qerl_jax.lora import init_trained_norms, with_lora
+
+    config, params, lora, ids, attn, resp, opt = setup
+    batch = _batch(setup)
+    frozen_before = jax.tree.map(np.array, params)
+    norms = init_trained_norms(params["norms"])
+    norms = jax.tree.map(lambda w: w + 0.05 * jax.random.normal(jax.random.key(5), w.shape), norms)
+    assert set(norms["layers"]) == {"input_layernorm", "post_attention_layernorm"}
+    state, m = _step(setup, micro=2, chunk=4)(init_train_state(lora, opt, norms), params, batch)
+
+    def direct_loss(trainable):
+        lp = jax.jit(lambda t: token_logprobs(config, with_lora(params, *t), ids, attn, lora_scale=SCALE)[0])(trainable)
+        return policy_loss(lp, batch["old_logp"][:, 1:], batch["advantages"], resp[:, 1:], DAPO)
+
+    (loss, _), grads = jax.value_and_grad(direct_loss, has_aux=True)((lora, norms))
+    leaves = jax.tree.leaves
+    for new, old, g in zip(leaves((state.lora, state.norms)), leaves((lora, norms)), leaves(grads)):
+        np.testing.assert_allclose((np.asarray(old) - np.asarray(new)) / LR, np.asarray(g), atol=1e-6, rtol=1e-4)
+    assert min(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(grads[1])) > 1e-4  # norms do move
+    np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.global_norm(grads)), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(frozen_before)):  # base and frozen norms untouched
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert _step(setup)(init_train_state(lora, opt), params, batch)[0].norms is None  # off: nothing trains them
+
+
+def test_weight_decay_leaves_trained_norms_alone(setup):
+    """lr > 0, weight decay 0.1, zero gradient (all advantages 0): AdamW decays the LoRA by
+    (1 - lr * wd) exactly and leaves the norm scales unchanged (transformers' Trainer excludes norms)."""
+    from qerl_jax.lora import init_trained_norms
+
+    config, params, lora, *_ = setup
+    lr, wd = 0.1, 0.1
+    adamw = make_optimizer(lr, warmup_steps=0, total_steps=10, schedule="constant", weight_decay=wd, clip_norm=0.2)
+    norms = init_trained_norms(params["norms"])
+    step = make_train_step(config, DAPO, adamw, lora_scale=SCALE, remat=False)
+    state, m = _packed(step, None, 2 * T)(
+        init_train_state(lora, adamw, norms), params, _batch(setup, adv=(0.0, 0.0, 0.0, 0.0))
+    )
+    assert float(m["grad_norm"]) == 0 and float(m["skipped"]) == 0
+    for a, b in zip(jax.tree.leaves(state.norms), jax.tree.leaves(norms)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(state.lora), jax.tree.leaves(lora)):
+        np.testing.assert_allclose(np.asarray(a), (1 - lr * wd) * np.asarray(b), rtol=1e-6, atol=1e-9)
+    assert any(np.abs(np.asarray(b)).max() > 0.01 for b in jax.tree.leaves(lora))

@@ -544,3 +544,65 @@ def test_mismatch_correction_run_logs_its_weights(tmp_path, tiny_model_dir):
     assert 0 < metrics["train/is_clip_frac"] < 1
     assert metrics["train/is_weight_max"] <= 1.001 + 1e-6
     assert metrics["train/is_weight_mean"] != 1.0
+
+
+def test_rollout_norms_are_the_trained_scales_plus_the_steps_aqn_noise():
+    from qerl_jax import aqn
+
+    rng = np.random.default_rng(0)
+    frozen = {
+        "final_norm": rng.normal(1, 0.1, 16).astype(np.float32),
+        "layers": {
+            k: rng.normal(1, 0.1, (3, 16)).astype(np.float32) for k in ("input_layernorm", "post_attention_layernorm")
+        },
+    }
+    trained = {"layers": {k: w + rng.normal(0, 0.5, w.shape).astype(np.float32) for k, w in frozen["layers"].items()}}
+    key = jax.random.key(7)
+    on = aqn.AQNConfig(enabled=True, total_steps=10, num_stages=2, sigma_start=0.05, sigma_end=0.05)
+    noisy = train.rollout_norms(on, key, frozen, trained, 6)
+    clean_noise = jax.tree.map(lambda a, b: np.asarray(a) - b, aqn.apply_aqn(on, frozen, key, 6), frozen)
+    for name, w in trained["layers"].items():
+        np.testing.assert_allclose(np.asarray(noisy["layers"][name]) - w, clean_noise["layers"][name], atol=1e-6)
+        assert np.abs(clean_noise["layers"][name]).max() > 0.01
+    final_noise = np.asarray(noisy["final_norm"]) - frozen["final_norm"]
+    np.testing.assert_allclose(final_noise, clean_noise["final_norm"], atol=1e-6)
+    off = train.rollout_norms(aqn.AQNConfig(enabled=False), key, frozen, trained, 6)
+    for name, w in trained["layers"].items():
+        np.testing.assert_array_equal(np.asarray(off["layers"][name]), w)
+    assert train.rollout_norms(aqn.AQNConfig(enabled=False), key, frozen, None, 6) is frozen
+
+
+def test_trained_norms_run_resumes_exactly_and_exports_them(tmp_path, tiny_model_dir):
+    """lora.train_norms: the norms move, a killed-and-resumed run reproduces the straight one (norms
+    included), and the run's checkpoint and its PEFT adapter give eval the same trained norms."""
+    from qerl_jax import evaluation
+    from qerl_jax.policy import load_policy
+
+    run = {"train.total_steps": 2, "train.checkpoint_every": 2, "rl.reward": DIGIT_REWARD, "lora.train_norms": True}
+    straight = _config(tmp_path / "straight", tiny_model_dir, **run)
+    train.train(straight)
+    train.train(_config(tmp_path / "resumed", tiny_model_dir, **run, **{"train.stop_after_steps": 1}))
+    resumed = _config(tmp_path / "resumed", tiny_model_dir, **run, **{"resume": True})
+    train.train(resumed)
+
+    policy = load_policy(straight)
+    states = []
+    for cfg in (straight, resumed):
+        cfg.eval.checkpoint = cfg.workdir
+        lora_, norms, _ = evaluation.load_adapter(cfg, policy)
+        states.append((lora_, norms))
+    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    m_ref = _scalars_without_timing(os.path.join(straight.workdir, "tensorboard"))
+    assert m_ref == _scalars_without_timing(os.path.join(resumed.workdir, "tensorboard"))
+    trained = states[0][1]
+    initial = np.asarray(policy.frozen["norms"]["layers"]["input_layernorm"])
+    assert np.abs(np.asarray(trained["layers"]["input_layernorm"]) - initial).max() > 1e-4
+
+    straight.eval.checkpoint = os.path.join(straight.workdir, "adapter")
+    _, adapter_norms, _ = evaluation.load_adapter(straight, policy)
+    for a, b in zip(jax.tree.leaves(adapter_norms), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    plain = _config(tmp_path / "plain", tiny_model_dir, **{**run, "lora.train_norms": False})
+    plain.eval.checkpoint = straight.workdir  # the run's own config decides, not the eval config's
+    assert evaluation.load_adapter(plain, policy)[1] is not None

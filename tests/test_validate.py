@@ -401,3 +401,16 @@ def test_loss_correction_and_reward_fields(tmp_path, tiny_model_dir):
 def test_loss_and_reward_rules_are_one_line_each(tmp_path, tiny_model_dir, overrides, start):
     (problem,) = config_problems(_tiny(tmp_path, tiny_model_dir, **overrides))
     assert problem.startswith(start), problem
+
+
+def test_train_norms_must_be_a_bool_and_the_qerl_recipes_train_them():
+    from qerl_jax.config import default_config
+
+    cfg = default_config()
+    cfg.lora.train_norms = None
+    assert [p for p in config_problems(cfg) if p.startswith("lora.")] == [
+        "lora.train_norms = None: expected True or False, got None"
+    ]
+    assert default_config().lora.train_norms is False
+    for name, arg in (("gsm8k", None), ("bigmath", "7b"), ("baselines", "bf16"), ("baselines", "nvfp4_aqn")):
+        assert load_config(name, arg).lora.train_norms is True, (name, arg)

@@ -69,13 +69,14 @@ def main() -> None:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     per_seq = {"token_index": i32(b, length), "response_mask": f32(b, length), "old_logp": f32(b, length),
                "advantages": f32(b)}  # fmt: skip
-    acc = (jax.tree.map(lambda x: f32(*x.shape), state.lora), f32(b, length - 1), f32(b, length - 1), None)
+    trainable = (state.lora, state.norms)
+    acc = (jax.tree.map(lambda x: f32(*x.shape), trainable), f32(b, length - 1), f32(b, length - 1), None)
     report("update", step.update.lower(state, per_seq, None, acc).compile())
     import random_model  # noqa: PLC0415
 
     frozen = jax.eval_shape(lambda: random_model.random_params(config, quant=args.quant, seed=0))
     mb = args.micro_batch_size
-    micro = step.micro.lower(state.lora, frozen, i32(mb, length), i32(mb, length), jnp.int32(0), per_seq, None, acc)
+    micro = step.micro.lower(trainable, frozen, i32(mb, length), i32(mb, length), jnp.int32(0), per_seq, None, acc)
     report("micro", micro.compile())
 
 

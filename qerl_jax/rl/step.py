@@ -1,4 +1,4 @@
-"""The jitted GRPO/DAPO train step: LoRA-only gradients, micro-batch accumulation, non-finite skips.
+"""The jitted GRPO/DAPO train step: LoRA (and trained norm scale) gradients, micro-batch accumulation, non-finite skips.
 
 Batch format: a packed batch (`rl.packing.pack_batch` of the rollout's padded one): the B
 sequences' real tokens back to back in R rows of L slots (input_ids, segment_ids [R, L]), and per
@@ -9,8 +9,9 @@ t + 1 sits at token t's slot; `to_next_token_grid` maps the per-sequence arrays 
 loss is exactly the padded batch's. R is a multiple of the micro-batch; the micro-batches run one
 compiled micro-step each (a Python loop: any R, one program), then one compiled update.
 
-Only `TrainState.lora` and the optimizer state change; the frozen {base, norms} are an input,
-never donated nor copied. Several optimizer updates per rollout batch (PPO epochs, or
+Only `TrainState.lora` (and, when the norm scales train too, `TrainState.norms`) and the
+optimizer state change; the frozen {base, norms} are an input, never donated nor copied.
+Several optimizer updates per rollout batch (PPO epochs, or
 mini-batches as TRL's steps_per_generation) are the caller's loop: call the step once per
 update with the same rollout old_logp (`minibatches` splits a batch); with exactly one update per
 rollout, LossConfig(old_logp_source="current") reproduces TRL's on-policy ratio of 1.
@@ -26,7 +27,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from qerl_jax.lora import check_lora, with_lora
+from qerl_jax.lora import check_lora, check_trained_norms, with_lora
 from qerl_jax.models.qwen2 import ModelConfig
 from qerl_jax.rl.logprobs import to_next_token_grid, token_logprobs
 from qerl_jax.rl.losses import LossConfig, loss_normalizer, policy_loss
@@ -44,17 +45,30 @@ class TrainState:
     step: jax.Array  # int32: number of optimizer updates applied
     consecutive_skips: jax.Array  # int32: non-finite steps in a row (reset by a good step)
     total_skips: jax.Array  # int32
+    norms: Any = None  # trained RMSNorm scales {"layers": {name: [L, D] float32}} (`lora.TRAINED_NORMS`), or None
 
 
-def init_train_state(lora: dict[str, Any], optimizer: optax.GradientTransformation) -> TrainState:
-    """A fresh state for `lora` (float32 recommended).
+def optimizer_params(lora: Any, norms: Any) -> Any:
+    """The pytree optax updates: the LoRA alone, or {"lora", "norms"} when the norm scales train too."""
+    return lora if norms is None else {"lora": lora, "norms": norms}
+
+
+def init_train_state(
+    lora: dict[str, Any], optimizer: optax.GradientTransformation, norms: dict[str, Any] | None = None
+) -> TrainState:
+    """A fresh state for `lora` (float32 recommended) and the trained norms (`lora.init_trained_norms`; None: frozen).
 
     Every leaf is a fresh copy: the step donates the state, so it must not alias the caller's
     arrays (nor one buffer twice).
     """
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
     state = TrainState(
-        lora=lora, opt_state=optimizer.init(lora), step=zero(), consecutive_skips=zero(), total_skips=zero()
+        lora=lora,
+        opt_state=optimizer.init(optimizer_params(lora, norms)),
+        step=zero(),
+        consecutive_skips=zero(),
+        total_skips=zero(),
+        norms=norms,
     )
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
@@ -160,10 +174,12 @@ def make_train_step(
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
     `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
     The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs
-    (`train_step.lower_args` gives their arguments for a batch). A step whose loss or gradient is not finite leaves
-    lora/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
-    Metrics: policy_loss's metrics + grad_norm (before clipping), skipped, consecutive_skips,
-    step (updates applied after this step) and lr (of this update, when lr_schedule is given).
+    (`train_step.lower_args` gives their arguments for a batch). A step whose loss or gradient is not
+    finite leaves lora/norms/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
+    state.norms (trained RMSNorm scales, or None) train beside the LoRA: the forward uses them in
+    place of frozen["norms"]'s per-layer scales (the LoRA-free reference of beta > 0 keeps the frozen ones).
+    Metrics: policy_loss's metrics + grad_norm (before clipping, over LoRA and trained norms), skipped,
+    consecutive_skips, step (updates applied after this step) and lr (of this update, when lr_schedule is given).
     """
 
     def logprobs(params, ids, seg):
@@ -198,8 +214,9 @@ def make_train_step(
         ref = None if ref_logp is None else to_next_token_grid(ref_logp).astype(jnp.float32)
         return source, resp, old, batch["advantages"].astype(jnp.float32), ref
 
-    def micro_fn(lora, frozen, ids, seg, first_row, batch, ref_logp, acc):
-        """One micro-batch of packed rows: its loss share's LoRA gradient, added to acc."""
+    def micro_fn(trainable, frozen, ids, seg, first_row, batch, ref_logp, acc):
+        """One micro-batch of packed rows: its loss share's gradient of trainable = (lora, norms or None),
+        added to acc."""
         grad_acc, logp_acc, ent_acc, ref_acc = acc
         source, resp, old, adv, ref = grid_arrays(batch, ref_logp)
         normalizer = loss_normalizer(resp, loss_cfg)
@@ -207,15 +224,15 @@ def make_train_step(
             ref_rows = jax.lax.stop_gradient(logprobs(frozen, ids, seg)[0])  # same base, LoRA off
             ref = to_sequences(ref_rows, source, first_row)[0]
 
-        def loss_fn(lora_):
-            logp_rows, ent_rows = logprobs(with_lora(frozen, lora_), ids, seg)
+        def loss_fn(trainable_):
+            logp_rows, ent_rows = logprobs(with_lora(frozen, *trainable_), ids, seg)
             logp, inside = to_sequences(logp_rows, source, first_row)
             with jax.named_scope("loss"):
                 # Only this micro-batch's sequences count; the normalizer is the full batch's.
                 loss, _ = policy_loss(logp, old, adv, resp * inside, loss_cfg, ref_logp=ref, normalizer=normalizer)
             return loss, (logp, to_sequences(ent_rows, source, first_row)[0], inside)
 
-        (_, (logp, ent, inside)), g = jax.value_and_grad(loss_fn, has_aux=True)(lora)
+        (_, (logp, ent, inside)), g = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         grad_acc = jax.tree.map(lambda a, gi: a + gi.astype(a.dtype), grad_acc, g)
         logp_acc = jnp.where(inside, jax.lax.stop_gradient(logp), logp_acc)
         ent_acc = jnp.where(inside, ent, ent_acc)
@@ -233,12 +250,14 @@ def make_train_step(
             logp, old, adv, resp, loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer
         )
 
-        grads = jax.tree.map(lambda gi, p: gi.astype(p.dtype), grads, state.lora)
+        params = optimizer_params(state.lora, state.norms)
+        grads = jax.tree.map(lambda gi, p: gi.astype(p.dtype), optimizer_params(*grads), params)
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         with jax.named_scope("optimizer"):
-            updates, new_opt = optimizer.update(grads, state.opt_state, state.lora)
-            new_lora = optax.apply_updates(state.lora, updates)
+            updates, new_opt = optimizer.update(grads, state.opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+        new_lora, new_norms = (new_params, None) if state.norms is None else (new_params["lora"], new_params["norms"])
         keep = lambda new, old_: jax.tree.map(lambda a, c: jnp.where(ok, a, c), new, old_)  # noqa: E731
         skipped = (~ok).astype(jnp.int32)
         new_state = TrainState(
@@ -247,6 +266,7 @@ def make_train_step(
             step=state.step + (1 - skipped),
             consecutive_skips=jnp.where(ok, 0, state.consecutive_skips + 1),
             total_skips=state.total_skips + skipped,
+            norms=keep(new_norms, state.norms),
         )
         metrics.update(
             grad_norm=grad_norm,
@@ -265,9 +285,12 @@ def make_train_step(
     def inputs(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
         """The checked batch as the two programs take it: (frozen, arrays, per_seq, ref, zero accumulators)."""
         r, length, b = validate_batch(batch, micro_batch_size, ref_logp)
-        structure = jax.tree.structure(state.lora)
+        trainable = (state.lora, state.norms)
+        structure = jax.tree.structure(trainable)
         if structure not in checked_lora:
             check_lora(state.lora, config)
+            if state.norms is not None:
+                check_trained_norms(state.norms, config)
             checked_lora.append(structure)
         ref = None if ref_logp is None else jnp.asarray(ref_logp, jnp.float32)
         frozen = {"base": frozen["base"], "norms": frozen["norms"]}
@@ -275,7 +298,7 @@ def make_train_step(
         per_seq = {k: v for k, v in arrays.items() if k not in ("input_ids", "segment_ids")}
         grid = lambda: jnp.zeros((b, length - 1), jnp.float32)  # noqa: E731
         acc = (
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.lora),
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable),
             grid(),
             grid(),
             grid() if ref is None and loss_cfg.needs_ref else None,
@@ -289,7 +312,7 @@ def make_train_step(
         for first in range(0, r, mb):
             rows = slice(first, first + mb)
             acc = micro_jit(
-                state.lora,
+                (state.lora, state.norms),
                 frozen,
                 _micro_rows(arrays["input_ids"], rows),
                 _micro_rows(arrays["segment_ids"], rows),
@@ -306,7 +329,8 @@ def make_train_step(
         frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
         mb = micro_batch_size or arrays["input_ids"].shape[0]
         ids, seg = (_micro_rows(arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
-        return (state.lora, frozen, ids, seg, jnp.int32(0), per_seq, ref, acc), (state, per_seq, ref, acc)
+        micro_args = ((state.lora, state.norms), frozen, ids, seg, jnp.int32(0), per_seq, ref, acc)
+        return micro_args, (state, per_seq, ref, acc)
 
     train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
     train_step.update = update_jit
