@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 
 from qerl_jax import compile_cache, lora, rewards, validate
-from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter
 from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter
@@ -51,8 +51,12 @@ def load_adapter(cfg: ml_collections.ConfigDict, policy: Policy) -> tuple[dict[s
     lcfg = lora_config(cfg)
     optimizer, _ = optimizer_from_config(cfg)
     like = init_train_state(lora.init_lora(jax.random.key(0), policy.config, lcfg), optimizer)
-    state, meta = ckpt.restore(None, like=like)
-    ckpt.close()
+    try:
+        state, meta = ckpt.restore(None, like=like)
+    except CheckpointMismatchError as e:
+        raise validate.ConfigError([f"eval.checkpoint = {path!r}: {mismatch_message(e, cfg)}"]) from None
+    finally:
+        ckpt.close()
     logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
     return state.lora, lora.lora_scale(lcfg)
 

@@ -23,7 +23,13 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate, workdir
-from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
+from qerl_jax.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    mismatch_message,
+)
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
 from qerl_jax.peft_adapter import export_peft_adapter
@@ -327,7 +333,10 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
     start = 0
     if cfg.resume:
-        state, start = _resume(ckpt, state, loader)
+        try:
+            state, start = _resume(ckpt, state, loader)
+        except CheckpointMismatchError as e:
+            raise validate.ConfigError([f"cannot resume: {mismatch_message(e, cfg)}"]) from None
 
     writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"), purge_step=start if cfg.resume else None)
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
