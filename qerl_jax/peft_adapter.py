@@ -8,15 +8,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from qerl_jax.loader import CheckpointError, hf_linear_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class AdapterWriteError(OSError):
+    """The adapter could not be written (e.g. the disk is full); `out_dir` is as it was before."""
 
 
 def peft_state_dict(lora: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -40,10 +47,35 @@ def export_peft_adapter(
     rslora: bool = False,
     base_model_name_or_path: str | None = None,
 ) -> str:
-    """Writes `out_dir/adapter_config.json` and `out_dir/adapter_model.safetensors`; returns out_dir."""
+    """Writes `out_dir/adapter_config.json` and `out_dir/adapter_model.safetensors`; returns out_dir.
+
+    Atomic: both files are written to a temporary folder beside `out_dir`, renamed into place when
+    complete; on a failure (AdapterWriteError) `out_dir` is left as it was.
+    """
     if not lora or not lora.get("layers"):
         raise ValueError("cannot export an empty LoRA pytree (no targeted projections)")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+        _write_adapter(lora, tmp, rank=rank, alpha=alpha, rslora=rslora, base_model_name_or_path=base_model_name_or_path)
+        if os.path.isdir(out_dir):  # an earlier export: replaced whole
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old.", dir=parent)
+            os.replace(out_dir, os.path.join(old, "adapter"))
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except (OSError, SafetensorError) as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise AdapterWriteError(f"could not write the PEFT adapter to {out_dir}: {e}") from e
+    return out_dir
+
+
+def _write_adapter(lora, out_dir: str, *, rank, alpha, rslora, base_model_name_or_path) -> None:
     targets = sorted(lora["layers"])
     config = {
         "peft_type": "LORA",
@@ -63,7 +95,6 @@ def export_peft_adapter(
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     save_file(peft_state_dict(lora), os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    return out_dir
 
 
 _PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")

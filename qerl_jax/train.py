@@ -32,7 +32,7 @@ from qerl_jax.checkpoint import (
 )
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
-from qerl_jax.peft_adapter import export_peft_adapter
+from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import (
     Policy,
     UserFacingError,
@@ -424,14 +424,17 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     if end == total:
         if cfg.eval.num_examples:
             eval_metrics = _periodic_eval(cfg, policy, state, writer, total)
-        export_peft_adapter(
-            jax.device_get(state.lora),
-            os.path.join(cfg.workdir, "adapter"),
-            rank=lcfg.rank,
-            alpha=lcfg.alpha,
-            rslora=lcfg.rslora,
-            base_model_name_or_path=os.path.abspath(policy.model_dir),
-        )
+        try:
+            export_peft_adapter(
+                jax.device_get(state.lora),
+                os.path.join(cfg.workdir, "adapter"),
+                rank=lcfg.rank,
+                alpha=lcfg.alpha,
+                rslora=lcfg.rslora,
+                base_model_name_or_path=os.path.abspath(policy.model_dir),
+            )
+        except AdapterWriteError as e:
+            raise UserFacingError(f"{e}; the run's last checkpoint in {ckpt.directory} is intact") from None
     writer.close()
     ckpt.close()
     tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))
