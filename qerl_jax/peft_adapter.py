@@ -60,7 +60,9 @@ def export_peft_adapter(
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
-        _write_adapter(lora, tmp, rank=rank, alpha=alpha, rslora=rslora, base_model_name_or_path=base_model_name_or_path)
+        _write_adapter(
+            lora, tmp, rank=rank, alpha=alpha, rslora=rslora, base_model_name_or_path=base_model_name_or_path
+        )
         if os.path.isdir(out_dir):  # an earlier export: replaced whole
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old.", dir=parent)
             os.replace(out_dir, os.path.join(old, "adapter"))
