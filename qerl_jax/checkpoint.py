@@ -9,12 +9,20 @@ process killed inside a save leaves the previous steps as they were (the partial
 ignored, and replaced by the next save of that step). A save that fails (e.g. the disk is full)
 raises `CheckpointWriteError`; `restore_latest` skips unreadable (corrupted) steps for the
 newest readable one, says which it skipped and moves them aside (`<step>.unreadable`), so the
-run can write those steps again.
+run can write those steps again. A checkpoint of another shape (a different LoRA rank or target
+set) is refused before any array is read (`CheckpointMismatchError`), not taken for a damaged one.
+
+Orbax runs each read and write as asyncio tasks on a loop it closes as soon as the first task
+fails; the tasks still in flight then fail again on the closed loop, each printing a traceback.
+`_drained_loops` lets them finish first, so a failure is one exception and nothing else.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -23,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
+from orbax.checkpoint._src import asyncio_utils
 
 
 class CheckpointWriteError(OSError):
@@ -31,6 +41,17 @@ class CheckpointWriteError(OSError):
 
 class CheckpointReadError(RuntimeError):
     """No checkpoint of a directory that holds some could be read."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A readable checkpoint whose arrays have other names or shapes than the state to restore.
+
+    `meta` is the checkpoint's JSON metadata (it holds the config the checkpoint was written with).
+    """
+
+    def __init__(self, message: str, meta: dict[str, Any]):
+        super().__init__(message)
+        self.meta = meta
 
 
 @dataclasses.dataclass
@@ -49,7 +70,8 @@ class Checkpointer:
     def __init__(self, directory: str, *, max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -61,12 +83,10 @@ class Checkpointer:
         """
         threads = set(threading.enumerate())
         try:
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(_to_savable(state)), meta=ocp.args.JsonSave(meta)),
-                force=True,
-            )
-            self._manager.wait_until_finished()
+            with _drained_loops(), _no_orbax_thread_tracebacks():
+                args = ocp.args.Composite(state=ocp.args.StandardSave(_to_savable(state)), meta=ocp.args.JsonSave(meta))
+                self._manager.save(step, args=args, force=True)
+                self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many types; the cause is kept)
             _join_new_threads(threads)
             raise CheckpointWriteError(f"could not write checkpoint step {step} to {self.directory}: {e}") from e
@@ -77,10 +97,35 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_savable(like))
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        )
+        with _drained_loops():
+            self._check_shapes(step, abstract)
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+            )
         return _from_savable(out["state"], like), out["meta"]
+
+    def _check_shapes(self, step: int, abstract: Any) -> None:
+        """CheckpointMismatchError if step's stored arrays differ in name or shape from `abstract`'s.
+
+        Reads only metadata (array names and shapes, and the JSON meta).
+        """
+        stored = _shapes(self._manager.item_metadata(step)["state"])
+        wanted = _shapes(abstract)
+        problems = [f"{name}: missing" for name in sorted(wanted.keys() - stored.keys())]
+        problems += [f"{name}: not in the state to restore" for name in sorted(stored.keys() - wanted.keys())]
+        problems += [
+            f"{name}: shape {wanted[name]} vs stored {stored[name]}"
+            for name in sorted(wanted.keys() & stored.keys())
+            if wanted[name] != stored[name]
+        ]
+        if problems:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CheckpointMismatchError(
+                f"checkpoint {os.path.join(self.directory, str(step))} holds other arrays than this run's state: "
+                f"{'; '.join(problems[:3])}{more}",
+                meta if isinstance(meta, dict) else {},
+            )
 
     def restore_latest(self, like: Any) -> Restored | None:
         """The newest checkpoint that reads back, or None if the directory holds none.
@@ -95,6 +140,8 @@ class Checkpointer:
                 state, meta = self.restore(step, like)
                 if not isinstance(meta, dict) or "step" not in meta:
                     raise ValueError("its metadata has no step")
+            except CheckpointMismatchError:
+                raise  # readable, but written by a run of another shape: not damaged
             except Exception as e:  # noqa: BLE001 (a damaged checkpoint fails in orbax, tensorstore or json)
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 failures.append((step, f"{type(e).__name__}: {reason[:200]}"))
@@ -120,6 +167,97 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+@contextlib.contextmanager
+def _drained_loops():
+    """Within it, orbax's synchronous calls let every task of their event loop end before closing it.
+
+    Orbax runs a save or restore with `loop.run_until_complete(gather(...))` and closes the loop
+    when the first task fails; TensorStore then completes the other reads or writes on the closed
+    loop, each printing "RuntimeError: Event loop is closed", and their coroutines print again when
+    collected. Waiting for those tasks (their results are dropped: the first failure is raised)
+    makes a failed save or restore one exception.
+    """
+    original = asyncio_utils._run_sync_via_new_loop
+
+    def run_and_drain(coro):
+        loop = asyncio.new_event_loop()
+        try:
+            asyncio.set_event_loop(loop)
+            return loop.run_until_complete(coro)
+        finally:
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    asyncio_utils._run_sync_via_new_loop = run_and_drain
+    try:
+        yield
+    finally:
+        asyncio_utils._run_sync_via_new_loop = original
+
+
+class _OrbaxThreadFailure(logging.Filter):
+    """Drops orbax's log of an exception in one of its save threads: the save re-raises it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("orbax" in record.pathname and "raised an exception" in str(record.msg))
+
+
+@contextlib.contextmanager
+def _no_orbax_thread_tracebacks():
+    logger, quiet = absl_logging.get_absl_logger(), _OrbaxThreadFailure()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{"lora.layers.q_proj.a": shape, ...} of a pytree of arrays or array metadata."""
+
+    def name(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+LORA_SHAPE_FIELDS = ("lora.rank", "lora.targets")
+
+
+def mismatch_message(error: CheckpointMismatchError, cfg: Any, fields: tuple[str, ...] = LORA_SHAPE_FIELDS) -> str:
+    """`error` as the config fields that differ from those the checkpoint was written with.
+
+    "lora.rank 16 differs from the checkpoint's 8 (<dir>)"; the array shapes if no field differs.
+    """
+    saved = error.meta.get("config") if isinstance(error.meta, dict) else None
+    differences = []
+    for field in fields:
+        here, there = cfg, saved
+        for part in field.split("."):
+            here = here.get(part) if hasattr(here, "get") else None
+            there = there.get(part) if isinstance(there, dict) else None
+        if there is None or here is None:
+            continue
+        norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731 (JSON keeps tuples as lists)
+        if norm(here) != norm(there):
+            differences.append(f"{field} {_show(here)} differs from the checkpoint's {_show(there)}")
+    if not differences:
+        return str(error)
+    where = str(error).split(" holds ", 1)[0].removeprefix("checkpoint ")
+    return f"{'; '.join(differences)} ({where})"
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _join_new_threads(before: set[threading.Thread], timeout_s: float = 60.0) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 
 from qerl_jax import compile_cache, lora, rewards, validate
-from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter
 from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
@@ -58,8 +58,12 @@ def load_adapter(
     run_lora = ckpt.read_meta(ckpt.latest_step()).get("config", {}).get("lora", {})
     norms = lora.init_trained_norms(policy.frozen["norms"]) if run_lora.get("train_norms") else None
     like = init_train_state(lora.init_lora(jax.random.key(0), policy.config, lcfg), optimizer, norms)
-    state, meta = ckpt.restore(None, like=like)
-    ckpt.close()
+    try:
+        state, meta = ckpt.restore(None, like=like)
+    except CheckpointMismatchError as e:
+        raise validate.ConfigError([f"eval.checkpoint = {path!r}: {mismatch_message(e, cfg)}"]) from None
+    finally:
+        ckpt.close()
     logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
     return state.lora, state.norms, lora.lora_scale(lcfg)
 

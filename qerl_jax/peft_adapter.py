@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from qerl_jax.loader import CheckpointError, hf_linear_name
@@ -21,6 +24,10 @@ from qerl_jax.lora import TRAINED_NORMS
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class AdapterWriteError(OSError):
+    """The adapter could not be written (e.g. the disk is full); `out_dir` is as it was before."""
 
 
 def peft_state_dict(lora: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -58,10 +65,35 @@ def export_peft_adapter(
     """Writes `out_dir/adapter_config.json` and `out_dir/adapter_model.safetensors`; returns out_dir.
 
     norms: trained norm scales {"layers": {name: [L, D]}} saved as modules_to_save (None: none).
+    Atomic: both files are written to a temporary folder beside `out_dir`, renamed into place when
+    complete; on a failure (AdapterWriteError) `out_dir` is left as it was.
     """
     if not lora or not lora.get("layers"):
         raise ValueError("cannot export an empty LoRA pytree (no targeted projections)")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+        _write_adapter(
+            lora, norms, tmp, rank=rank, alpha=alpha, rslora=rslora, base_model_name_or_path=base_model_name_or_path
+        )
+        if os.path.isdir(out_dir):  # an earlier export: replaced whole
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old.", dir=parent)
+            os.replace(out_dir, os.path.join(old, "adapter"))
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except (OSError, SafetensorError) as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise AdapterWriteError(f"could not write the PEFT adapter to {out_dir}: {e}") from e
+    return out_dir
+
+
+def _write_adapter(lora, norms, out_dir: str, *, rank, alpha, rslora, base_model_name_or_path) -> None:
     targets = sorted(lora["layers"])
     config = {
         "peft_type": "LORA",
@@ -82,7 +114,6 @@ def export_peft_adapter(
         json.dump(config, f, indent=2)
     tensors = peft_state_dict(lora) | ({} if norms is None else peft_norms_state_dict(norms))
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    return out_dir
 
 
 _PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")

@@ -24,10 +24,16 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate, workdir
-from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
+from qerl_jax.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    mismatch_message,
+)
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.metrics import MetricWriter, device_memory_bytes
-from qerl_jax.peft_adapter import export_peft_adapter
+from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import (
     Policy,
     UserFacingError,
@@ -330,7 +336,10 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
     start = 0
     if cfg.resume:
-        state, start = _resume(ckpt, state, loader)
+        try:
+            state, start = _resume(ckpt, state, loader)
+        except CheckpointMismatchError as e:
+            raise validate.ConfigError([f"cannot resume: {mismatch_message(e, cfg)}"]) from None
 
     writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"), purge_step=start if cfg.resume else None)
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
@@ -418,15 +427,18 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     if end == total:
         if cfg.eval.num_examples:
             eval_metrics = _periodic_eval(cfg, policy, state, writer, total)
-        export_peft_adapter(
-            jax.device_get(state.lora),
-            os.path.join(cfg.workdir, "adapter"),
-            norms=jax.device_get(state.norms),
-            rank=lcfg.rank,
-            alpha=lcfg.alpha,
-            rslora=lcfg.rslora,
-            base_model_name_or_path=os.path.abspath(policy.model_dir),
-        )
+        try:
+            export_peft_adapter(
+                jax.device_get(state.lora),
+                os.path.join(cfg.workdir, "adapter"),
+                norms=jax.device_get(state.norms),
+                rank=lcfg.rank,
+                alpha=lcfg.alpha,
+                rslora=lcfg.rslora,
+                base_model_name_or_path=os.path.abspath(policy.model_dir),
+            )
+        except AdapterWriteError as e:
+            raise UserFacingError(f"{e}; the run's last checkpoint in {ckpt.directory} is intact") from None
     writer.close()
     ckpt.close()
     tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))

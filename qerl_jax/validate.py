@@ -398,9 +398,33 @@ def _dataset_problems(path: str, name: str, max_bad_fraction: float = 1.0) -> li
     if os.path.exists(os.path.expanduser(name)):
         return _dataset_content_problems(path, name, max_bad_fraction)
     if ALIASES.get(name.lower(), name) in KNOWN_DATASETS:
-        return []
+        return _hub_dataset_problems(path, name, KNOWN_DATASETS[ALIASES.get(name.lower(), name)].repo)
     known = ", ".join(sorted(KNOWN_DATASETS) + sorted(ALIASES) + ["arithmetic:train", "arithmetic:test"])
     return [f"{path} = {name!r}: no such file or directory, and not a known dataset name ({known})"]
+
+
+def _hub_dataset_problems(path: str, name: str, repo: str) -> list[str]:
+    """A hub dataset while the hub is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and not in the cache."""
+    from datasets import config as datasets_config  # noqa: PLC0415
+
+    if not datasets_config.HF_HUB_OFFLINE:
+        return []
+    if os.path.isdir(os.path.join(datasets_config.HF_DATASETS_CACHE, repo.replace("/", "___"))):
+        return []
+    return [
+        f"{path} = {name!r}: the hub dataset {repo} is not cached and the hub is offline (HF_HUB_OFFLINE): "
+        "pass a local .jsonl/.json/.parquet file instead"
+    ]
+
+
+def _gguf_problems(path: str) -> list[str]:
+    """A .gguf model.path that is not a GGUF file (its first 4 bytes)."""
+    if not (path.endswith(".gguf") and os.path.isfile(path)):
+        return []
+    with open(path, "rb") as f:
+        if f.read(4) == b"GGUF":
+            return []
+    return [f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')"]
 
 
 def _dataset_content_problems(path: str, name: str, max_bad_fraction: float) -> list[str]:
@@ -482,7 +506,7 @@ def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, l
         except UserFacingError as e:
             return None, None, [str(e)]
     if model_dir is None or not os.path.isdir(model_dir):
-        return None, None, []  # a single-file format: checked by its reader
+        return None, None, _gguf_problems(model_dir or "")
     try:
         config, raw = loader.read_config(model_dir)
     except loader.CheckpointError as e:

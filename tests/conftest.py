@@ -108,7 +108,8 @@ def tiny_model_dir(tmp_path_factory):
 def faulty_json_save(step: int, fault: str):
     """A replacement for orbax's `JsonCheckpointHandler.async_save` that breaks the save of `step`
     from inside it (after orbax created the step's temporary directory): fault "kill" SIGKILLs
-    this process, "disk_full" raises OSError(ENOSPC). Other steps save normally.
+    this process, "disk_full" raises OSError(ENOSPC), "disk_full_in_commit" raises it in orbax's
+    commit thread (where TensorStore's writes fail). Other steps save normally.
 
     Install with monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", ...)."""
     import errno
@@ -118,13 +119,20 @@ def faulty_json_save(step: int, fault: str):
     import orbax.checkpoint as ocp
 
     original = ocp.handlers.JsonCheckpointHandler.async_save
-    if fault not in ("kill", "disk_full"):
+    if fault not in ("kill", "disk_full", "disk_full_in_commit"):
         raise ValueError(fault)
+
+    async def disk_full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(step))
 
     async def async_save(self, directory, *args, **kwargs):
         if any(p == str(step) or p.startswith(f"{step}.") for p in pathlib.Path(str(directory)).parts):
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "disk_full_in_commit":
+                from orbax.checkpoint._src.futures import future  # noqa: PLC0415
+
+                return [future.CommitFutureAwaitingContractedSignals(disk_full(), name="disk_full")]
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
         return await original(self, directory, *args, **kwargs)
 

@@ -1,6 +1,7 @@
 """Orbax checkpoints: exact round trip of the train state, PRNG key and metadata; faults in a save
 (disk full, process killed) and corrupted checkpoints on resume."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -172,3 +173,65 @@ def test_train_state_with_and_without_trained_norms_round_trips(tmp_path):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert (restored.norms is None) == (trained is None)
         assert ckpt.read_meta(3)["config"]["lora"]["train_norms"] == (trained is not None)
+
+
+def test_a_save_failing_in_orbax_commit_thread_logs_nothing(tmp_path, monkeypatch, caplog):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, _state(2), {"step": 2})
+    caplog.clear()
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", faulty_json_save(4, "disk_full_in_commit"))
+    with pytest.raises(CheckpointWriteError, match=r"step 4 .*No space left on device"):
+        ckpt.save(4, _state(4), {"step": 4})
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []  # orbax logs the thread's exception with its traceback unless filtered
+    assert Checkpointer(str(tmp_path / "ckpt")).latest_step() == 2
+
+
+def _many(seed, rank):
+    k = jax.random.key(seed)
+    shape_a, shape_b = (2, rank, 8), (2, 6, rank)
+    lora = {"layers": {f"p{i}": {"a": jax.random.normal(k, shape_a), "b": jnp.zeros(shape_b)} for i in range(24)}}
+    return {"lora": lora, "step": jnp.asarray(7, jnp.int32), "key": jax.random.key(seed + 1)}
+
+
+def test_a_failed_restore_ends_its_reads_before_the_loop_closes(tmp_path):
+    """A restore whose reads fail (shapes that do not match, with the metadata check skipped) raises
+    once; without draining orbax's loop, the reads still in flight print "Event loop is closed"."""
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_checkpoint import _many\n"
+        "from qerl_jax.checkpoint import Checkpointer\n"
+        "Checkpointer._check_shapes = lambda *a: None\n"
+        f"ckpt = Checkpointer({str(tmp_path / 'ckpt')!r})\n"
+        "ckpt.save(2, _many(2, 4), {'step': 2})\n"
+        "for _ in range(6):\n"
+        "    try:\n"
+        "        ckpt.restore(2, like=_many(0, 8))\n"
+        "    except ValueError:\n"
+        "        pass\n"
+        "print('done')\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
+    assert out.stderr == "", out.stderr[-2000:]
+
+
+def test_a_checkpoint_of_another_lora_shape_is_refused_by_name_and_kept(tmp_path):
+    import ml_collections
+
+    from qerl_jax.checkpoint import CheckpointMismatchError, mismatch_message
+
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    saved = {"lora": {"rank": 4, "targets": ["q_proj"]}}
+    ckpt.save(2, _state(2), {"step": 2, "config": saved})
+    wider = _state(0)
+    wider["lora"]["layers"]["q_proj"] = {"a": jnp.zeros((2, 8, 8)), "b": jnp.zeros((2, 6, 8))}
+    with pytest.raises(CheckpointMismatchError, match=r"q_proj\.a: shape \(2, 8, 8\) vs stored \(2, 4, 8\)") as e:
+        Checkpointer(str(tmp_path / "ckpt")).restore_latest(like=wider)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]  # not taken for a damaged checkpoint
+    cfg = ml_collections.ConfigDict({"lora": {"rank": 8, "targets": ("q_proj",)}})
+    assert mismatch_message(e.value, cfg).startswith("lora.rank 8 differs from the checkpoint's 4 (")
+    cfg.lora.rank, cfg.lora.targets = 4, ("q_proj", "v_proj")
+    assert "lora.targets q_proj,v_proj differs from the checkpoint's q_proj" in mismatch_message(e.value, cfg)

@@ -135,3 +135,36 @@ def test_ctrl_c_is_one_line_with_the_resume_command(tmp_path, tiny_model_dir):
     _, err = proc.communicate(timeout=120)
     out = subprocess.CompletedProcess(cmd, proc.returncode, "", err)
     _assert_one_line_error(out, "interrupted", "--config.resume=True", str(run), code=130)
+
+
+def test_fake_gguf_and_offline_hub_dataset_are_one_line_before_any_work(tmp_path):
+    fake = _write(tmp_path / "model.gguf", "not a gguf file")
+    run = tmp_path / "run"
+    out = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.model.tiny=False",
+               f"--config.model.path={fake}")
+    _assert_one_line_error(out, "model.path", fake, "not a GGUF file")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "empty_cache")}
+    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={run}",
+           "--config.data.train=openai/gsm8k"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    _assert_one_line_error(out, "data.train", "openai/gsm8k", "offline", "local")
+    assert not os.path.exists(run)
+
+
+def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr(tmp_path):
+    run = tmp_path / "run"
+    first = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.train.total_steps=2",
+                 "--config.train.checkpoint_every=1", "--config.eval.num_examples=0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = sorted(os.listdir(run / "checkpoints"))
+    out = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.train.total_steps=3",
+               "--config.resume=True", "--config.lora.rank=16")
+    _assert_one_line_error(out, "lora.rank 16 differs from the checkpoint's 8")
+    assert len(out.stderr.splitlines()) < 15, out.stderr[-3000:]
+    assert sorted(os.listdir(run / "checkpoints")) == before  # nothing moved aside or written
+    cmd = [sys.executable, "-m", "qerl_jax.eval", "--config=configs/tiny.py", f"--config.workdir={run}",
+           f"--config.eval.checkpoint={run}", '--config.lora.targets=("q_proj", "v_proj")']
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    _assert_one_line_error(out, "eval.checkpoint", "lora.targets q_proj,v_proj differs from the checkpoint's q_proj,")
+    assert len(out.stderr.splitlines()) < 15, out.stderr[-3000:]
+    assert not os.path.exists(run / "eval")

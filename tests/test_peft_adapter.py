@@ -109,3 +109,30 @@ def test_trained_norms_export_as_modules_to_save_and_reload(tmp_path, tiny_qwen2
     np.testing.assert_array_equal(loaded_lora["layers"]["up_proj"]["b"], lora["layers"]["up_proj"]["b"])
     plain = export_peft_adapter(lora, str(tmp_path / "plain"), rank=4, alpha=8.0)
     assert load_peft_norms(plain, config.num_hidden_layers) is None
+
+
+def test_export_is_atomic_and_a_failure_keeps_the_previous_adapter(tmp_path, monkeypatch):
+    import errno
+
+    from qerl_jax import peft_adapter
+
+    lora = {"layers": {"q_proj": {"a": np.ones((2, 4, 8), np.float32), "b": np.zeros((2, 6, 4), np.float32)}}}
+    out = tmp_path / "adapter"
+    export_peft_adapter(lora, str(out), rank=4, alpha=8.0)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(peft_adapter, "save_file", disk_full)
+    with pytest.raises(peft_adapter.AdapterWriteError, match=r"adapter to .*adapter: \[Errno 28\] No space left"):
+        export_peft_adapter({"layers": {"v_proj": lora["layers"]["q_proj"]}}, str(out), rank=4, alpha=8.0)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before  # the earlier export, untouched
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no half-written folder left beside it
+    fresh = tmp_path / "fresh"
+    with pytest.raises(peft_adapter.AdapterWriteError):
+        export_peft_adapter(lora, str(fresh), rank=4, alpha=8.0)
+    assert not fresh.exists()  # not a config without its weights
+    monkeypatch.undo()
+    export_peft_adapter({"layers": {"v_proj": lora["layers"]["q_proj"]}}, str(out), rank=4, alpha=8.0)
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["v_proj"]
