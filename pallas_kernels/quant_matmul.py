@@ -65,7 +65,7 @@ def _validate(x: Any, packed: Any, names: tuple[str, ...] | None = None) -> tupl
     for field in ("codes", "scales", "global_scale", "format"):
         if not hasattr(packed, field):
             raise TypeError(
-                f"packed must be a packed weight (codes, scales, global_scale, format); got {type(packed).__name__}"
+                f"packed must be a PackedWeight (codes, scales, global_scale, format); got {type(packed).__name__}"
             )
     fmt = KernelFormat.of(packed.format)
     if names is not None and fmt.name not in names:

@@ -11,7 +11,9 @@ import pytest
 from qerl_jax import quant
 from qerl_jax.quant import compressed_tensors as qct
 from qerl_jax.quant.nvfp4 import round_to_bf16, round_to_e4m3
-from qerl_jax.quant.packed import E2M1_VALUES, NF4_VALUES, _div_rn_integer, e8m0_to_f32, exact_div, unpack_codes
+from pallas_kernels.numerics import _div_rn_integer, exact_div
+from qerl_jax.quant.formats import E2M1_VALUES, NF4_VALUES
+from qerl_jax.quant.packed import e8m0_to_f32, unpack_codes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
@@ -37,7 +39,7 @@ def ct_compress(w: torch.Tensor, fmt: str, fused_with: tuple[torch.Tensor, ...] 
     are the other shards (q/k/v, gate/up) whose min/max the nvfp4 global scale also covers.
     """
     scheme = preset_name_to_scheme(_CT_SCHEMES[fmt], ["Linear"])
-    block = quant.BLOCK_SIZES[fmt]
+    block = quant.REGISTRY[fmt].block_size
     groups = w.unflatten(-1, (-1, block))
     state = {"weight": w}
     gs = None
@@ -394,7 +396,7 @@ def test_bf16_and_unknown_formats():
 
 @pytest.mark.parametrize("fmt,k", [("nvfp4", 24), ("mxfp4", 48), ("nf4", 96)])
 def test_k_not_multiple_of_block(fmt, k):
-    with pytest.raises(ValueError, match=f"K={k} is not a multiple of {quant.BLOCK_SIZES[fmt]}"):
+    with pytest.raises(ValueError, match=f"K={k} is not a multiple of {quant.REGISTRY[fmt].block_size}"):
         quant.quantize(jnp.ones((4, k)), fmt)
 
 
