@@ -335,7 +335,7 @@ def decode_bits_pairs(c: jax.Array) -> jax.Array:
     return (((c * 0x1001) & 0xF000F) * 0x1040) & _BITS_MASK
 
 
-def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
+def _decode_block(c: jax.Array, s: jax.Array, fmt: KernelFormat, decode: str) -> jax.Array:
     """nvfp4 codes int32 [R, NB, 8] (byte j of block b: k = 16 b + 2 j, + 1) and raw e4m3
     scale bytes uint8 [R, NB] -> bf16 W [R, 16 NB], times 2**(_BITS_PRE - 126) for "bits"."""
     r, nb, _ = c.shape
@@ -347,12 +347,12 @@ def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
         # multiply after the join, so that each product is one bf16x2 op on the (lo, hi) pair
         w = jnp.stack([lo, hi], axis=-1) * (sb * jnp.bfloat16(2.0**_BITS_PRE))[:, :, None, None]
     else:
-        even, odd = decode_jnp(c.astype(jnp.uint8), jnp.broadcast_to(sb[:, :, None], c.shape), "nvfp4")
+        even, odd = decode_jnp(c.astype(jnp.uint8), jnp.broadcast_to(sb[:, :, None], c.shape), fmt)
         w = jnp.stack([even, odd], axis=-1)
     return w.reshape(r, 16 * nb)
 
 
-def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_chunk, decode):
+def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, fmt, m, n, k, cfg, k_chunk, decode):
     """nvfp4, M <= 256: one [bm, bn] tile of y (or of a split-K partial) per program; with
     cfg.swap the decoded W is the dot's left operand (y.T = W @ x.T: Hopper's wgmma, which
     takes that operand from registers).
@@ -380,7 +380,7 @@ def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_
         x = _load(x_ref, (pl.ds(0, bm), pl.ds(pl.multiple_of(kb * 16, bk), bk)), mask_x, 0.0)
         c = _load(c_ref, (pl.ds(w0, bn), pl.ds(kb, nb), pl.ds(0, 8)), mask_c, 0)
         s = _load(s_ref, (pl.ds(w0, bn), pl.ds(kb, nb)), mask_s, 0)
-        w = _decode_block(c.astype(jnp.int32), s, decode)
+        w = _decode_block(c.astype(jnp.int32), s, fmt, decode)
         if cfg.swap:
             return acc + _dot(w, x, contract=(1, 1))  # [bn, bm]
         return acc + _dot(x, w, contract=(1, 1))
@@ -520,6 +520,7 @@ def _forward(
             scales,
             gs,
             row0,
+            fmt=fmt,
             n=n,
             cfg=cfg,
             k_chunk=k_chunk,
@@ -547,10 +548,10 @@ def _forward(
     )
 
 
-def _forward_block(x, codes, scales, gs, row0, *, n, cfg, k_chunk, interpret, decode, poison):
+def _forward_block(x, codes, scales, gs, row0, *, fmt, n, cfg, k_chunk, interpret, decode, poison):
     """The launch of `_fwd_block_kernel` (nvfp4, M <= 256); split-K partials summed by XLA."""
     m, k = x.shape
-    kernel = functools.partial(_fwd_block_kernel, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
+    kernel = functools.partial(_fwd_block_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
     args = [
         x,
         codes.reshape(codes.shape[0], k // 16, 8),  # a free view: 8 code bytes per 16-weight block
