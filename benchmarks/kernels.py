@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
-import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -37,26 +34,10 @@ import jax.numpy as jnp
 
 import pallas_kernels  # noqa: F401  (registers the package)
 from pallas_kernels import autotune
-from pallas_kernels.formats import BLOCK_SIZES
 from pallas_kernels.quant_matmul import _backward, _dot_nt, _forward
+from qerl_jax.quant import packed as P
+from qerl_jax.quant.formats import REGISTRY
 
-
-def _packed_module():
-    """qerl_jax.quant.packed; loaded by path if the package's __init__ cannot import here."""
-    try:
-        from qerl_jax.quant import packed
-
-        return packed
-    except Exception:  # e.g. the device lacks a dependency of qerl_jax/__init__
-        path = os.path.join(os.path.dirname(__file__), "..", "qerl_jax", "quant", "packed.py")
-        spec = importlib.util.spec_from_file_location("qerl_packed_standalone", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-P = _packed_module()
 MODELS = {
     "7B": dict(hidden=3584, inter=18944, heads=28, kv=4, hd=128),
     "32B": dict(hidden=5120, inter=27648, heads=40, kv=8, hd=128),
@@ -97,7 +78,7 @@ def unique_shapes(name: str) -> list[tuple[int, int]]:
 def rand_packed(key, n: int, k: int, fmt: str):
     """Random codes and positive finite scales (never zeros), random global scale."""
     k1, k2, k3 = jax.random.split(key, 3)
-    block = BLOCK_SIZES[fmt]
+    block = REGISTRY[fmt].block_size
     codes = jax.random.randint(k1, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     if fmt == "nvfp4":
         scales = jax.random.uniform(k2, (n, k // block), minval=2.0**-6, maxval=448.0).astype(jnp.float8_e4m3fn)
@@ -293,7 +274,7 @@ def section_check(args, decode: str) -> bool:
         row = dict(kind="fwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
             out = jax.jit(
-                lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
+                lambda x, c, s, g: _forward(x, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
             )(x, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_fwd(x, p))
             row["cfg"] = autotune.get_config("fwd", m, n, k).to_dict()
@@ -311,7 +292,7 @@ def section_check(args, decode: str) -> bool:
         row = dict(kind="bwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
             out = jax.jit(
-                lambda d, c, s, g: _backward(d, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
+                lambda d, c, s, g: _backward(d, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
             )(dy, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_bwd(dy, p))
         except Exception as e:  # noqa: BLE001
@@ -343,7 +324,7 @@ def section_check(args, decode: str) -> bool:
 
 
 def fwd_op(fmt, cfg, decode):
-    return lambda x, c, s, g: _forward(x, c, s, g, fmt=fmt, interpret=INTERPRET, decode=decode, cfg=cfg)
+    return lambda x, c, s, g: _forward(x, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, cfg=cfg)
 
 
 def bf16_copy_groups(packed, xs: list, u_cap: int = 16) -> list[list]:
@@ -498,7 +479,7 @@ def section_sweep(args, decode: str):
                 if kind == "fwd"
                 else (
                     lambda d, cc, s, g, cfg=cfg: _backward(
-                        d, cc, s, g, fmt="nvfp4", interpret=INTERPRET, decode=decode, cfg=cfg
+                        d, cc, s, g, fmt=REGISTRY["nvfp4"], interpret=INTERPRET, decode=decode, cfg=cfg
                     )
                 )
             )
@@ -596,7 +577,7 @@ def bench_bwd(args, decode: str, ms: list[int]):
                         [(rand_x(jax.random.fold_in(key, 5 + j), m, n),) + a[1:] for j, a in enumerate(g)]
                         for g in groups
                     ]
-                    ours = lambda d, c, s, g: _backward(d, c, s, g, fmt="nvfp4", interpret=INTERPRET, decode=decode)
+                    ours = lambda d, c, s, g: _backward(d, c, s, g, fmt=REGISTRY["nvfp4"], interpret=INTERPRET, decode=decode)
                     row["ours_us"] = time_ops(ours, groups)["s"] * 1e6
                     deq = lambda d, c, s, g: jax.lax.dot_general(
                         d,

@@ -304,11 +304,11 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 tms = [timed(2 + r, wgmma_weights=False)[1] for r in range(args.reps + 1)]  # the first compiles
                 row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             if args.compare_unfused and rollout.weights.fused_groups(wgmma_names):  # one kernel call per projection
-                fusable, rollout.weights.FUSABLE_PROJECTIONS = rollout.weights.FUSABLE_PROJECTIONS, ()
+                fusable, rollout.weights.FUSED_GROUPS = rollout.weights.FUSED_GROUPS, ()
                 try:
                     tms = [timed(2 + r)[1] for r in range(args.reps + 1)]
                 finally:
-                    rollout.weights.FUSABLE_PROJECTIONS = fusable
+                    rollout.weights.FUSED_GROUPS = fusable
                 row["decode_step_s_unfused"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
                 wgmma_weights=list(wgmma_names),

@@ -1,5 +1,9 @@
 """Pallas W4A16 matmul kernels for packed 4-bit weights (NVFP4, MXFP4, NF4).
 
+Standalone: the kernels take arrays and a small format description (`KernelFormat`: block
+size, code table, scale dtype); a packed weight is any object with `codes`, `scales`,
+`global_scale` and `format` (e.g. `qerl_jax.quant.PackedWeight`).
+
 `quant_matmul` & co. lower through Triton (any CUDA GPU; `interpret=True` on CPU).
 `pallas_kernels.wgmma_nvfp4` is the Hopper-only NVFP4 decode kernel (Mosaic GPU) that the
 rollout uses at small batch, on weights repacked with `wgmma_nvfp4.from_packed`.
@@ -8,13 +12,14 @@ slots [start, end)), `decode_attention_reference` its jnp twin (the XLA path).
 """
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.quant_matmul import dequantize_bf16, nvfp4_matmul, quant_matmul, quant_matmul_dx
+from pallas_kernels.formats import KernelFormat
+from pallas_kernels.quant_matmul import dequantize_bf16, nvfp4_matmul, quant_matmul
 
 __all__ = [
+    "KernelFormat",
     "decode_attention",
     "decode_attention_reference",
     "dequantize_bf16",
     "nvfp4_matmul",
     "quant_matmul",
-    "quant_matmul_dx",
 ]

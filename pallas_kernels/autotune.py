@@ -79,10 +79,6 @@ def _table() -> dict[str, dict]:
     return data.get("configs", {})
 
 
-def _pow2_le(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
 def default_config(kind: str, m: int, n: int, k: int, fmt: str = "nvfp4", block: bool = True) -> Config:
     """The rule for shapes not in the table (see KERNEL_NOTES.md for the reasoning).
 

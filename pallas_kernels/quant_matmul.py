@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import autotune, decode_asm
-from pallas_kernels.formats import BLOCK_SIZES, CODE_TABLES, FORMATS, SCALE_DTYPES, decode_jnp, scales_to_bf16
+from pallas_kernels.formats import KernelFormat, decode_jnp, scales_to_bf16
 
 _DECODES = ("asm", "jnp", "bits")
 # "bits" is the block kernel's GPU decode ("asm" selects it there): E2M1 nibbles placed into
@@ -60,16 +60,16 @@ _BITS_MASK = -0x7E3F7E40  # 0x81C081C0 as int32: sign + 3 value bits of both hal
 # ----------------------------------------------------------------------------- validation
 
 
-def _validate(x: Any, packed: Any, fmts: tuple[str, ...] = FORMATS) -> tuple[str, int, int, int]:
+def _validate(x: Any, packed: Any, names: tuple[str, ...] | None = None) -> tuple[KernelFormat, int, int, int]:
     """Checks x and packed before anything is traced into a kernel; returns (fmt, M, N, K)."""
-    for field in ("codes", "scales", "global_scale", "fmt"):
+    for field in ("codes", "scales", "global_scale", "format"):
         if not hasattr(packed, field):
             raise TypeError(
-                f"packed must be a PackedWeight (codes, scales, global_scale, fmt); got {type(packed).__name__}"
+                f"packed must be a PackedWeight (codes, scales, global_scale, format); got {type(packed).__name__}"
             )
-    fmt = packed.fmt
-    if fmt not in fmts:
-        raise ValueError(f"packed.fmt must be one of {fmts}, got {fmt!r}")
+    fmt = KernelFormat.of(packed.format)
+    if names is not None and fmt.name not in names:
+        raise ValueError(f"packed.format must be one of {names}, got {fmt.name!r}")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be an array, got {type(x).__name__}")
     if len(x.shape) != 2:
@@ -88,13 +88,13 @@ def _validate(x: Any, packed: Any, fmts: tuple[str, ...] = FORMATS) -> tuple[str
     m = x.shape[0]
     if x.shape[1] != k:
         raise ValueError(f"K mismatch: x has K={x.shape[1]} but packed.codes {tuple(codes.shape)} holds K={k}")
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
     if k % block:
-        raise ValueError(f"K={k} must be a multiple of the {fmt} block size {block}")
+        raise ValueError(f"K={k} must be a multiple of the {fmt.name} block size {block}")
     if tuple(scales.shape) != (n, k // block):
-        raise ValueError(f"packed.scales must have shape {(n, k // block)} for {fmt}, got {tuple(scales.shape)}")
-    if scales.dtype != SCALE_DTYPES[fmt]:
-        raise TypeError(f"packed.scales must be {SCALE_DTYPES[fmt]} for {fmt}, got {scales.dtype}")
+        raise ValueError(f"packed.scales must have shape {(n, k // block)} for {fmt.name}, got {tuple(scales.shape)}")
+    if scales.dtype != fmt.scale_dtype:
+        raise TypeError(f"packed.scales must be {fmt.scale_dtype} for {fmt.name}, got {scales.dtype}")
     if int(np.prod(gs.shape)) != 1:
         raise ValueError(f"packed.global_scale must be a scalar, got shape {tuple(gs.shape)}")
     if not jnp.issubdtype(gs.dtype, jnp.floating):
@@ -123,13 +123,13 @@ def _compiler_params(cfg: autotune.Config) -> Any:
 # ----------------------------------------------------------------------------- tile decode
 
 
-def _decode_tile(codes, scales, fmt: str, decode: str, words=None) -> jax.Array:
+def _decode_tile(codes, scales, fmt: KernelFormat, decode: str, words=None) -> jax.Array:
     """uint8 codes [R, C/2] + raw scales [R, C/block] -> bf16 weight tile [R, C] (scaled).
 
     words: the lookup words as int32 scalars loaded by the kernel (see `_table_input`).
     """
     r, half = codes.shape
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
     nb = scales.shape[1]
     s = scales_to_bf16(scales, fmt)
     if decode == "asm":
@@ -137,7 +137,7 @@ def _decode_tile(codes, scales, fmt: str, decode: str, words=None) -> jax.Array:
         bits = jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
         s2 = bits | (bits << 16)
         s2 = jnp.broadcast_to(s2[:, :, None], (r, nb, block // 2)).reshape(r, half)
-        table = CODE_TABLES[fmt]
+        table = np.asarray(fmt.code_table, np.float32)
         extra = [jnp.broadcast_to(w, (r, half)) for w in words] if words is not None else []
         [pairs] = plgpu.elementwise_inline_asm(
             decode_asm.ptx(table, words_as_operands=words is not None),
@@ -162,10 +162,10 @@ def _kernel_scales(scales: jax.Array) -> jax.Array:
     return scales
 
 
-def _scale_words_ok(fmt: str, k: int, bk: int) -> bool:
+def _scale_words_ok(fmt: KernelFormat, k: int, bk: int) -> bool:
     """Whether 1-byte scales can be loaded as int32 words for this K and K step."""
-    per_word = 4 * BLOCK_SIZES[fmt]
-    return SCALE_DTYPES[fmt].itemsize == 1 and k % per_word == 0 and bk % per_word == 0
+    per_word = 4 * fmt.block_size
+    return fmt.scale_dtype.itemsize == 1 and k % per_word == 0 and bk % per_word == 0
 
 
 def _as_words(scales: jax.Array) -> jax.Array:
@@ -183,17 +183,17 @@ def _unpack_words(w: jax.Array) -> jax.Array:
     return b.reshape(r, 4 * nw).astype(jnp.uint8)
 
 
-def _table_input(fmt: str) -> jax.Array:
+def _table_input(fmt: KernelFormat) -> jax.Array:
     """The PTX lookup words as an int32 array input: loaded at run time, ptxas keeps them
     in registers (as immediates it re-materialised one before every lookup)."""
-    words = np.array(decode_asm.table_words(CODE_TABLES[fmt]), np.uint32).view(np.int32)
+    words = np.array(decode_asm.table_words(np.asarray(fmt.code_table, np.float32)), np.uint32).view(np.int32)
     return jnp.asarray(np.pad(words, (0, 8 - words.size)))
 
 
-def _load_words(t_ref, fmt: str, decode: str):
+def _load_words(t_ref, fmt: KernelFormat, decode: str):
     if decode != "asm":
         return None
-    return [t_ref[j] for j in range(len(decode_asm.table_words(CODE_TABLES[fmt])))]
+    return [t_ref[j] for j in range(len(decode_asm.table_words(np.asarray(fmt.code_table, np.float32))))]
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
@@ -211,11 +211,11 @@ def _load(ref, idx, mask, other):
     return plgpu.load(ref.at[idx], mask=mask, other=other)
 
 
-def _load_w_tile(c_ref, s_ref, w0, k0, rows: int, bk: int, fmt: str, scale_words: bool = False, valid=None):
+def _load_w_tile(c_ref, s_ref, w0, k0, rows: int, bk: int, fmt: KernelFormat, scale_words: bool = False, valid=None):
     """The packed W tile at row w0, column k0: uint8 codes [rows, bk/2] and raw scales [rows,
     bk/block] (loaded as int32 words and unpacked with scale_words). valid: bool [rows] (rows
     past N read as 0) or None when every row exists."""
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
 
     def mask(cols):
         return None if valid is None else jnp.broadcast_to(valid[:, None], (rows, cols))
@@ -335,7 +335,7 @@ def decode_bits_pairs(c: jax.Array) -> jax.Array:
     return (((c * 0x1001) & 0xF000F) * 0x1040) & _BITS_MASK
 
 
-def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
+def _decode_block(c: jax.Array, s: jax.Array, fmt: KernelFormat, decode: str) -> jax.Array:
     """nvfp4 codes int32 [R, NB, 8] (byte j of block b: k = 16 b + 2 j, + 1) and raw e4m3
     scale bytes uint8 [R, NB] -> bf16 W [R, 16 NB], times 2**(_BITS_PRE - 126) for "bits"."""
     r, nb, _ = c.shape
@@ -347,12 +347,12 @@ def _decode_block(c: jax.Array, s: jax.Array, decode: str) -> jax.Array:
         # multiply after the join, so that each product is one bf16x2 op on the (lo, hi) pair
         w = jnp.stack([lo, hi], axis=-1) * (sb * jnp.bfloat16(2.0**_BITS_PRE))[:, :, None, None]
     else:
-        even, odd = decode_jnp(c.astype(jnp.uint8), jnp.broadcast_to(sb[:, :, None], c.shape), "nvfp4")
+        even, odd = decode_jnp(c.astype(jnp.uint8), jnp.broadcast_to(sb[:, :, None], c.shape), fmt)
         w = jnp.stack([even, odd], axis=-1)
     return w.reshape(r, 16 * nb)
 
 
-def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_chunk, decode):
+def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, fmt, m, n, k, cfg, k_chunk, decode):
     """nvfp4, M <= 256: one [bm, bn] tile of y (or of a split-K partial) per program; with
     cfg.swap the decoded W is the dot's left operand (y.T = W @ x.T: Hopper's wgmma, which
     takes that operand from registers).
@@ -380,7 +380,7 @@ def _fwd_block_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, *rest, m, n, k, cfg, k_
         x = _load(x_ref, (pl.ds(0, bm), pl.ds(pl.multiple_of(kb * 16, bk), bk)), mask_x, 0.0)
         c = _load(c_ref, (pl.ds(w0, bn), pl.ds(kb, nb), pl.ds(0, 8)), mask_c, 0)
         s = _load(s_ref, (pl.ds(w0, bn), pl.ds(kb, nb)), mask_s, 0)
-        w = _decode_block(c.astype(jnp.int32), s, decode)
+        w = _decode_block(c.astype(jnp.int32), s, fmt, decode)
         if cfg.swap:
             return acc + _dot(w, x, contract=(1, 1))  # [bn, bm]
         return acc + _dot(x, w, contract=(1, 1))
@@ -424,15 +424,15 @@ def _select_layer(codes, scales, gs, layer):
     )
 
 
-def _fwd_config(m: int, n: int, k: int, fmt: str, cfg: autotune.Config | None) -> tuple[autotune.Config, int]:
+def _fwd_config(m: int, n: int, k: int, fmt: KernelFormat, cfg: autotune.Config | None) -> tuple[autotune.Config, int]:
     """Fits a (table or given) config to the problem; returns it and the K chunk per split."""
-    cfg = cfg or autotune.get_config("fwd", m, n, k, fmt)
-    if cfg.mode == "block" and (fmt != "nvfp4" or m > autotune.BLOCK_MAX_M):
-        cfg = autotune.default_config("fwd", m, n, k, fmt, block=False)
+    cfg = cfg or autotune.get_config("fwd", m, n, k, fmt.name)
+    if cfg.mode == "block" and (fmt.name != "nvfp4" or m > autotune.BLOCK_MAX_M):
+        cfg = autotune.default_config("fwd", m, n, k, fmt.name, block=False)
     if cfg.mode == "block":  # one M tile; W on the left (wgmma) from M = 33
         bm = max(16, 1 << (m - 1).bit_length())
         cfg = dataclasses.replace(cfg, bm=bm, swap=cfg.swap or m >= autotune.BLOCK_SWAP_FROM_M)
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
     min_bk = max(16, block)
     if cfg.persistent and (m > autotune.DECODE_MAX_M or cfg.swap):
         cfg = dataclasses.replace(cfg, persistent=0)  # decode regime (one M tile), x on the left only
@@ -488,7 +488,7 @@ def _forward(
     scales,
     gs,
     *,
-    fmt: str,
+    fmt: KernelFormat,
     interpret: bool,
     decode: str | None = None,
     cfg: autotune.Config | None = None,
@@ -500,6 +500,7 @@ def _forward(
     layer: with stacked weights (codes [L, N, K/2], scales [L, N, K/B], gs [L]) the layer
     to multiply by; the kernel reads its rows in place (no slice copy of the stack).
     """
+    fmt = KernelFormat.of(fmt)
     n = codes.shape[-2]
     codes, scales, gs, row0 = _select_layer(codes, scales, gs, layer)
     m, k = x.shape
@@ -519,6 +520,7 @@ def _forward(
             scales,
             gs,
             row0,
+            fmt=fmt,
             n=n,
             cfg=cfg,
             k_chunk=k_chunk,
@@ -542,14 +544,14 @@ def _forward(
         cfg=cfg,
         interpret=interpret,
         poison=poison,
-        name=f"w4a16_{fmt}_fwd",
+        name=f"w4a16_{fmt.name}_fwd",
     )
 
 
-def _forward_block(x, codes, scales, gs, row0, *, n, cfg, k_chunk, interpret, decode, poison):
+def _forward_block(x, codes, scales, gs, row0, *, fmt, n, cfg, k_chunk, interpret, decode, poison):
     """The launch of `_fwd_block_kernel` (nvfp4, M <= 256); split-K partials summed by XLA."""
     m, k = x.shape
-    kernel = functools.partial(_fwd_block_kernel, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
+    kernel = functools.partial(_fwd_block_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
     args = [
         x,
         codes.reshape(codes.shape[0], k // 16, 8),  # a free view: 8 code bytes per 16-weight block
@@ -619,13 +621,14 @@ def _backward(
     scales,
     gs,
     *,
-    fmt: str,
+    fmt: KernelFormat,
     interpret: bool,
     decode: str | None = None,
     cfg: autotune.Config | None = None,
     poison: bool = False,
 ) -> jax.Array:
     """dx [M, K] bf16 = dy [M, N] @ dequantize(W) [N, K], fp32 accumulation."""
+    fmt = KernelFormat.of(fmt)
     m, n = dy.shape
     k = 2 * codes.shape[1]
     if m == 0:
@@ -638,7 +641,7 @@ def _backward(
             dy.astype(jnp.bfloat16), w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
         return dx.astype(jnp.bfloat16)
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
     bm = max(16, 1 << (m - 1).bit_length()) if m <= autotune.DECODE_MAX_M else cfg.bm
     bk = max(_pow2_divisor(k, cfg.bk), max(16, block))
     bc = max(16, min(cfg.bc, 1 << (n - 1).bit_length()))
@@ -660,7 +663,7 @@ def _backward(
         cfg=cfg,
         interpret=interpret,
         poison=poison,
-        name=f"w4a16_{fmt}_bwd",
+        name=f"w4a16_{fmt.name}_bwd",
     )
 
 
@@ -689,7 +692,7 @@ def _dequantize(
     scales,
     gs,
     *,
-    fmt: str,
+    fmt: KernelFormat,
     interpret: bool,
     decode: str | None = None,
     bn: int = 64,
@@ -702,11 +705,12 @@ def _dequantize(
     n / row0: the N rows starting at row0 (int32 [1]) of codes / scales (one layer of a
     stack viewed as [L * N, ...]); default all rows.
     """
+    fmt = KernelFormat.of(fmt)
     n = codes.shape[0] if n is None else n
     k = 2 * codes.shape[1]
     row0 = jnp.zeros((1,), jnp.int32) if row0 is None else row0
     decode = {None: "jnp" if interpret else "asm", "bits": "asm"}.get(decode, decode)
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
     bk = max(_pow2_divisor(k, bk), max(16, block))
     kernel = functools.partial(_dequant_kernel, fmt=fmt, n=n, k=k, bn=bn, bk=bk, decode=decode)
     return pl.pallas_call(
@@ -715,7 +719,7 @@ def _dequantize(
         grid=(pl.cdiv(n, bn), k // bk),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        name=f"w4a16_{fmt}_dequant",
+        name=f"w4a16_{fmt.name}_dequant",
     )(codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)), row0, _table_input(fmt))
 
 
@@ -792,7 +796,7 @@ def quant_matmul(
 
 def nvfp4_matmul(x: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
     """`quant_matmul` restricted to NVFP4 weights (E2M1 codes, e4m3 block-16 scales)."""
-    fmt, _, _, _ = _validate(x, packed, fmts=("nvfp4",))
+    fmt, _, _, _ = _validate(x, packed, names=("nvfp4",))
     return _qmm(x, packed.codes, packed.scales, packed.global_scale, None, fmt, _resolve_interpret(interpret))
 
 
@@ -805,17 +809,3 @@ def dequantize_bf16(packed: Any, *, layer: jax.Array | int | None = None, interp
     )
     codes, scales, gs, row0 = _select_layer(packed.codes, packed.scales, packed.global_scale, layer)
     return _dequantize(codes, scales, gs, fmt=fmt, interpret=_resolve_interpret(interpret), n=n, row0=row0)
-
-
-def quant_matmul_dx(dy: jax.Array, packed: Any, *, interpret: bool | None = None) -> jax.Array:
-    """dx bf16 [M, K] = dy bf16 [M, N] @ dequantize(packed) (the backward kernel, exposed)."""
-    if not hasattr(dy, "ndim") or dy.ndim != 2:
-        raise ValueError(f"dy must be 2-D [M, N], got {getattr(dy, 'shape', type(dy).__name__)}")
-    n = getattr(getattr(packed, "codes", None), "shape", (None,))[0]
-    if dy.shape[1] != n:
-        raise ValueError(f"N mismatch: dy has N={dy.shape[1]} but packed has N={n}")
-    fake_x = jax.ShapeDtypeStruct((dy.shape[0], 2 * packed.codes.shape[1]), dy.dtype)
-    fmt, _, _, _ = _validate(fake_x, packed)
-    return _backward(
-        dy, packed.codes, packed.scales, packed.global_scale, fmt=fmt, interpret=_resolve_interpret(interpret)
-    )

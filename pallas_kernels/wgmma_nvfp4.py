@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.numerics import exact_div
+
 ROWS = 64  # rows of W per warpgroup (wgmma M)
 KBLOCK = 64  # columns per block of a thread's four code words
 SCALE_EXP_BIAS = 9  # re-encoded scale: 2**(e - 9) * (1 + m / 8); e in [0, 17]
@@ -154,18 +156,24 @@ def _inverse_positions() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return t_idx, b_idx, k_idx
 
 
+def e2m1_value(nib: jax.Array) -> jax.Array:
+    """E2M1 codes (sign bit 3, exponent bits 1-2, mantissa bit 0) -> float32 values, exactly."""
+    nib = nib.astype(jnp.int32)
+    e, m = (nib >> 1) & 3, (nib & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.exp2((e - 1).astype(jnp.float32)))
+    return jnp.where(nib & 8, -mag, mag)
+
+
 def dequantize_repacked(words: jax.Array, swords: jax.Array, dtype=jnp.float32, global_scale=None) -> jax.Array:
     """Inverse of `repack`: codes x scales (/ global_scale, if given: float32 [] or per row [N], as
     `dequantize` does), `dtype` [N, K]."""
-    from qerl_jax.quant.packed import CODE_TABLES, exact_div
-
     nt, kt = words.shape[:2]
     t_idx, b_idx, k_idx = _inverse_positions()
     w_tile = words[:, :, b_idx, t_idx]  # [nt, kt, 64, 64]: the word holding each element
     pos = code_bit_positions()[k_idx]  # [64, 64, 4]: each element's bit positions in its word
     em_pos, sign_pos = jnp.asarray(pos[..., 0], jnp.uint32), jnp.asarray(pos[..., 3], jnp.uint32)
     nib = ((w_tile >> em_pos) & 7) | (((w_tile >> sign_pos) & 1) << 3)  # as `repack` placed the fields
-    vals = jnp.asarray(CODE_TABLES["nvfp4"], jnp.float32)[nib.astype(jnp.int32)]
+    vals = e2m1_value(nib)
     sb = (swords[..., None] >> (jnp.arange(4, dtype=jnp.uint32) * 8)) & 0xFF  # [nt, kt, 64 words, 4 bytes]
     src_row, src_block = _scale_sources()
     enc = jnp.zeros(sb.shape, jnp.uint32).at[:, :, src_row, src_block].set(sb)  # [nt, kt, 64 rows, 4 blocks]

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax.quant.packed import FORMATS
+from qerl_jax.quant.formats import CONFIG_FORMATS, DENSE, FORMATS
 
 DECAYS = ("exponential", "linear", "cosine", "logarithmic")
 
@@ -74,13 +74,13 @@ class AQNConfig:
             raise ValueError("AQNConfig.decay='exponential' needs sigma_end > 0")
 
 
-def default_aqn_enabled(quant_fmt: str | None) -> bool:
-    """AQN is on by default for 4-bit policies and off for dense (None / "bf16") ones."""
-    if quant_fmt in (None, "bf16"):
+def default_aqn_enabled(quant_fmt: str) -> bool:
+    """AQN is on by default for 4-bit policies and off for dense ("bf16") ones."""
+    if quant_fmt == DENSE:
         return False
     if quant_fmt in FORMATS:
         return True
-    raise ValueError(f"quantization format {quant_fmt!r} is unknown; expected None, 'bf16' or one of {FORMATS}")
+    raise ValueError(f"quantization format {quant_fmt!r} is unknown; expected one of {CONFIG_FORMATS}")
 
 
 def stage_sigmas(cfg: AQNConfig) -> tuple[float, ...]:

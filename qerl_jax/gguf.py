@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from qerl_jax.loader import SUPPORTED_ARCHITECTURES, CheckpointError, expected_shapes
+from qerl_jax.hf_layout import SUPPORTED_ARCHITECTURES, CheckpointError, expected_shapes
 from qerl_jax.models.qwen2 import ModelConfig
 
 GGUF_SUFFIX = ".gguf"

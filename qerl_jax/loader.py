@@ -18,25 +18,20 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
+from qerl_jax import gguf
+from qerl_jax.hf_layout import (  # noqa: F401 (part of this module's API)
+    SUPPORTED_ARCHITECTURES,
+    CheckpointError,
+    expected_shapes,
+    hf_linear_name,
+)
+from qerl_jax.models.qwen2 import ModelConfig
+from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
+from qerl_jax.quant.formats import DENSE, FORMATS
 
-SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the path and field."""
-
-
-def _hf_proj_prefix(proj: str) -> str:
-    return "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-
-
-def hf_linear_name(layer: int, proj: str) -> str:
-    """The HF module name of a projection, e.g. 'model.layers.3.self_attn.q_proj'."""
-    return f"model.layers.{layer}.{_hf_proj_prefix(proj)}.{proj}"
 
 
 def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
@@ -160,23 +155,6 @@ def iter_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             raise CheckpointError(unreadable_safetensors(file, e)) from None
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape for a dense checkpoint of this config."""
-    d = config.hidden_size
-    proj_shapes = projection_shapes(config)
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, d)
-    for i in range(config.num_hidden_layers):
-        shapes[f"model.layers.{i}.input_layernorm.weight"] = (d,)
-        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (d,)
-        for proj, shape in proj_shapes.items():
-            shapes[f"{hf_linear_name(i, proj)}.weight"] = shape
-            if config.attention_bias and proj in ("q_proj", "k_proj", "v_proj"):
-                shapes[f"{hf_linear_name(i, proj)}.bias"] = shape[:1]
-    return shapes
-
-
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)$")
 _NORM_RE = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
 
@@ -207,8 +185,6 @@ class _StackedBuffers:
 
 def _open_checkpoint(path: str) -> tuple[ModelConfig, dict[str, Any], Iterator[tuple[str, np.ndarray]]]:
     """(config, raw config.json dict, tensor iterator) of a HF directory or a GGUF file (validated first)."""
-    from qerl_jax import gguf  # noqa: PLC0415 (imports this module)
-
     if gguf.find_gguf_file(path) is not None:
         model = gguf.open_gguf(path)
         return model.config, {}, model.tensors()
@@ -242,14 +218,16 @@ def load_model(
     np_dtype = _DTYPES[dtype]
     config, raw, tensors = _open_checkpoint(path)
     stored_fmt = None
-    if quant not in (None, "bf16") or "quantization_config" in raw:
+    if quant is None:  # the public default: as stored
+        quant = DENSE
+    if quant != DENSE or "quantization_config" in raw:
         from qerl_jax import quant as quantlib  # noqa: PLC0415 (only needed for quantized models)
 
         stored_fmt = quantlib.compressed_tensors.detect_format(raw)
-    if quant in (None, "bf16"):
+    if quant == DENSE:
         quant = stored_fmt
-    elif quant not in quantlib.FORMATS:
-        raise ValueError(f"quant {quant!r} is not supported; expected None, 'bf16' or one of {quantlib.FORMATS}")
+    elif quant not in FORMATS:
+        raise ValueError(f"quant {quant!r} is not supported; expected None, 'bf16' or one of {FORMATS}")
     elif stored_fmt is not None and stored_fmt != quant:
         raise CheckpointError(f"{path} is stored as {stored_fmt}; it cannot be loaded as {quant}")
 
@@ -305,7 +283,7 @@ def load_model(
         if m is not None:
             layer, proj, kind = int(m.group(1)), m.group(3), m.group(4)
             if kind == "weight" and quant and proj not in quant_skip:
-                group = next((g for g in quantlib.FUSED_GROUPS if proj in g), (proj,))
+                group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
                 group = tuple(p for p in group if p not in quant_skip)
                 members = pending.setdefault((layer, group), {})
                 members[proj] = array
@@ -349,8 +327,6 @@ def load_tokenizer(path: str):
     """The checkpoint's tokenizer (transformers AutoTokenizer, with its chat template), offline; a GGUF
     file's from its metadata."""
     from transformers import AutoTokenizer  # noqa: PLC0415 (heavy import, only when asked)
-
-    from qerl_jax import gguf  # noqa: PLC0415 (imports this module)
 
     if gguf.find_gguf_file(path) is not None:
         return gguf.load_tokenizer(path)

@@ -24,16 +24,13 @@ import dataclasses
 from typing import Any, Sequence
 
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
-from qerl_jax.quant.packed import BLOCK_SIZES, FORMATS
+from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rollout import budget as rollout_budget
 from qerl_jax.rollout import scheduler as rollout_scheduler
 
-QUANT_CHOICES = ("bf16", *FORMATS)
 DENSE_BYTES = 2  # bf16 weights and activations
 LORA_BYTES = 4  # LoRA params, their gradients and AdamW moments are float32
 LOGIT_BYTES = 4  # logits are float32
-# Bytes of one block scale as `PackedWeight.scales` stores it: fp8 e4m3 / uint8 E8M0 / float32.
-SCALE_BYTES = {"nvfp4": 1, "mxfp4": 1, "nf4": 4}
 GLOBAL_SCALE_BYTES = 4  # float32 global_scale, one per matrix
 # Attention keeps float32 scores and bfloat16 probabilities per (head, query, key).
 ATTN_SCORE_BYTES = 4 + 2
@@ -62,10 +59,10 @@ def packed_matrix_bytes(n: int, k: int, fmt: str) -> int:
     """
     if fmt not in FORMATS:
         raise ValueError(f"packed format {fmt!r} is not supported; expected one of {FORMATS}")
-    block = BLOCK_SIZES[fmt]
+    block = REGISTRY[fmt].block_size
     if k % block:
         raise ValueError(f"{fmt} needs in-features K divisible by its block size {block}; got K={k}")
-    return n * (k // 2) + n * (k // block) * SCALE_BYTES[fmt] + GLOBAL_SCALE_BYTES
+    return n * (k // 2) + n * (k // block) * REGISTRY[fmt].scale_bytes + GLOBAL_SCALE_BYTES
 
 
 def linear_weight_bytes(n: int, k: int, quant: str) -> int:
@@ -308,8 +305,8 @@ def plan_memory(
       dequant_workspace: with a 4-bit base and the "xla" backend, one layer's quantized
         projections dequantized to bf16: sum of N*K*2.
     """
-    if quant not in QUANT_CHOICES:
-        raise ValueError(f"{FIELD_QUANT} {quant!r} is not supported; expected one of {QUANT_CHOICES}")
+    if quant not in CONFIG_FORMATS:
+        raise ValueError(f"{FIELD_QUANT} {quant!r} is not supported; expected one of {CONFIG_FORMATS}")
     if backend not in ("xla", "pallas"):
         raise ValueError(f"backend {backend!r} is not supported; expected 'xla' or 'pallas'")
     unknown = set(lora_targets) - set(PROJECTIONS)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 
-def device_memory_bytes() -> dict[str, float]:
+def device_memory_stats() -> dict[str, float]:
     """Bytes in use / peak on the first device, where the backend reports them (GPU; not CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
     out = {}

@@ -167,7 +167,7 @@ def load_policy(cfg: ml_collections.ConfigDict) -> Policy:
         config, params = load_model(
             model_dir,
             dtype=cfg.model.dtype,
-            quant=None if quant == "bf16" else quant,
+            quant=quant,
             quant_skip=tuple(cfg.model.quant_skip),
         )
         tokenizer = load_tokenizer(model_dir)

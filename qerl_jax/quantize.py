@@ -98,16 +98,13 @@ def _check_tensor(name: str, array: np.ndarray, fmt: str, block: int) -> None:
 
 def format_problems_of(fmt: str) -> list[str]:
     """What is wrong with --format (empty: nothing)."""
-    from qerl_jax import quant  # noqa: PLC0415 (keeps `--help` fast)
-    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+    from qerl_jax.quant.formats import CONFIG_FORMATS, CT_FORMATS  # noqa: PLC0415 (keeps `--help` fast)
 
-    if fmt in ct.CT_FORMATS:
+    if fmt in CT_FORMATS:
         return []
-    if fmt in quant.CONFIG_FORMATS:
-        return [
-            f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {tuple(ct.CT_FORMATS)}"
-        ]
-    return [f"unknown --format {fmt!r}; expected one of {tuple(ct.CT_FORMATS)}"]
+    if fmt in CONFIG_FORMATS:
+        return [f"--format {fmt!r} cannot be written as a compressed-tensors checkpoint; expected one of {CT_FORMATS}"]
+    return [f"unknown --format {fmt!r}; expected one of {CT_FORMATS}"]
 
 
 def argument_problems(model_dir: str, out_dir: str, fmt: str, *, overwrite: bool) -> list[str]:
@@ -187,7 +184,7 @@ def quantize_checkpoint(
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     shards, index = _shards(model_dir)
-    block = quant.BLOCK_SIZES[fmt]
+    block = quant.REGISTRY[fmt].block_size
 
     def tensors(desc: str, only_quantizable: bool):
         """Yields (shard, name, array) over all shards, with a progress bar over tensors."""

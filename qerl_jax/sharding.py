@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qerl_jax.models.qwen2 import PROJECTIONS
-from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight
+from qerl_jax.quant.packed import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _packed_specs(w: PackedWeight, dim: int, axis: str, axis_sizes: dict[str, in
             what,
             k,
             blocks,
-            BLOCK_SIZES[w.fmt],
+            w.block_size,
             axis,
             size,
         )

@@ -32,7 +32,7 @@ from qerl_jax.checkpoint import (
     mismatch_message,
 )
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
-from qerl_jax.metrics import MetricWriter, device_memory_bytes
+from qerl_jax.metrics import MetricWriter, device_memory_stats
 from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import (
     Policy,
@@ -397,7 +397,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
                 if cfg.train.sample_every and step % cfg.train.sample_every == 0:
                     writer.text(step, "samples", _samples_markdown(exp))
             metrics["time/step_s"] = time.perf_counter() - t_step
-            metrics.update(device_memory_bytes())
+            metrics.update(device_memory_stats())
             if step % cfg.train.log_every == 0:
                 writer.scalars(step, metrics)
             bar.set_postfix(

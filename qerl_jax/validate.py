@@ -24,7 +24,7 @@ from qerl_jax import aqn, linear, loader, optim, rewards
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
-from qerl_jax.quant import BLOCK_SIZES, CONFIG_FORMATS, FORMATS
+from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
 
 COMMANDS = ("train", "eval")
@@ -601,7 +601,7 @@ def _model_fit_problems(config: ModelConfig, raw: dict, f: dict[str, Any], comma
         if quant not in (None, "bf16", stored):
             out.append(f"model.quant = {quant!r}: the checkpoint is stored as {stored}; set model.quant={stored}")
     elif quant in FORMATS and "model.quant_skip" in f:
-        block = BLOCK_SIZES[quant]
+        block = REGISTRY[quant].block_size
         shapes = projection_shapes(config)
         bad = [f"{p} (K = {k})" for p, (_, k) in shapes.items() if k % block and p not in f["model.quant_skip"]]
         if bad:

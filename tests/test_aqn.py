@@ -149,7 +149,7 @@ def test_noisy_norm_forward_equals_transformers_with_replaced_norm_weights(tiny_
 
 def test_default_enabled_and_config_errors():
     assert default_aqn_enabled("nvfp4") and default_aqn_enabled("mxfp4") and default_aqn_enabled("nf4")
-    assert not default_aqn_enabled(None) and not default_aqn_enabled("bf16")
+    assert not default_aqn_enabled("bf16")
     with pytest.raises(ValueError, match="quantization format"):
         default_aqn_enabled("int8")
     with pytest.raises(ValueError, match="total_steps"):

@@ -25,10 +25,10 @@ def _reference_config(fmt: str, ignore: list[str], tmp_path) -> dict:
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
     scheme = preset_name_to_scheme({"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}[fmt], ["Linear"])
-    scheme.format = qct.CT_FORMATS[fmt]
+    scheme.format = qct.REGISTRY[fmt].ct_name
     config = QuantizationConfig(
         config_groups={"group_0": scheme},
-        format=qct.CT_FORMATS[fmt],
+        format=qct.REGISTRY[fmt].ct_name,
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=ignore,
     )

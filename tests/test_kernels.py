@@ -20,6 +20,7 @@ import pallas_kernels
 from pallas_kernels import autotune, decode_asm, formats
 from pallas_kernels.quant_matmul import _backward, _dequantize, _forward
 from qerl_jax.quant import packed as packed_lib
+from qerl_jax.quant.formats import FORMATS, REGISTRY
 
 TOL = 1e-2  # bf16 output (and bf16 NF4 table / scales) against float32
 
@@ -30,7 +31,7 @@ def _rng(*key) -> np.random.Generator:
 
 def rand_packed(rng: np.random.Generator, n: int, k: int, fmt: str) -> packed_lib.PackedWeight:
     """Random codes, random positive finite block scales, random global scale."""
-    block = packed_lib.BLOCK_SIZES[fmt]
+    block = REGISTRY[fmt].block_size
     codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     if fmt == "nvfp4":
         scales = jnp.asarray(rng.uniform(2.0**-6, 448.0, (n, k // block)).astype(np.float32)).astype(jnp.float8_e4m3fn)
@@ -69,7 +70,7 @@ def _args(p):
 @pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])  # mxfp4 shares nvfp4's table
 def test_ptx_decoder_model_all_bytes(fmt):
     rng = _rng("ptx", fmt)
-    table = formats.CODE_TABLES[fmt]
+    table = np.asarray(REGISTRY[fmt].code_table, np.float32)
     codes = np.tile(np.arange(256, dtype=np.uint8), 4)
     scales = rng.uniform(2.0**-9, 448.0, codes.shape).astype(np.float32)
     scales[:8] = 0.0  # zero scale (masked rows) must give 0, not NaN
@@ -87,21 +88,21 @@ def test_ptx_decoder_model_all_bytes(fmt):
 
 def test_ptx_text_uses_only_modelled_instructions():
     for fmt in ("nvfp4", "nf4"):
-        text = decode_asm.ptx(formats.CODE_TABLES[fmt])
+        text = decode_asm.ptx(np.asarray(REGISTRY[fmt].code_table, np.float32))
         ops = {line.split()[0] for line in text.splitlines()[2:-1]}
         assert ops <= {"mov.b32", "and.b32", "shr.u32", "shl.b32", "prmt.b32", "lop3.b32", "fma.rn.bf16x2"}, ops
         assert text.count("$4") >= 1 and all(f"${i}" in text for i in range(9))
 
 
-@pytest.mark.parametrize("fmt", packed_lib.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_scale_decode(fmt):
     p = rand_packed(_rng("scale", fmt), 8, 128, fmt)
     want = packed_lib.block_scales_f32(packed_lib.replace(p, global_scale=jnp.float32(1.0)))
-    got = formats.scales_to_bf16(p.scales, fmt).astype(jnp.float32)
+    got = formats.scales_to_bf16(p.scales, formats.KernelFormat.of(REGISTRY[fmt])).astype(jnp.float32)
     rtol = 2.0**-8 if fmt == "nf4" else 0.0  # nf4's f32 absmax is rounded to bf16
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol)
     if fmt == "mxfp4":  # the e = 0 (2**-127, subnormal) and e = 255 (inf) ends
-        ends = formats.scales_to_bf16(jnp.array([0, 1, 254, 255], jnp.uint8), fmt).astype(jnp.float32)
+        ends = formats.scales_to_bf16(jnp.array([0, 1, 254, 255], jnp.uint8), formats.KernelFormat.of(REGISTRY[fmt])).astype(jnp.float32)
         np.testing.assert_array_equal(np.asarray(ends), np.array([2.0**-127, 2.0**-126, 2.0**127, np.inf], np.float32))
 
 
@@ -131,7 +132,7 @@ def test_forward_matches_reference(fmt, m, n, k):
     rng = _rng("fwd", fmt, m, n, k)
     p = rand_packed(rng, n, k, fmt)
     x = rand_x(rng, m, k)
-    out = _forward(x, *_args(p), fmt=fmt, interpret=True, poison=True)
+    out = _forward(x, *_args(p), fmt=REGISTRY[fmt], interpret=True, poison=True)
     assert out.dtype == jnp.float32  # unrounded: the caller's epilogue rounds once
     assert rel_err(out, reference(x, p)) < TOL
 
@@ -154,7 +155,7 @@ def test_forward_configs(cfg):
     m, n, k = (20, 72, 256) if cfg.group_m != 2 else (100, 72, 128)
     p = rand_packed(rng, n, k, "nvfp4")
     x = rand_x(rng, m, k)
-    out = _forward(x, *_args(p), fmt="nvfp4", interpret=True, cfg=cfg, poison=True)
+    out = _forward(x, *_args(p), fmt=REGISTRY["nvfp4"], interpret=True, cfg=cfg, poison=True)
     assert rel_err(out, reference(x, p)) < TOL
 
 
@@ -167,7 +168,7 @@ def test_bits_decode_formula_all_bytes():
 
     qm = importlib.import_module("pallas_kernels.quant_matmul")
     pairs = np.asarray(qm.decode_bits_pairs(jnp.arange(256, dtype=jnp.int32))).view(np.uint32)
-    table = np.asarray(packed_lib.CODE_TABLES["nvfp4"], np.float64)
+    table = np.asarray(REGISTRY["nvfp4"].code_table, np.float64)
     for half, nibble in ((pairs & 0xFFFF, np.arange(256) & 0xF), (pairs >> 16, np.arange(256) >> 4)):
         got = half.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64) * 2.0**126
         np.testing.assert_array_equal(got, table[nibble])
@@ -190,7 +191,7 @@ def test_block_kernel_configs(m, n, k, cfg):
     rng = _rng("block", m, n, k)
     p = rand_packed(rng, n, k, "nvfp4")
     x = rand_x(rng, m, k)
-    out = _forward(x, *_args(p), fmt="nvfp4", interpret=True, cfg=cfg, poison=True)
+    out = _forward(x, *_args(p), fmt=REGISTRY["nvfp4"], interpret=True, cfg=cfg, poison=True)
     assert out.shape == (m, n) and rel_err(out, reference(x, p)) < TOL
 
 
@@ -206,14 +207,14 @@ def test_block_mode_only_for_nvfp4_and_small_m():
     for fmt, m in (("mxfp4", 3), ("nf4", 3), ("nvfp4", 300)):
         p = rand_packed(rng, 48, 128, fmt)
         x = rand_x(rng, m, 128)
-        assert rel_err(_forward(x, *_args(p), fmt=fmt, interpret=True, cfg=block), reference(x, p)) < TOL
+        assert rel_err(_forward(x, *_args(p), fmt=REGISTRY[fmt], interpret=True, cfg=block), reference(x, p)) < TOL
 
 
-@pytest.mark.parametrize("fmt", packed_lib.FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_kernel(fmt):
     rng = _rng("deq", fmt)
     p = rand_packed(rng, 40, 128, fmt)  # 40 rows: a ragged last tile
-    w = _dequantize(*_args(p), fmt=fmt, interpret=True)
+    w = _dequantize(*_args(p), fmt=REGISTRY[fmt], interpret=True)
     want = packed_lib.dequantize(p, jnp.float32)
     # nvfp4 / mxfp4: table * scale is exact in bf16, then one rounding after / global_scale;
     # nf4 also rounds its table entry, its absmax and the product to bf16.
@@ -227,7 +228,7 @@ def test_public_dequantize_bf16_of_a_matrix_and_of_a_stacked_layer():
     w = pallas_kernels.dequantize_bf16(layers[1])
     assert w.dtype == jnp.bfloat16 and w.shape == (40, 64)
     np.testing.assert_array_equal(
-        np.asarray(w, np.float32), np.asarray(_dequantize(*_args(layers[1]), fmt="nvfp4", interpret=True), np.float32)
+        np.asarray(w, np.float32), np.asarray(_dequantize(*_args(layers[1]), fmt=REGISTRY["nvfp4"], interpret=True), np.float32)
     )
     np.testing.assert_array_equal(
         np.asarray(pallas_kernels.dequantize_bf16(stack, layer=jnp.int32(1)), np.float32), np.asarray(w, np.float32)
@@ -257,10 +258,10 @@ def test_backward_kernel(fmt, m, n, k):
     dy = rand_x(rng, m, n)
     want = jnp.dot(dy.astype(jnp.float32), packed_lib.dequantize(p, jnp.float32), precision=jax.lax.Precision.HIGHEST)
     fused = autotune.Config(bm=64, bn=0, bk=64, bc=64)  # the default for M > 64 is "dequant"
-    out = _backward(dy, *_args(p), fmt=fmt, interpret=True, poison=True, cfg=fused)
+    out = _backward(dy, *_args(p), fmt=REGISTRY[fmt], interpret=True, poison=True, cfg=fused)
     assert out.shape == (m, k) and out.dtype == jnp.bfloat16
     assert rel_err(out, want) < TOL
-    out = _backward(dy, *_args(p), fmt=fmt, interpret=True, cfg=autotune.Config(bm=64, bn=0, bk=64, mode="dequant"))
+    out = _backward(dy, *_args(p), fmt=REGISTRY[fmt], interpret=True, cfg=autotune.Config(bm=64, bn=0, bk=64, mode="dequant"))
     assert rel_err(out, want) < TOL
 
 
@@ -324,7 +325,7 @@ def test_errors_before_launch():
         qm(x, stacked)
     with pytest.raises(TypeError, match="PackedWeight"):
         qm(x, jnp.zeros((48, 64), jnp.bfloat16))
-    with pytest.raises(ValueError, match="fmt"):
+    with pytest.raises(ValueError, match="unknown packed format 'int4'"):
         qm(x, packed_lib.replace(p, fmt="int4"))
 
 
@@ -345,9 +346,9 @@ def test_stacked_weights_read_in_place_equal_the_slice(fmt, m, cfg):
     layers = [rand_packed(rng, 72, 256, fmt) for _ in range(3)]
     stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     x = rand_x(rng, m, 256)
-    run = jax.jit(lambda x, l: _forward(x, *_args(stack), fmt=fmt, interpret=True, cfg=cfg, layer=l, poison=True))
+    run = jax.jit(lambda x, l: _forward(x, *_args(stack), fmt=REGISTRY[fmt], interpret=True, cfg=cfg, layer=l, poison=True))
     for layer in range(3):
-        want = _forward(x, *_args(layers[layer]), fmt=fmt, interpret=True, cfg=cfg)
+        want = _forward(x, *_args(layers[layer]), fmt=REGISTRY[fmt], interpret=True, cfg=cfg)
         assert rel_err(want, reference(x, layers[layer])) < TOL
         np.testing.assert_array_equal(np.asarray(run(x, jnp.int32(layer)), np.float32), np.asarray(want, np.float32))
 

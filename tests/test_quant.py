@@ -8,10 +8,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels.numerics import _div_rn_integer, exact_div
 from qerl_jax import quant
 from qerl_jax.quant import compressed_tensors as qct
+from qerl_jax.quant import packed as packed_lib
+from qerl_jax.quant.formats import E2M1_VALUES, NF4_VALUES
 from qerl_jax.quant.nvfp4 import round_to_bf16, round_to_e4m3
-from qerl_jax.quant.packed import E2M1_VALUES, NF4_VALUES, _div_rn_integer, e8m0_to_f32, exact_div, unpack_codes
+from qerl_jax.quant.packed import e8m0_to_f32, unpack_codes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
@@ -37,7 +40,7 @@ def ct_compress(w: torch.Tensor, fmt: str, fused_with: tuple[torch.Tensor, ...] 
     are the other shards (q/k/v, gate/up) whose min/max the nvfp4 global scale also covers.
     """
     scheme = preset_name_to_scheme(_CT_SCHEMES[fmt], ["Linear"])
-    block = quant.BLOCK_SIZES[fmt]
+    block = quant.REGISTRY[fmt].block_size
     groups = w.unflatten(-1, (-1, block))
     state = {"weight": w}
     gs = None
@@ -394,7 +397,7 @@ def test_bf16_and_unknown_formats():
 
 @pytest.mark.parametrize("fmt,k", [("nvfp4", 24), ("mxfp4", 48), ("nf4", 96)])
 def test_k_not_multiple_of_block(fmt, k):
-    with pytest.raises(ValueError, match=f"K={k} is not a multiple of {quant.BLOCK_SIZES[fmt]}"):
+    with pytest.raises(ValueError, match=f"K={k} is not a multiple of {quant.REGISTRY[fmt].block_size}"):
         quant.quantize(jnp.ones((4, k)), fmt)
 
 
@@ -483,3 +486,19 @@ def test_quantize_params_other_formats_and_errors():
         quant.quantize_params(bad, "nvfp4")
     with pytest.raises(ValueError, match="already quantized"):
         quant.quantize_params(quant.quantize_params(params, "nf4"), "nvfp4")
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_format_record_describes_what_the_quantizer_writes(fmt):
+    rec = quant.REGISTRY[fmt]
+    w = jnp.asarray(np.random.default_rng(7).standard_normal((4, 128)), jnp.float32)
+    p = quant.quantize(w, fmt)
+    assert p.format is rec and rec.name == fmt
+    assert p.scales.dtype == rec.scale_dtype and p.scales.shape == (4, 128 // rec.block_size)
+    assert rec.scale_bytes == np.dtype(p.scales.dtype).itemsize
+    codes = np.asarray(unpack_codes(p.codes)).astype(np.int64)
+    blocks = np.asarray(quant.dequantize(p), np.float64).reshape(4, -1, rec.block_size)
+    scale = np.asarray(packed_lib.block_scales_f32(p), np.float64)[..., None]
+    table = np.asarray(rec.code_table, np.float64)
+    np.testing.assert_allclose(blocks, (table[codes].reshape(blocks.shape) * scale), rtol=1e-6)
+    assert quant.CONFIG_FORMATS == (quant.DENSE, *quant.FORMATS)

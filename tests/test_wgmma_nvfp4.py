@@ -16,14 +16,14 @@ from conftest import stream_k_partials
 
 from pallas_kernels import wgmma_nvfp4 as wn
 from qerl_jax.quant import quantize
-from qerl_jax.quant.packed import CODE_TABLES
+from qerl_jax.quant.formats import REGISTRY
 
 
 def _dequant_np(p):
     codes = np.asarray(p.codes)
     scales = np.asarray(p.scales.astype(jnp.float32))
     nib = np.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)
-    return np.asarray(CODE_TABLES["nvfp4"], np.float32)[nib] * np.repeat(scales, 16, axis=1)
+    return np.asarray(REGISTRY["nvfp4"].code_table, np.float32)[nib] * np.repeat(scales, 16, axis=1)
 
 
 def _weights(n, k, seed=0):

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from qerl_jax.linear import PROJ_OUT, fused_linear, linear, stack_loras
+from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_PROJECTIONS = PROJECTIONS[:4]
 _MASK_VALUE = -1e30  # finite, so fully masked rows (left padding) give a uniform softmax, not NaN
 
@@ -268,11 +268,6 @@ class DecodeSlots:
     end_B: jax.Array
 
 
-# Projections of one input that may be stored fused (`qerl_jax.linear.Fused`) under
-# `fused_name(group)` in a layer's base variables.
-FUSABLE_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 def fused_name(group: tuple[str, ...]) -> str:
     """The base-variable name of a fused group, e.g. "q_proj+k_proj+v_proj"."""
     return "+".join(group)
@@ -323,7 +318,7 @@ class DecoderLayer(nn.Module):
         b, t, _ = h_BxTxD.shape
         x = rms_norm(h_BxTxD, self.get_variable("norms", "input_layernorm"), cfg.rms_norm_eps)
         inv_freq = rope_inv_freq(cfg)
-        q, k, v = self._projs(FUSABLE_PROJECTIONS[0], x)
+        q, k, v = self._projs(FUSED_GROUPS[0], x)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -376,7 +371,7 @@ class DecoderLayer(nn.Module):
         b, t, _ = h_BxTxD.shape
         h_BxTxD = h_BxTxD + self._proj("o_proj", attn_BxTxHxD.reshape(b, t, -1))
         x = rms_norm(h_BxTxD, self.get_variable("norms", "post_attention_layernorm"), cfg.rms_norm_eps)
-        gate, up = self._projs(FUSABLE_PROJECTIONS[1], x)
+        gate, up = self._projs(FUSED_GROUPS[1], x)
         gated = jax.nn.silu(gate) * up
         return h_BxTxD + self._proj("down_proj", gated)
 

@@ -16,25 +16,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
 from qerl_jax.quant import compressed_tensors
+from qerl_jax.quant.formats import CONFIG_FORMATS, DENSE, FORMATS, REGISTRY, Format
 from qerl_jax.quant.mxfp4 import quantize_mxfp4
 from qerl_jax.quant.nf4 import quantize_nf4
 from qerl_jax.quant.nvfp4 import quantize_nvfp4
-from qerl_jax.quant.packed import (
-    BLOCK_SIZES,
-    CODE_TABLES,
-    FORMATS,
-    PackedWeight,
-    dequantize,
-    is_packed,
-)
+from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed
 
 __all__ = [
-    "BLOCK_SIZES",
-    "CODE_TABLES",
     "CONFIG_FORMATS",
+    "DENSE",
     "FORMATS",
-    "FUSED_GROUPS",
+    "REGISTRY",
+    "Format",
     "PackedWeight",
     "compressed_tensors",
     "dequantize",
@@ -44,11 +39,6 @@ __all__ = [
     "quantize_params",
 ]
 
-CONFIG_FORMATS = ("bf16",) + FORMATS
-# Projections that inference engines fuse into one matmul (vLLM: qkv_proj, gate_up_proj);
-# with NVFP4 they must share one global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _DENSE_ONLY = ("embed", "lm_head")  # read as dense matrices by the model (gather / logits)
 
 # Jitted so that eager calls compile once per shape instead of op by op; under an outer
@@ -59,7 +49,7 @@ _amax = jax.jit(lambda w: jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))
 
 
 def _check_format(fmt: str) -> None:
-    if fmt == "bf16":
+    if fmt == DENSE:
         raise ValueError(
             "'bf16' is not a quantized format: quantize() only produces 4-bit PackedWeights "
             f"({', '.join(FORMATS)}); use maybe_quantize(w, 'bf16') to keep a weight dense"
@@ -76,7 +66,7 @@ def _check_weight(w: jax.Array, fmt: str, name: str | None) -> None:
         raise ValueError(f"{what} must be [..., N, K]; got shape {tuple(w.shape)}")
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise TypeError(f"{what} must have a float dtype; got {w.dtype}")
-    block = BLOCK_SIZES[fmt]
+    block = REGISTRY[fmt].block_size
     if w.shape[-1] % block:
         raise ValueError(
             f"{fmt} quantizes blocks of {block} along K (the last axis); {what} has shape "
@@ -117,7 +107,7 @@ def _quantize_checked(w: jax.Array, fmt: str, amax: jax.Array | None) -> PackedW
 
 def maybe_quantize(w: jax.Array, fmt: str, **kw) -> jax.Array | PackedWeight:
     """`quantize(w, fmt)` for a 4-bit format; w cast to bfloat16 for "bf16"."""
-    if fmt == "bf16":
+    if fmt == DENSE:
         return jnp.asarray(w).astype(jnp.bfloat16)
     return quantize(w, fmt, **kw)
 
@@ -139,11 +129,11 @@ def quantize_params(
     Biases, norms, LoRA, embed and lm_head are returned unchanged (same arrays). For "bf16"
     the projection weights are cast to bfloat16.
     """
-    if fmt != "bf16":
+    if fmt != DENSE:
         _check_format(fmt)
-    unknown = [s for s in skip if s not in _PROJECTIONS + _DENSE_ONLY]
+    unknown = [s for s in skip if s not in PROJECTIONS + _DENSE_ONLY]
     if unknown:
-        raise ValueError(f"skip names {unknown} are unknown; expected names from {_PROJECTIONS + _DENSE_ONLY}")
+        raise ValueError(f"skip names {unknown} are unknown; expected names from {PROJECTIONS + _DENSE_ONLY}")
     must_skip = [s for s in _DENSE_ONLY if s not in skip]
     if must_skip:
         raise ValueError(
@@ -151,12 +141,12 @@ def quantize_params(
             "so they cannot be quantized"
         )
     layers = params["base"]["layers"]
-    todo = [p for p in _PROJECTIONS if p in layers and p not in skip]
+    todo = [p for p in PROJECTIONS if p in layers and p not in skip]
     for proj in todo:
         w = layers[proj]["w"]
         if is_packed(w):
             raise ValueError(f"params['base']['layers']['{proj}']['w'] is already quantized ({w.fmt})")
-        if fmt != "bf16":
+        if fmt != DENSE:
             _check_weight(jnp.asarray(w), fmt, f"base.layers.{proj}.w")
 
     amax = {}
@@ -173,7 +163,7 @@ def quantize_params(
     new_layers = dict(layers)
     for proj in todo:
         w = jnp.asarray(layers[proj]["w"])
-        qw = w.astype(jnp.bfloat16) if fmt == "bf16" else _quantize_checked(w, fmt, amax.get(proj))
+        qw = w.astype(jnp.bfloat16) if fmt == DENSE else _quantize_checked(w, fmt, amax.get(proj))
         new_layers[proj] = {**layers[proj], "w": qw}
     base = {**params["base"], "layers": new_layers}
     return {**params, "base": base}

@@ -27,9 +27,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight
+from qerl_jax.quant.formats import CT_FORMATS, FORMATS, MXFP4, NVFP4, REGISTRY
+from qerl_jax.quant.packed import PackedWeight
 
-CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 # The compressed-tensors release whose serialization `quantization_config` reproduces.
 CT_VERSION = "0.20.0"
 TENSOR_SUFFIXES = {
@@ -39,7 +39,7 @@ TENSOR_SUFFIXES = {
 _WEIGHT_ARGS = {
     "nvfp4": {
         "dynamic": False,
-        "group_size": 16,
+        "group_size": NVFP4.block_size,
         "num_bits": 4,
         "scale_dtype": "torch.float8_e4m3fn",
         "strategy": "tensor_group",
@@ -48,7 +48,7 @@ _WEIGHT_ARGS = {
     },
     "mxfp4": {
         "dynamic": False,
-        "group_size": 32,
+        "group_size": MXFP4.block_size,
         "num_bits": 4,
         "scale_dtype": "torch.uint8",
         "strategy": "group",
@@ -65,7 +65,7 @@ _NO_CT_FORMAT = (
 def _check_ct_format(fmt: str) -> None:
     if fmt in CT_FORMATS:
         return
-    if fmt in BLOCK_SIZES:
+    if fmt in FORMATS:
         raise ValueError(_NO_CT_FORMAT.format(fmt=fmt))
     raise ValueError(f"unknown format {fmt!r}; expected one of {tuple(CT_FORMATS)}")
 
@@ -77,7 +77,7 @@ def quantization_config(fmt: str, ignore: Iterable[str] = ("lm_head",)) -> dict[
     those in `ignore` (module names, or "re:<regex>" patterns).
     """
     _check_ct_format(fmt)
-    ct_format = CT_FORMATS[fmt]
+    ct_format = REGISTRY[fmt].ct_name
     return {
         "config_groups": {
             "group_0": {
@@ -146,7 +146,7 @@ def detect_format(hf_config: Mapping[str, Any]) -> str | None:
     if method != "compressed-tensors":
         raise ValueError(
             f"config.json quantization_config.quant_method={method!r} is not supported; expected "
-            f"'compressed-tensors' with format {' or '.join(repr(v) for v in CT_FORMATS.values())}"
+            f"'compressed-tensors' with format {' or '.join(repr(REGISTRY[f].ct_name) for f in CT_FORMATS)}"
         )
     if qc.get("transform_config"):
         raise ValueError("config.json quantization_config.transform_config is set (rotated weights); not supported")
@@ -168,9 +168,9 @@ def detect_format(hf_config: Mapping[str, Any]) -> str | None:
             raise ValueError(f"{field}.weights is null (activation-only quantization); not supported")
         fmt = _weights_format(weights, f"{field}.weights")
         stored = group.get("format") or qc.get("format")
-        if stored not in (None, CT_FORMATS[fmt]):
+        if stored not in (None, REGISTRY[fmt].ct_name):
             raise ValueError(
-                f"{field}.format={stored!r} does not match its {fmt} weights; expected {CT_FORMATS[fmt]!r}"
+                f"{field}.format={stored!r} does not match its {fmt} weights; expected {REGISTRY[fmt].ct_name!r}"
             )
         for act in ("input_activations", "output_activations"):
             if group.get(act) is not None:
@@ -209,7 +209,7 @@ def packed_from_tensors(tensors: Mapping[str, np.ndarray], fmt: str) -> PackedWe
     if codes.dtype != np.uint8 or codes.ndim != 2:
         raise ValueError(f"weight_packed must be uint8 [N, K/2]; got {codes.dtype} {codes.shape}")
     n, half_k = codes.shape
-    block = BLOCK_SIZES[fmt]
+    block = REGISTRY[fmt].block_size
     if (2 * half_k) % block or scales.shape != (n, 2 * half_k // block):
         raise ValueError(
             f"{fmt} weight_scale must be [N, K/{block}] = [{n}, {2 * half_k // block}] for weight_packed "

@@ -17,10 +17,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qerl_jax.quant.formats import MXFP4
 from qerl_jax.quant.nvfp4 import E2M1_MAX, e2m1_codes
-from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight, pack_codes
+from qerl_jax.quant.packed import PackedWeight, pack_codes
 
-BLOCK = BLOCK_SIZES["mxfp4"]
+BLOCK = MXFP4.block_size
 _E2M1_EMAX = 2  # floor(log2(6))
 
 

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax.quant.packed import BLOCK_SIZES, NF4_VALUES, PackedWeight, exact_div, pack_codes
+from pallas_kernels.numerics import exact_div
+from qerl_jax.quant.formats import NF4, NF4_VALUES
+from qerl_jax.quant.packed import PackedWeight, pack_codes
 
-BLOCK = BLOCK_SIZES["nf4"]
+BLOCK = NF4.block_size
 # NF4_VALUES is sorted ascending, so the code of a value is the number of midpoints below it.
 NF4_MIDPOINTS = ((NF4_VALUES[1:] + NF4_VALUES[:-1]) / 2).astype(np.float32)
 

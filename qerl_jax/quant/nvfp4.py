@@ -32,9 +32,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qerl_jax.quant.packed import BLOCK_SIZES, PackedWeight, exact_div, pack_codes
+from pallas_kernels.numerics import exact_div
+from qerl_jax.quant.formats import NVFP4
+from qerl_jax.quant.packed import PackedWeight, pack_codes
 
-BLOCK = BLOCK_SIZES["nvfp4"]
+BLOCK = NVFP4.block_size
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # calculate_qparams replaces zero scales with the fp8 "eps" of compressed-tensors.

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
-from qerl_jax.models.qwen2 import FUSABLE_PROJECTIONS, fused_name
+from qerl_jax.models.qwen2 import fused_name
+from qerl_jax.projections import FUSED_GROUPS
 from qerl_jax.quant.packed import dequantize, is_packed
 
 # From this many decode rows the Pallas kernels dequantize packed weights to bf16 before a
@@ -47,7 +48,7 @@ SMALL_DENSE_WEIGHTS = 6 * 2**20
 # (pallas_kernels/wgmma_nvfp4.py; H100: 2.1-2.8x a bf16 dot on the 7B / 32B MLP shapes at
 # M <= 16 and 1.2-2.2x at M = 64, 0.75-1.3x on q/o, against 0.9-1.3x for the Triton kernel; the
 # 7B rollout step 1.5x bf16 at 64 rows with it, 0.96x without; RESULTS.md), q/k/v and gate/up
-# concatenated into one call each (FUSABLE_PROJECTIONS; k/v then skip their small copies).
+# concatenated into one call each (FUSED_GROUPS; k/v then skip their small copies).
 WGMMA_MAX_ROWS = 64
 
 
@@ -64,7 +65,7 @@ def split_layers(
     of reading them packed: those of `dense_names` (default all); None keeps them packed.
     wgmma_names: packed NVFP4 projections repacked per layer for the Hopper wgmma kernel
     (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size); those that complete a
-    group of FUSABLE_PROJECTIONS become one `Fused` weight under the group's `fused_name`. A
+    group of FUSED_GROUPS become one `Fused` weight under the group's `fused_name`. A
     projection with both copies reads the repacked one up to the kernel's rows, else the bf16 one.
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
@@ -125,13 +126,13 @@ def layer_vars(run_params: dict[str, Any], layer: int) -> dict[str, Any]:
 
 
 def fused_groups(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
-    """The groups of FUSABLE_PROJECTIONS all of whose projections are in `names`."""
-    return tuple(g for g in FUSABLE_PROJECTIONS if set(g) <= set(names))
+    """The groups of FUSED_GROUPS all of whose projections are in `names`."""
+    return tuple(g for g in FUSED_GROUPS if set(g) <= set(names))
 
 
 def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
     """Each stacked NVFP4 weight repacked for the wgmma kernel, per layer {name: `WgmmaWeight`};
-    the complete groups of FUSABLE_PROJECTIONS concatenated into {fused_name: `Fused`} instead."""
+    the complete groups of FUSED_GROUPS concatenated into {fused_name: `Fused`} instead."""
     from pallas_kernels import wgmma_nvfp4
 
     groups = fused_groups(tuple(packed))
@@ -292,7 +293,7 @@ def wgmma_weight_names(
     (`wgmma_nvfp4.available()`, or `kernel_available`), as many copies as fit `fits(bytes)`;
     True: all of them, wherever the kernel runs, whatever the rows; False: never. Only NVFP4
     projections with N and K multiples of 64, not in `exclude` (small bf16 copies), except that a
-    group of FUSABLE_PROJECTIONS is taken whole when one of it is taken and all of it has the
+    group of FUSED_GROUPS is taken whole when one of it is taken and all of it has the
     layout (one fused call beats a kernel call plus dense dots for the small k/v).
 
     When not all fit, the largest units (a fused group or a lone projection) are taken first

@@ -1,0 +1,77 @@
+"""Import structure: no cycles among the library's modules; the kernels stand alone.
+
+Every import counts, at module level or inside a function (a function-level import hides a
+cycle from the interpreter, not from the design). Importing `a.b.c` runs the `__init__` of
+`a.b` too, so it also depends on those packages, except the importer's own enclosing
+packages, which are already initialising when it runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("qerl_jax", "pallas_kernels")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The known modules an import statement names (for `from m import x`: m.x if a module, else m)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        anchor = module.split(".")
+        anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+        base = ".".join(anchor + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of qerl_jax and pallas_kernels it imports."""
+    modules = _modules()
+    known = set(modules)
+    graph = {m: set() for m in known}
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        own_packages = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + (2 if is_package else 1))}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for target in _imported(node, module, is_package, known):
+                parts = target.split(".")
+                for i in range(1, len(parts) + 1):
+                    dep = ".".join(parts[:i])
+                    if dep in known and dep not in own_packages and dep != module:
+                        graph[module].add(dep)
+    return graph
+
+
+def test_graph_sees_imports():
+    graph = import_graph()
+    assert "qerl_jax.quant.packed" in graph["qerl_jax.linear"]  # module level
+    assert "pallas_kernels" in graph["qerl_jax.linear"]  # function level
+    assert "qerl_jax.quant" in graph["qerl_jax.linear"]  # the package's __init__ runs first
+
+
+def test_no_import_cycles():
+    try:
+        tuple(graphlib.TopologicalSorter(import_graph()).static_order())
+    except graphlib.CycleError as e:
+        raise AssertionError("import cycle: " + " -> ".join(e.args[1])) from None
+
+
+def test_kernels_never_import_the_library():
+    graph = import_graph()
+    bad = [(m, d) for m, deps in graph.items() for d in deps if m.startswith("pallas_kernels") and d.startswith("qerl_jax")]
+    assert not bad, f"pallas_kernels imports qerl_jax: {bad}"
