@@ -15,7 +15,8 @@ Arms, identical in everything but what the name says:
 
 Everything else follows the reference (NVlabs/QeRL's GSM8K scripts): AdamW b 0.9 / 0.99, weight decay
 0.1, warm-up 0.1, cosine, grad clip 0.2, LoRA r 16 / alpha 16 on all 7 projections, DAPO's
-token-level loss with clip 0.2 / 0.28, beta 0, one update per rollout.
+token-level loss with clip 0.2 / 0.28, beta 0, one update per rollout, the input and
+post-attention RMSNorm scales trained beside LoRA (its --ln True).
 """
 
 from qerl_jax.config import data_path, default_config
@@ -62,6 +63,7 @@ def get_config(arm: str = "nvfp4_aqn"):
 
     c.lora.rank = 16
     c.lora.alpha = 16.0
+    c.lora.train_norms = True  # the reference's --ln True: RMSNorm scales trained beside LoRA
     c.optim.lr = spec["lr"]
     c.optim.b1, c.optim.b2 = 0.9, 0.99
     c.optim.weight_decay = 0.1
