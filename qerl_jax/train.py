@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate, workdir
+from qerl_jax import aqn, compile_cache, evaluation, lora, memory, reward_pool, rewards, sharding, validate, workdir
 from qerl_jax.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
@@ -69,7 +69,7 @@ def collect_experience(
     policy: Policy,
     rollout_params,
     loader: PromptLoader,
-    pool: rewards.RewardPool,
+    pool: reward_pool.RewardPool,
     key,
     batch_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Experience, dict[str, float]]:
@@ -345,7 +345,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}
-    with rewards.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
+    with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
         for step in bar:

@@ -401,7 +401,7 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
 
 
 def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_model_dir):
-    from qerl_jax import rewards
+    from qerl_jax import reward_pool
     from qerl_jax.data import PromptLoader, load_math_dataset
     from qerl_jax.policy import load_policy
 
@@ -419,7 +419,7 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     )
     policy = load_policy(cfg)
     loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
-    with rewards.RewardPool() as pool:
+    with reward_pool.RewardPool() as pool:
         exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
     assert exp is not None and 0 < exp.groups_kept <= 4
     assert stats["rollout/groups_sampled"] >= exp.groups_kept
@@ -489,7 +489,7 @@ def test_aqn_arm_at_sigma_zero_samples_the_same_rollouts_as_the_plain_arm(tmp_pa
 
 
 def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_model_dir):
-    from qerl_jax import rewards
+    from qerl_jax import reward_pool
     from qerl_jax.data import PromptLoader, load_math_dataset
     from qerl_jax.policy import load_policy
     from qerl_jax.rl import losses
@@ -508,7 +508,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     policy = load_policy(cfg)
     dataset = load_math_dataset(cfg.data.train)
     loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
-    with rewards.RewardPool(2, timeout_s=120.0) as pool:  # a worker's first item imports this module
+    with reward_pool.RewardPool(2, timeout_s=120.0) as pool:  # a worker's first item imports this module
         exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
     digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
     prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])
