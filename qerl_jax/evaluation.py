@@ -23,10 +23,12 @@ from absl import logging
 
 from qerl_jax import compile_cache, lora, reward_pool, rewards, validate
 from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
+from qerl_jax.config_adapters import lora_config, optimizer_from_config
 from qerl_jax.data import load_math_dataset, tokenize_prompts
+from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter
 from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
-from qerl_jax.policy import Policy, UserFacingError, load_policy, lora_config, optimizer_from_config
+from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl.step import init_train_state
 from qerl_jax.rollout.sampler import generate
 from qerl_jax.rollout.sampling import SamplingConfig

@@ -31,18 +31,12 @@ from qerl_jax.checkpoint import (
     CheckpointWriteError,
     mismatch_message,
 )
+from qerl_jax.config_adapters import aqn_config, lora_config, optimizer_from_config, sampling_config
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
+from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter, device_memory_stats
 from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
-from qerl_jax.policy import (
-    Policy,
-    UserFacingError,
-    aqn_config,
-    load_policy,
-    lora_config,
-    optimizer_from_config,
-    sampling_config,
-)
+from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
 from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch

@@ -23,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 from qerl_jax import aqn, linear, loader, optim, rewards
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
-from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
+from qerl_jax.errors import UserFacingError
+from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
 

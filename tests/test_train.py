@@ -19,8 +19,8 @@ from conftest import faulty_json_save, load_config
 import qerl_jax
 from qerl_jax import train
 from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import read_jsonl_scalars, read_scalars
-from qerl_jax.policy import UserFacingError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -326,7 +326,8 @@ def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_di
 
 def _train_state_like(cfg):
     from qerl_jax import lora
-    from qerl_jax.policy import load_policy, lora_config, optimizer_from_config
+    from qerl_jax.config_adapters import lora_config, optimizer_from_config
+    from qerl_jax.policy import load_policy
     from qerl_jax.rl.step import init_train_state
 
     policy = load_policy(cfg)
