@@ -30,6 +30,7 @@ from qerl_jax.checkpoint import (
     CheckpointReadError,
     CheckpointWriteError,
     mismatch_message,
+    saved_steps,
 )
 from qerl_jax.config_adapters import aqn_config, lora_config, optimizer_from_config, sampling_config
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
@@ -497,7 +498,7 @@ def run_summary(
     for name, value in sorted(eval_metrics.items()):
         if not name.endswith(("_seconds", "_response_length")):
             lines.append(f"  eval {name}: {value:.3f}")
-    steps = validate.saved_steps(checkpoint_dir)
+    steps = saved_steps(checkpoint_dir)
     if steps:
         lines.append(f"  last checkpoint: {os.path.join(checkpoint_dir, str(steps[-1]))}")
     if end == total:
