@@ -15,7 +15,7 @@ and train_tokens_computed (slots the train forward computes, padding included).
 For each base (bf16 LoRA, NF4, NVFP4) a child process builds the random model on the device
 (benchmarks/random_model.py) and runs the training loop's own pieces: `rollout.generate`
 (group sampling from shared prefills, fixed-length responses), the reward pool
-(`rewards.RewardPool`; random models have no tokenizer, so each completion is scored as the
+(`reward_pool.RewardPool`; random models have no tokenizer, so each completion is scored as the
 text of its token ids against a numeric answer, which exercises the same extraction and
 math-verify path), group advantages and the jitted train step (LoRA, the recipe's flash attention
 and remat choice, micro-batches). Each phase is compiled by a warm-up call first (the rollout
@@ -81,7 +81,7 @@ def run_case(args, fmt: str) -> dict:
     import random_model  # noqa: PLC0415
     import train_step  # noqa: PLC0415
 
-    from qerl_jax import lora, optim, rewards
+    from qerl_jax import lora, optim, reward_pool
     from qerl_jax.rl import losses
     from qerl_jax.rl.step import init_train_state, make_train_step
     from qerl_jax.rollout.sampler import generate, to_train_batch
@@ -152,7 +152,7 @@ def run_case(args, fmt: str) -> dict:
     tokens = np.asarray(batch.tokens)
     answers = [str(int(r[0]) % 100) for r in tokens]
     texts = [" ".join(map(str, r.tolist())) for r in tokens]
-    with rewards.RewardPool() as pool:
+    with reward_pool.RewardPool() as pool:
         pool.score(texts[:2], answers[:2])  # workers up
         t0 = time.perf_counter()
         scores = pool.score(texts, answers)
@@ -201,7 +201,7 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     import random_model  # noqa: PLC0415
     import rollout as rollout_bench  # noqa: PLC0415
 
-    from qerl_jax import lora, optim, rewards
+    from qerl_jax import lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import losses, packing
     from qerl_jax.rl.step import init_train_state, make_train_step
@@ -233,7 +233,7 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     tokens, got = np.asarray(batch.tokens), np.asarray(batch.lengths)
     answers = [str(int(r[0]) % 100) for r in tokens]
     texts = [" ".join(map(str, r[:k].tolist())) for r, k in zip(tokens, got)]
-    with rewards.RewardPool() as pool:
+    with reward_pool.RewardPool() as pool:
         pool.score(texts[:2], answers[:2])
         t0 = time.perf_counter()
         scores = pool.score(texts, answers)

@@ -27,9 +27,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qerl_jax  # noqa: E402
+from experiments.models import smollm2_gguf_path  # noqa: E402
 from qerl_jax import quant  # noqa: E402
 from qerl_jax.config import data_path  # noqa: E402
-from qerl_jax.gguf import smollm2_gguf_path  # noqa: E402
 from qerl_jax.models.qwen2 import PROJECTIONS  # noqa: E402
 
 

@@ -16,9 +16,9 @@ under SmolLM2's own system prompt: on 64 test problems that scored best of the t
 instructions 5% / 2%), so the policy starts low, with room to learn.
 """
 
+from experiments.models import smollm2_gguf_path
 from qerl_jax.config import default_config
 from qerl_jax.data import arithmetic
-from qerl_jax.gguf import smollm2_gguf_path
 from qerl_jax.loader import CheckpointError
 
 ARMS = {

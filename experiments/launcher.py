@@ -175,8 +175,9 @@ def worker_base(exp: Experiment, args) -> None:
     import numpy as np  # noqa: PLC0415
 
     from qerl_jax import aqn, evaluation  # noqa: PLC0415
+    from qerl_jax.config_adapters import aqn_config, sampling_config  # noqa: PLC0415
     from qerl_jax.data import load_math_dataset, tokenize_prompts  # noqa: PLC0415
-    from qerl_jax.policy import aqn_config, load_policy, sampling_config  # noqa: PLC0415
+    from qerl_jax.policy import load_policy  # noqa: PLC0415
     from qerl_jax.rollout.sampler import generate  # noqa: PLC0415
 
     out_dir = os.path.join(args.out, "base")

@@ -64,6 +64,13 @@ class Restored:
     skipped: list[str]  # "step N: why it could not be read (moved to ...)", newest first
 
 
+def saved_steps(checkpoint_dir: str) -> list[int]:
+    """The steps of the finished checkpoints in a run's checkpoint directory (orbax names them by step)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit())
+
+
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` for the train state + JSON metadata."""
 

@@ -2,7 +2,7 @@
 
 A bad flag, a config file that does not load, a misspelt config field (`--config.rollout.grop_size=3`)
 or a config that `qerl_jax.validate` refuses ends the command with status 2 and one `error:` line
-per problem on stderr; a problem found while running (`policy.UserFacingError`) with its own status.
+per problem on stderr; a problem found while running (`errors.UserFacingError`) with its own status.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run_command(
     """
     if len(argv) > 1:
         fail(f"unexpected arguments: {' '.join(argv[1:])} (config fields are set as --config.<section>.<field>=value)")
-    from qerl_jax.policy import UserFacingError  # noqa: PLC0415 (after flag parsing: fast --help)
+    from qerl_jax.errors import UserFacingError  # noqa: PLC0415 (after flag parsing: fast --help)
 
     cfg = None
     try:

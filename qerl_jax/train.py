@@ -23,26 +23,21 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, compile_cache, evaluation, lora, memory, rewards, sharding, validate, workdir
+from qerl_jax import aqn, compile_cache, evaluation, lora, memory, reward_pool, rewards, sharding, validate, workdir
 from qerl_jax.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
     CheckpointReadError,
     CheckpointWriteError,
     mismatch_message,
+    saved_steps,
 )
+from qerl_jax.config_adapters import aqn_config, lora_config, optimizer_from_config, sampling_config
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
+from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter, device_memory_stats
 from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
-from qerl_jax.policy import (
-    Policy,
-    UserFacingError,
-    aqn_config,
-    load_policy,
-    lora_config,
-    optimizer_from_config,
-    sampling_config,
-)
+from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
 from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch
@@ -69,7 +64,7 @@ def collect_experience(
     policy: Policy,
     rollout_params,
     loader: PromptLoader,
-    pool: rewards.RewardPool,
+    pool: reward_pool.RewardPool,
     key,
     batch_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Experience, dict[str, float]]:
@@ -345,7 +340,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}
-    with rewards.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
+    with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
         for step in bar:
@@ -503,7 +498,7 @@ def run_summary(
     for name, value in sorted(eval_metrics.items()):
         if not name.endswith(("_seconds", "_response_length")):
             lines.append(f"  eval {name}: {value:.3f}")
-    steps = validate.saved_steps(checkpoint_dir)
+    steps = saved_steps(checkpoint_dir)
     if steps:
         lines.append(f"  last checkpoint: {os.path.join(checkpoint_dir, str(steps[-1]))}")
     if end == total:

@@ -21,9 +21,11 @@ import ml_collections
 from safetensors import SafetensorError, safe_open
 
 from qerl_jax import aqn, linear, loader, optim, rewards
+from qerl_jax.checkpoint import saved_steps
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
+from qerl_jax.errors import UserFacingError
+from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
-from qerl_jax.policy import UserFacingError, resolve_model_dir, tiny_model_dir
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
 
@@ -380,13 +382,6 @@ def _file_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any], command: s
         if config is not None:
             out += _model_fit_problems(config, raw, f, command)
     return out
-
-
-def saved_steps(checkpoint_dir: str) -> list[int]:
-    """The steps of the finished checkpoints in a run's checkpoint directory (orbax names them by step)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    return sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit())
 
 
 def _dataset_problems(path: str, name: str, max_bad_fraction: float = 1.0) -> list[str]:

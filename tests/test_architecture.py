@@ -75,3 +75,20 @@ def test_kernels_never_import_the_library():
     graph = import_graph()
     bad = [(m, d) for m, deps in graph.items() for d in deps if m.startswith("pallas_kernels") and d.startswith("qerl_jax")]
     assert not bad, f"pallas_kernels imports qerl_jax: {bad}"
+
+
+def test_the_model_never_imports_training_or_rollout():
+    graph = import_graph()
+    above = ("qerl_jax.rl", "qerl_jax.rollout", "qerl_jax.train", "qerl_jax.evaluation")
+    bad = [(m, d) for m, deps in graph.items() for d in deps if m.startswith("qerl_jax.models") and d.startswith(above)]
+    assert not bad, f"qerl_jax.models imports the layers above it: {bad}"
+
+
+def test_the_library_never_imports_experiments_or_benchmarks():
+    bad = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [(module, n) for n in names if n.split(".")[0] in ("experiments", "benchmarks")]
+    assert not bad, f"library modules import experiments/benchmarks: {bad}"

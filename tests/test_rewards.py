@@ -1,17 +1,11 @@
-"""Tests for qerl_jax.rewards: extraction, equivalence cases, the process pool."""
+"""Tests for qerl_jax.rewards: extraction, equivalence cases, the registry, reward specs."""
 
-import concurrent.futures
 import fractions
 import json
-import os
 import pathlib
-import random
 import re
-import signal
 import threading
-import time
 
-import numpy as np
 import pytest
 
 from qerl_jax import rewards as R
@@ -21,26 +15,6 @@ CASES_PATH = pathlib.Path(__file__).with_name("reward_cases.jsonl")
 CASES = [json.loads(line) for line in CASES_PATH.read_text().splitlines() if line.strip()]
 _DATA = tiny.default_data_dir()
 MATH500 = (_DATA / "math500" / "test.jsonl") if _DATA else pathlib.Path("/nonexistent")
-
-
-def _sleepy_reward(completion: str, answer: str) -> float:
-    """Test reward: hangs (uninterruptibly, no alarm is set) on "hang"."""
-    if completion == "hang":
-        time.sleep(600)
-    return 1.0 if completion == answer else 0.0
-
-
-def _raising_reward(completion: str, answer: str) -> float:
-    if completion == "boom":
-        raise RuntimeError("boom")
-    return 0.5
-
-
-def _dying_reward(completion: str, answer: str) -> float:
-    """Test reward: its worker process is killed (as by the OOM killer) on "die"."""
-    if completion == "die":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return 1.0 if completion == answer else 0.0
 
 
 def _prompt_reward(completion: str, answer: str, prompt: str, *, source_id: str = "") -> float:
@@ -53,12 +27,6 @@ def _row_reward(completion: str, answer: str, **row) -> float:
     if completion == "boom":
         raise ValueError("boom")
     return float(row["index"])
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with R.RewardPool(2, timeout_s=20.0) as p:
-        yield p
 
 
 # ---------------------------------------------------------------- cases file
@@ -91,14 +59,6 @@ def test_cases_file_covers_enough():
 def test_reward_case_inline(case):
     fn = R.get_reward_fn(case["reward"])
     assert fn(case["completion"], case["ground_truth"]) == pytest.approx(case["expected"])
-
-
-def test_reward_cases_through_pool(pool):
-    for name in sorted({c["reward"] for c in CASES}):
-        sub = [c for c in CASES if c["reward"] == name]
-        got = pool.score([c["completion"] for c in sub], [c["ground_truth"] for c in sub], name)
-        assert got.dtype == np.float32 and got.shape == (len(sub),)
-        np.testing.assert_allclose(got, [c["expected"] for c in sub], atol=1e-6)
 
 
 # ---------------------------------------------------------------- extraction
@@ -227,129 +187,6 @@ def test_registry():
         R.register_reward("accuracy")(lambda c, a: 0.0)
 
 
-# ---------------------------------------------------------------- pool
-
-
-def test_long_garbage_returns_zero_quickly(pool):
-    rng = random.Random(0)
-    alphabet = "0123456789{}\\^_()[]+-*/=., abcxyz$"
-    garbage = "".join(rng.choice(alphabet) for _ in range(300_000))
-    completions = [
-        garbage,
-        "\\boxed{" + garbage,  # Never closed.
-        "\\boxed{" + "{" * 50_000 + "1" + "}" * 50_000 + "}",  # Very deep nesting.
-        "\\boxed{" + "\\frac{1}{" * 150 + "2" + "}" * 150 + "}",  # Deep but short.
-        "\\boxed{9^{9^{9^{9^{9}}}}}",  # Power tower: huge if evaluated.
-        "\\boxed{" + "(" * 400 + ")" * 400 + "}",
-    ]
-    t0 = time.monotonic()
-    got = pool.score(completions, ["7"] * len(completions))
-    assert time.monotonic() - t0 < 30.0
-    np.testing.assert_array_equal(got, np.zeros(len(completions), np.float32))
-
-
-def test_submit_returns_future_in_order(pool):
-    n = 40
-    completions = [f"step... \\boxed{{{i}}}" for i in range(n)]
-    answers = [str(i if i % 3 else i + 1) for i in range(n)]
-    fut = pool.submit(completions, answers)
-    assert isinstance(fut, concurrent.futures.Future)
-    got = fut.result(timeout=120)
-    np.testing.assert_array_equal(got, [0.0 if i % 3 == 0 else 1.0 for i in range(n)])
-    assert pool.score([], []).shape == (0,)
-
-
-def test_timeout_kills_hung_worker_and_recovers(pool):
-    # Each worker first imports this module to unpickle the reward fn: seconds on a loaded
-    # CI machine, which must not count against the per-item limit below.
-    np.testing.assert_array_equal(pool.score(["a", "b"], ["a", "x"], _sleepy_reward, timeout_s=60.0), [1.0, 0.0])
-    timeouts_before = pool.stats["timeouts"]
-    t0 = time.monotonic()
-    got = pool.score(["hang", "a", "b", "c"], ["hang", "a", "x", "c"], _sleepy_reward, timeout_s=6.0)
-    assert time.monotonic() - t0 < 60.0
-    np.testing.assert_array_equal(got, [0.0, 1.0, 0.0, 1.0])
-    assert pool.stats["timeouts"] == timeouts_before + 1
-    # The replaced worker serves later batches.
-    got = pool.score(["\\boxed{3}"] * 4, ["3"] * 4)
-    np.testing.assert_array_equal(got, np.ones(4, np.float32))
-
-
-def test_killed_worker_scores_zero_and_is_replaced(pool):
-    crashes_before = pool.stats["crashes"]
-    got = pool.score(["a", "die", "b", "c"], ["a", "die", "x", "c"], _dying_reward, timeout_s=60.0)
-    np.testing.assert_array_equal(got, [1.0, 0.0, 0.0, 1.0])
-    assert pool.stats["crashes"] == crashes_before + 1
-    assert all(w.proc.poll() is None for w in pool._workers)  # the dead worker was replaced
-    np.testing.assert_array_equal(pool.score(["\\boxed{3}"] * 4, ["3"] * 4), np.ones(4, np.float32))
-
-
-def test_code_and_explosive_latex_score_zero_without_running(pool, tmp_path):
-    """Completions that are code, LaTeX that blows up a parser or 1 MB answers score 0 within the
-    pool's per-item limit, and nothing in them runs."""
-    pwned = tmp_path / "PWNED"
-    shell = f"__import__('os').system('touch {pwned}')"
-    cases = [
-        (shell, "-5"),  # GSM8K-style: the last number is taken, the text never evaluated
-        (shell, "x^2"),
-        ("\\boxed{" + shell + "}", "x"),  # math-verify's LaTeX parser sees it
-        ("\\boxed{exec(\"import os; os.system('touch " + str(pwned) + "')\")}", "2"),
-        ("\\boxed{(10^{10^{10}})!}", "3"),
-        ("\\boxed{9^{9^{9^{9^{9^{9}}}}}}", "x+1"),
-        ("\\boxed{100000000!}", "x"),
-        ("\\boxed{\\binom{10^{10}}{10^{5}}}", "x"),
-        ("\\boxed{\\sqrt{-1}^{10^{100}}}", "x"),
-        ("\\boxed{" + "\\left(" * 2000 + "}", "x"),
-        ("\\boxed{" + "1" * 1_000_000 + "}", "1"),  # a 1 MB answer
-        ("x" * 1_000_000 + " so 1", "x"),
-    ]
-    t0 = time.monotonic()
-    got = pool.score([c for c, _ in cases] + ["\\boxed{7}"], [a for _, a in cases] + ["7"])
-    elapsed = time.monotonic() - t0
-    np.testing.assert_array_equal(got, [0.0] * len(cases) + [1.0])
-    assert not pwned.exists()
-    # Two workers, each item cut at the pool's 20 s limit at worst (math-verify's own alarms stop
-    # the slow ones after ~3 s).
-    assert elapsed < 20.0 * (len(cases) + 1) / 2, elapsed
-
-
-def test_reward_fn_exception_scores_zero(pool):
-    errors_before = pool.stats["errors"]
-    got = pool.score(["ok", "boom", "ok"], ["1", "1", "1"], _raising_reward)
-    np.testing.assert_array_equal(got, [0.5, 0.0, 0.5])
-    assert pool.stats["errors"] == errors_before + 1
-
-
-def test_pool_bad_input(pool):
-    with pytest.raises(ValueError, match="2 completions but 1 answers"):
-        pool.submit(["a", "b"], ["1"])
-    with pytest.raises(TypeError, match=r"answers\[1\] is int"):
-        pool.submit(["a", "b"], ["1", 2])
-    with pytest.raises(ValueError, match="cannot be sent"):
-        pool.submit(["a"], ["1"], lambda c, a: 1.0)
-    with pytest.raises(ValueError, match="unknown reward function"):
-        pool.submit(["a"], ["1"], "nope")
-    with pytest.raises(ValueError, match="num_workers"):
-        R.RewardPool(0)
-
-
-def test_score_batch_with_and_without_pool(pool):
-    completions = ["\\boxed{1,000}", "The answer is 999.", "\\boxed{\\dfrac{3}{4}}"]
-    answers = ["1000", "1000", "0.75"]
-    np.testing.assert_array_equal(R.score_batch(completions, answers, pool=pool), [1, 0, 1])
-    got = R.score_batch(completions, answers, "accuracy_format", num_workers=1)
-    np.testing.assert_allclose(got, [1.1, 0.0, 1.1], rtol=1e-6)
-
-
-def test_closed_pool_refuses_work():
-    p = R.RewardPool(1)
-    procs = [w.proc for w in p._workers]
-    p.close()
-    p.close()  # Idempotent.
-    assert all(proc.poll() is not None for proc in procs)
-    with pytest.raises(RuntimeError, match="closed"):
-        p.submit(["a"], ["1"])
-
-
 def test_call_reward_passes_the_fields_a_reward_names():
     fields = {"prompt": "abc", "source_id": "gold", "index": 7}
     assert R.call_reward(_prompt_reward, "x", "1", fields) == 103.0  # index not passed: not a parameter
@@ -372,19 +209,3 @@ def test_parse_reward_spec():
     ):
         with pytest.raises(ValueError, match=match):
             R.parse_reward_spec(spec, weights)
-
-
-def test_score_each_runs_every_reward_with_the_row_fields_in_the_workers(pool):
-    completions = ["\\boxed{3}", "boom", "no"]
-    fields = [{"prompt": "p" * (i + 1), "source_id": "gold" if i == 2 else "s", "index": 10 + i} for i in range(3)]
-    errors_before = pool.stats["errors"]
-    got = pool.score_each(
-        completions, ["3", "3", "3"], ["accuracy", _prompt_reward, _row_reward], fields=fields
-    )
-    assert got.shape == (3, 3) and got.dtype == np.float32
-    np.testing.assert_array_equal(got[0], [1.0, 0.0, 0.0])  # accuracy
-    np.testing.assert_array_equal(got[1], [1.0, 2.0, 103.0])  # len(prompt) + 100 for "gold"
-    np.testing.assert_array_equal(got[2], [10.0, 0.0, 12.0])  # "boom" raised: 0 for that item only
-    assert pool.stats["errors"] == errors_before + 1
-    with pytest.raises(ValueError, match="3 completions but 2 field dicts"):
-        pool.submit_each(completions, ["3"] * 3, ["accuracy"], fields=fields[:2])

@@ -19,8 +19,8 @@ from conftest import faulty_json_save, load_config
 import qerl_jax
 from qerl_jax import train
 from qerl_jax.checkpoint import Checkpointer
+from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import read_jsonl_scalars, read_scalars
-from qerl_jax.policy import UserFacingError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -326,7 +326,8 @@ def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_di
 
 def _train_state_like(cfg):
     from qerl_jax import lora
-    from qerl_jax.policy import load_policy, lora_config, optimizer_from_config
+    from qerl_jax.config_adapters import lora_config, optimizer_from_config
+    from qerl_jax.policy import load_policy
     from qerl_jax.rl.step import init_train_state
 
     policy = load_policy(cfg)
@@ -401,7 +402,7 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
 
 
 def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_model_dir):
-    from qerl_jax import rewards
+    from qerl_jax import reward_pool
     from qerl_jax.data import PromptLoader, load_math_dataset
     from qerl_jax.policy import load_policy
 
@@ -419,7 +420,7 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     )
     policy = load_policy(cfg)
     loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
-    with rewards.RewardPool() as pool:
+    with reward_pool.RewardPool() as pool:
         exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
     assert exp is not None and 0 < exp.groups_kept <= 4
     assert stats["rollout/groups_sampled"] >= exp.groups_kept
@@ -489,7 +490,7 @@ def test_aqn_arm_at_sigma_zero_samples_the_same_rollouts_as_the_plain_arm(tmp_pa
 
 
 def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_model_dir):
-    from qerl_jax import rewards
+    from qerl_jax import reward_pool
     from qerl_jax.data import PromptLoader, load_math_dataset
     from qerl_jax.policy import load_policy
     from qerl_jax.rl import losses
@@ -508,7 +509,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     policy = load_policy(cfg)
     dataset = load_math_dataset(cfg.data.train)
     loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
-    with rewards.RewardPool(2, timeout_s=120.0) as pool:  # a worker's first item imports this module
+    with reward_pool.RewardPool(2, timeout_s=120.0) as pool:  # a worker's first item imports this module
         exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
     digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
     prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])

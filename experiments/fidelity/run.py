@@ -25,7 +25,7 @@ def _summarize(out: str, results: str) -> dict:
 
 
 def _smollm2_gguf() -> str:
-    from qerl_jax.gguf import smollm2_gguf_path  # noqa: PLC0415
+    from experiments.models import smollm2_gguf_path  # noqa: PLC0415
 
     return smollm2_gguf_path()
 

@@ -1,4 +1,4 @@
-"""qerl_jax.policy's model resolution: local paths, and hub ids through the hub's cache (offline here)."""
+"""qerl_jax.model_dir's model resolution: local paths, and hub ids through the hub's cache (offline here)."""
 
 import os
 import shutil
@@ -7,7 +7,8 @@ import pytest
 from conftest import load_config
 
 from qerl_jax import policy
-from qerl_jax.policy import UserFacingError, is_hub_id, resolve_model_dir
+from qerl_jax.errors import UserFacingError
+from qerl_jax.model_dir import is_hub_id, resolve_model_dir
 from qerl_jax.validate import config_problems
 
 REPO_ID = "tiny-org/tiny-qwen2"
@@ -78,7 +79,7 @@ def test_an_uncached_hub_id_offline_is_one_clear_line(tmp_path, offline):
 
 def test_validate_leaves_an_uncached_hub_id_to_the_run_when_online(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(policy, "_hub_offline", lambda: False)
+    monkeypatch.setattr("qerl_jax.model_dir._hub_offline", lambda: False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
     cfg = _cfg(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
     assert resolve_model_dir(cfg, download=False) is None  # no network contact: the cache only

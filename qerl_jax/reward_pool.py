@@ -1,0 +1,398 @@
+"""A process pool that scores (completion, answer) batches with a per-item deadline.
+
+Parsing and comparing answers can be slow on pathological strings, so batches
+are scored in worker processes (`RewardPool`): a worker that runs past an
+item's deadline is killed and replaced, and the item scores 0.0. Inside a
+worker the reward runs in the main thread, where math-verify's own
+signal-based timeouts work as well.
+
+Workers are plain `python -c` subprocesses speaking length-prefixed pickle
+frames over stdin/stdout. Unlike multiprocessing's spawn/forkserver, this
+never re-imports the caller's __main__ (works from unguarded scripts and
+notebooks), and unlike fork it is safe in a process running JAX threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Sequence
+
+import numpy as np
+
+from qerl_jax.rewards import RewardFn, accuracy_reward, call_reward, get_reward_fn
+
+log = logging.getLogger(__name__)
+
+
+def _resolve(reward_fn: str | RewardFn) -> RewardFn:
+    return get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
+
+
+_HEADER = 8  # Frame header: payload length, little-endian uint64.
+
+
+def _write_frame(fd: int, obj: Any) -> None:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(len(payload).to_bytes(_HEADER, "little") + payload)
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError("pipe closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int) -> Any:
+    n = int.from_bytes(_read_exact(fd, _HEADER), "little")
+    return pickle.loads(_read_exact(fd, n))
+
+
+def _worker_loop() -> None:
+    """Worker entry point: frames (fn, idx, completion, answer, fields) -> (idx, reward, err)."""
+    in_fd, out_fd = 0, os.dup(1)
+    os.dup2(2, 1)  # Stray prints from libraries must not corrupt the frame stream.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
+    try:
+        accuracy_reward("\\boxed{\\frac{1}{2}}", "0.5")  # Import and warm math-verify.
+        _write_frame(out_fd, ("ready", None, None))
+    except BaseException:
+        _write_frame(out_fd, ("failed", None, traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = _read_frame(in_fd)
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        idx, err, r = -1, None, 0.0
+        try:
+            fn, idx, completion, answer, fields = msg
+            r = float(call_reward(fn, completion, answer, fields))
+            if not math.isfinite(r):
+                err, r = f"non-finite reward {r}", 0.0
+        except BaseException as e:  # Includes math-verify's TimeoutException.
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            err, r = f"{type(e).__name__}: {e}"[:500], 0.0
+        _write_frame(out_fd, (idx, r, err))
+
+
+_WORKER_CMD = "from qerl_jax.reward_pool import _worker_loop; _worker_loop()"
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The parent's import path (e.g. a test folder holding a custom reward fn).
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    # Workers never need an accelerator: keep JAX (if imported) off the GPU.
+    env["JAX_PLATFORMS"] = "cpu"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+@dataclasses.dataclass
+class _Worker:
+    proc: subprocess.Popen
+    started: float
+    ready: bool = False
+
+    @property
+    def out_fd(self) -> int:
+        return self.proc.stdout.fileno()
+
+    @property
+    def in_fd(self) -> int:
+        return self.proc.stdin.fileno()
+
+
+def _default_num_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+class RewardPool:
+    """Scores (completion, answer) batches in worker processes with a per-item timeout.
+
+    Workers are started once and reused; a worker exceeding `timeout_s` on an
+    item is killed and replaced, and that item scores 0.0 (counted in
+    `stats["timeouts"]`). Batches run one at a time in a background thread, so
+    `submit` returns a future at once and the caller can overlap work.
+    Use as a context manager or call `close()`.
+    """
+
+    def __init__(self, num_workers: int | None = None, *, timeout_s: float = 10.0, startup_timeout_s: float = 300.0):
+        if num_workers is None:
+            num_workers = _default_num_workers()
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.stats = collections.Counter()  # scored / timeouts / errors / crashes.
+        self._env = _worker_env()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+        self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
+
+    def _start_worker(self) -> _Worker:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CMD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self._env,
+            close_fds=True,
+        )
+        return _Worker(proc, time.monotonic())
+
+    @staticmethod
+    def _stop_worker(w: _Worker, kill: bool) -> None:
+        if not kill:
+            try:
+                _write_frame(w.in_fd, None)
+            except (OSError, ValueError):
+                kill = True
+        if not kill:
+            try:
+                w.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                kill = True
+        if kill:
+            w.proc.kill()
+            w.proc.wait()
+        for f in (w.proc.stdin, w.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def _replace(self, k: int) -> None:
+        self._stop_worker(self._workers[k], kill=True)
+        self._workers[k] = self._start_worker()
+
+    def submit(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        reward_fn: str | RewardFn = "accuracy",
+        *,
+        timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
+    ) -> concurrent.futures.Future:
+        """Starts scoring a batch; the future yields float32 rewards [len(completions)].
+
+        `timeout_s` overrides the pool's per-item timeout for this batch; `fields`: per item, the
+        keyword fields `call_reward` may pass (the prompt, the dataset row's other columns).
+        """
+        return self.submit_each(completions, answers, [reward_fn], timeout_s=timeout_s, fields=fields, _squeeze=True)
+
+    def submit_each(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        reward_fns: Sequence[str | RewardFn],
+        *,
+        timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
+        _squeeze: bool = False,
+    ) -> concurrent.futures.Future:
+        """Like `submit` for several rewards at once: the future yields float32 [len(reward_fns), N].
+
+        Every (reward, item) pair is one work item with its own deadline; one that raises, times
+        out or crashes its worker scores 0.0 and is counted in `stats`.
+        """
+        if self._closed:
+            raise RuntimeError("RewardPool is closed.")
+        completions, answers = list(completions), list(answers)
+        if len(completions) != len(answers):
+            raise ValueError(f"got {len(completions)} completions but {len(answers)} answers.")
+        fields = [{} for _ in completions] if fields is None else [dict(f) for f in fields]
+        if len(fields) != len(completions):
+            raise ValueError(f"got {len(completions)} completions but {len(fields)} field dicts.")
+        for name, seq in (("completions", completions), ("answers", answers)):
+            bad = [i for i, x in enumerate(seq) if not isinstance(x, str)]
+            if bad:
+                raise TypeError(f"{name}[{bad[0]}] is {type(seq[bad[0]]).__name__}, expected str.")
+        fns = [_resolve(f) for f in reward_fns]
+        for fn in fns:
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise ValueError(
+                    f"reward_fn {fn!r} cannot be sent to worker processes ({e}); use a "
+                    "registered name or a module-level function."
+                ) from e
+        try:
+            pickle.dumps(fields)
+        except Exception as e:
+            raise ValueError(f"reward fields cannot be sent to worker processes ({e}).") from e
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+        run = lambda: self._run(fns, completions, answers, fields, timeout_s)  # noqa: E731
+        return self._dispatcher.submit((lambda: run()[0]) if _squeeze else run)
+
+    def score(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        reward_fn: str | RewardFn = "accuracy",
+        *,
+        timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
+    ) -> np.ndarray:
+        """Blocking `submit(...).result()`: float32 rewards [len(completions)]."""
+        return self.submit(completions, answers, reward_fn, timeout_s=timeout_s, fields=fields).result()
+
+    def score_each(
+        self,
+        completions: Sequence[str],
+        answers: Sequence[str],
+        reward_fns: Sequence[str | RewardFn],
+        *,
+        timeout_s: float | None = None,
+        fields: Sequence[dict[str, Any]] | None = None,
+    ) -> np.ndarray:
+        """Blocking `submit_each(...).result()`: float32 rewards [len(reward_fns), len(completions)]."""
+        return self.submit_each(completions, answers, reward_fns, timeout_s=timeout_s, fields=fields).result()
+
+    def _run(
+        self,
+        fns: list[RewardFn],
+        completions: list[str],
+        answers: list[str],
+        fields: list[dict[str, Any]],
+        timeout_s: float,
+    ) -> np.ndarray:
+        n = len(completions)
+        rewards = np.zeros((len(fns), n), np.float32)
+        flat = rewards.reshape(-1)  # item k: reward k // n on completion k % n
+        todo = collections.deque(range(len(fns) * n))
+        busy: dict[int, tuple[int, float]] = {}  # Worker slot -> (item, deadline).
+        while todo or busy:
+            for k, w in enumerate(self._workers):
+                if w.ready and k not in busy and todo:
+                    i = todo.popleft()
+                    j, c = divmod(i, n)
+                    try:
+                        _write_frame(w.in_fd, (fns[j], i, completions[c], answers[c], fields[c]))
+                    except (OSError, ValueError):  # The worker died while idle.
+                        todo.appendleft(i)
+                        self.stats["crashes"] += 1
+                        self._replace(k)
+                        continue
+                    busy[k] = (i, time.monotonic() + timeout_s)
+            waiting = {w.out_fd: k for k, w in enumerate(self._workers) if k in busy or not w.ready}
+            deadlines = [d for _, d in busy.values()]
+            deadlines += [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
+            wait_s = max(0.0, min(deadlines) - time.monotonic())
+            readable, _, _ = select.select(list(waiting), [], [], wait_s)
+            for fd in readable:
+                k = waiting[fd]
+                w = self._workers[k]
+                try:
+                    tag, r, err = _read_frame(fd)
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    if not w.ready:
+                        w.proc.wait()
+                        raise RuntimeError(
+                            f"reward worker exited during start-up (exit code {w.proc.returncode}); see its stderr."
+                        ) from None
+                    if k in busy:
+                        i, _ = busy.pop(k)
+                        log.warning("reward worker crashed on item %d; reward 0.0.", i)
+                    self.stats["crashes"] += 1
+                    self._replace(k)
+                    continue
+                if tag == "ready":
+                    w.ready = True
+                elif tag == "failed":
+                    raise RuntimeError(f"reward worker failed to start:\n{err}")
+                else:
+                    i, _ = busy.pop(k)
+                    flat[i] = r
+                    self.stats["scored"] += 1
+                    if err is not None:
+                        self.stats["errors"] += 1
+                        log.debug("reward fn raised on item %d: %s", i, err)
+            now = time.monotonic()
+            for k in [k for k, (_, d) in busy.items() if now > d]:
+                i, _ = busy.pop(k)
+                flat[i] = 0.0
+                self.stats["timeouts"] += 1
+                log.warning("reward item %d ran past %.1fs; worker restarted, reward 0.0.", i, timeout_s)
+                self._replace(k)
+            for w in self._workers:
+                if not w.ready and now > w.started + self.startup_timeout_s:
+                    raise RuntimeError(f"reward worker not ready after {self.startup_timeout_s:.0f}s.")
+        return rewards
+
+    def close(self) -> None:
+        """Waits for a running batch, then stops the workers (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._dispatcher.shutdown(wait=True)
+        for w in self._workers:
+            self._stop_worker(w, kill=not w.ready)
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Best effort for pools that are never closed: do not leave workers behind.
+        if not getattr(self, "_closed", True):
+            for w in getattr(self, "_workers", []):
+                if w.proc.poll() is None:
+                    w.proc.kill()
+
+
+def score_batch(
+    completions: Sequence[str],
+    answers: Sequence[str],
+    reward_fn: str | RewardFn = "accuracy",
+    *,
+    pool: RewardPool | None = None,
+    num_workers: int | None = None,
+    timeout_s: float | None = None,
+) -> np.ndarray:
+    """Rewards float32 [len(completions)] for a batch.
+
+    Uses `pool` when given (`timeout_s`, if set, overrides its per-item
+    timeout); otherwise starts a temporary `RewardPool` (costs a
+    few seconds of worker start-up: training loops should keep one pool).
+    """
+    if pool is not None:
+        return pool.score(completions, answers, reward_fn, timeout_s=timeout_s)
+    with RewardPool(num_workers, timeout_s=timeout_s or 10.0) as tmp_pool:
+        return tmp_pool.score(completions, answers, reward_fn)
