@@ -168,3 +168,10 @@ def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr
     _assert_one_line_error(out, "eval.checkpoint", "lora.targets q_proj,v_proj differs from the checkpoint's q_proj,")
     assert len(out.stderr.splitlines()) < 15, out.stderr[-3000:]
     assert not os.path.exists(run / "eval")
+
+
+def test_context_overflow_on_a_first_tiny_run_is_one_line(tmp_path):
+    run = tmp_path / "run"  # the tiny model is not built yet: its context is known without it
+    out = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.rollout.max_new_tokens=1800")
+    _assert_one_line_error(out, "data.max_prompt_len + rollout.max_new_tokens", "context of 2048 tokens")
+    assert not os.path.exists(run)
