@@ -483,13 +483,15 @@ def _workdir_problems(f: dict[str, Any], command: str) -> list[str]:
 
 
 def _adapter_problems(path: str) -> list[str]:
-    from qerl_jax.peft_adapter import ADAPTER_CONFIG  # noqa: PLC0415 (imports torch-free safetensors only)
+    from qerl_jax.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: PLC0415 (torch-free safetensors only)
 
     if os.path.exists(path) and not os.path.isdir(path):
         return [f"eval.checkpoint = {path!r}: is a file (expected a run's workdir or a PEFT adapter folder)"]
     if not os.path.isdir(path):
         return [f"eval.checkpoint = {path!r}: does not exist (expected a run's workdir or a PEFT adapter)"]
     run_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
+        return [f"eval.checkpoint = {path!r}: a PEFT adapter folder without its weights file {ADAPTER_WEIGHTS}"]
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) or saved_steps(run_dir):
         return []
     return [f"eval.checkpoint = {path!r}: holds no orbax checkpoint and no {ADAPTER_CONFIG}"]
