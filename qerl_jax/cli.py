@@ -35,6 +35,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's `flags_parser`: the remaining arguments, or one line and exit status 2 on a bad flag."""
     try:
         return flags.FLAGS(argv)
+    except SystemExit:
+        if any(a in HELP_FLAGS for a in argv[1:]):  # absl printed its flags: add the config's fields
+            print(config_help())
+        raise
     except flags.Error as e:
         fail(_flag_error(str(e)))
     except (AttributeError, KeyError) as e:  # ml_collections: an override of a field that does not exist
@@ -45,6 +49,38 @@ def parse_flags(argv: list[str]) -> list[str]:
         fail(f"--{CONFIG_FLAG}={e.filename}:{e.lineno}: the config file does not parse: {e.msg}")
     except (ImportError, NameError) as e:  # the config file's module-level code failed
         fail(f"--{CONFIG_FLAG}: the config file failed to load: {type(e).__name__}: {e}")
+
+
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def config_help() -> str:
+    """Every field of `qerl_jax.config.default_config()`, one `--config.<path>=<default>` line each."""
+    from qerl_jax.config import default_config  # noqa: PLC0415 (only for --help)
+
+    def lines(node: ml_collections.ConfigDict, prefix: str) -> list[str]:
+        out = []
+        for key, value in node.items():
+            if isinstance(value, ml_collections.ConfigDict):
+                out += lines(value, f"{prefix}{key}.")
+            else:
+                out.append(f"  --{CONFIG_FLAG}.{prefix}{key}={_flag_value(value)}")
+        return out
+
+    header = (
+        f"\nConfig fields (defaults of qerl_jax.config.default_config(); a --{CONFIG_FLAG} file may change them), "
+        f"each settable as --{CONFIG_FLAG}.<section>.<field>=value:"
+    )
+    return "\n".join([header, *lines(default_config(), "")])
+
+
+def _flag_value(value: Any) -> str:
+    """A default as it is written on the command line."""
+    if isinstance(value, str):
+        return value if value and not any(c.isspace() for c in value) else repr(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(repr(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

@@ -26,6 +26,7 @@ from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_
 from qerl_jax.config_adapters import lora_config, optimizer_from_config
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.errors import UserFacingError
+from qerl_jax.loader import CheckpointError
 from qerl_jax.metrics import MetricWriter
 from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
 from qerl_jax.policy import Policy, load_policy
@@ -46,8 +47,11 @@ def load_adapter(
     if not os.path.isdir(path):
         raise UserFacingError(f"eval.checkpoint {path!r} does not exist (expected a run directory or a PEFT adapter)")
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
-        adapter, adapter_cfg = load_peft_adapter(path, policy.config.num_hidden_layers)
-        norms = load_peft_norms(path, policy.config.num_hidden_layers)
+        try:
+            adapter, adapter_cfg = load_peft_adapter(path, policy.config.num_hidden_layers)
+            norms = load_peft_norms(path, policy.config.num_hidden_layers)
+        except CheckpointError as e:
+            raise validate.ConfigError([f"eval.checkpoint = {path!r}: {e}"]) from None
         rank, alpha = adapter_cfg["r"], adapter_cfg["lora_alpha"]
         scale = alpha / (rank**0.5 if adapter_cfg.get("use_rslora") else rank)
         return jax.device_put(adapter), jax.device_put(norms), float(scale)
@@ -105,7 +109,8 @@ def evaluate_params(
     return summary
 
 
-def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str) -> dict[str, Any]:
+def _eval_prompts(cfg, policy: Policy, path: str):
+    """(dataset, tokenized prompts) of one eval dataset; a ConfigError when every prompt is too long."""
     dataset = load_math_dataset(path, max_bad_fraction=cfg.data.max_bad_fraction)
     if cfg.eval.num_examples:
         dataset = dataset.select(range(min(cfg.eval.num_examples, len(dataset))))
@@ -116,6 +121,18 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
         cfg.data.template,
         system_prompt=cfg.data.system_prompt,
     )
+    if len(dataset) and not len(tok.kept_indices):
+        raise validate.ConfigError(
+            [
+                f"data.max_prompt_len = {cfg.data.max_prompt_len}: every one of the {len(dataset)} prompts of "
+                f"eval dataset {path!r} is longer, so nothing would be evaluated; raise data.max_prompt_len"
+            ]
+        )
+    return dataset, tok
+
+
+def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str) -> dict[str, Any]:
+    dataset, tok = _eval_prompts(cfg, policy, path)
     if tok.num_dropped:
         logging.warning(
             "%s: %d prompts longer than data.max_prompt_len=%d are skipped",
@@ -195,6 +212,8 @@ def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
         compile_cache.enable_compilation_cache(cfg.workdir)
     policy = load_policy(cfg)
     adapter, norms, scale = load_adapter(cfg, policy)
+    for path in cfg.eval.datasets:  # refused before anything is generated or written
+        _eval_prompts(cfg, policy, path)
     params = lora.with_lora(policy.frozen, adapter, norms)
     output_dir = cfg.eval.output_dir or os.path.join(cfg.workdir, "eval")
     writer = MetricWriter(os.path.join(output_dir, "tensorboard"))

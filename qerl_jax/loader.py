@@ -45,6 +45,11 @@ def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{cfg_path} is missing: a Hugging Face checkpoint directory needs config.json")
     raw = read_json(cfg_path)
+    return parse_config(raw, cfg_path), raw
+
+
+def parse_config(raw: Any, cfg_path: str) -> ModelConfig:
+    """A config.json's dict as a ModelConfig; problems name `cfg_path`."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
@@ -95,7 +100,7 @@ def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(
             f"{cfg_path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={config.num_key_value_heads}"
         )
-    return config, raw
+    return config
 
 
 def read_json(path: str) -> Any:

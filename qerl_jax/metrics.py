@@ -3,6 +3,7 @@ and device-memory readings."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -43,6 +44,21 @@ class MetricWriter:
     """
 
     def __init__(self, logdir: str, purge_step: int | None = None):
+        self._logdir = logdir
+        with self._io():
+            self._open(logdir, purge_step)
+
+    @contextlib.contextmanager
+    def _io(self):
+        """A failed write (disk full, ...) as one `UserFacingError` naming the folder."""
+        try:
+            yield
+        except OSError as e:
+            from qerl_jax.errors import UserFacingError  # noqa: PLC0415 (only on failure)
+
+            raise UserFacingError(f"cannot write the metrics to {self._logdir}: {e.strerror or e}") from None
+
+    def _open(self, logdir: str, purge_step: int | None) -> None:
         from tensorboardX.event_file_writer import EventsWriter  # noqa: PLC0415
         from tensorboardX.proto import event_pb2  # noqa: PLC0415
 
@@ -76,18 +92,21 @@ class MetricWriter:
             if math.isfinite(value):
                 out.append(summary.scalar(name, value))
                 row[name] = value
-        self._write(step, out)
-        self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
-        self._jsonl.flush()
+        with self._io():
+            self._write(step, out)
+            self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
+            self._jsonl.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         from tensorboardX import summary  # noqa: PLC0415
 
-        self._write(step, [summary.text(tag, text)])
+        with self._io():
+            self._write(step, [summary.text(tag, text)])
 
     def close(self) -> None:
-        self._events.close()
-        self._jsonl.close()
+        with self._io():
+            self._events.close()
+            self._jsonl.close()
 
 
 def _drop_jsonl_rows_from(path: str, step: int) -> None:

@@ -143,7 +143,8 @@ def load_peft_adapter(adapter_dir: str, num_layers: int) -> tuple[dict[str, Any]
         for part in ("a", "b"):
             if sorted(ab[part]) != list(range(num_layers)):
                 raise CheckpointError(
-                    f"{weights_file}: {proj} lora_{part.upper()} covers layers {sorted(ab[part])}, expected 0..{num_layers - 1}"
+                    f"{weights_file}: {proj} lora_{part.upper()} covers layers {sorted(ab[part])}, but the model "
+                    f"has {num_layers} (0..{num_layers - 1}): an adapter of another model?"
                 )
         layers[proj] = {part: np.stack([ab[part][i] for i in range(num_layers)]) for part in ("a", "b")}
     return {"layers": layers}, config

@@ -15,7 +15,6 @@ from qerl_jax.loader import CheckpointError, load_model, load_tokenizer
 from qerl_jax.model_dir import resolve_model_dir
 from qerl_jax.models.qwen2 import ModelConfig
 
-
 # ----------------------------------------------------------------------------- set-up
 
 

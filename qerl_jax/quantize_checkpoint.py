@@ -136,9 +136,18 @@ def argument_problems(model_dir: str, out_dir: str, fmt: str, *, overwrite: bool
                 problems += validate.checkpoint_file_problems(model_dir, config, raw, need_tokenizer=False)
     if os.path.abspath(out_dir) == os.path.abspath(model_dir):
         problems.append("--out must differ from --model")
-    elif os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        problems.append(f"output path {out_dir!r} is a file; expected a directory")
-    elif os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+    else:
+        problems += out_dir_problems(out_dir, overwrite=overwrite)
+    return problems
+
+
+def out_dir_problems(out_dir: str, *, overwrite: bool) -> list[str]:
+    """What stops writing the output to `out_dir`: a file in its place or above it, no write
+    permission, or files in it without --overwrite."""
+    from qerl_jax.workdir import output_dir_problems  # noqa: PLC0415 (keeps `--help` fast)
+
+    problems = [f"--out {out_dir!r}: {p}" for p in output_dir_problems(out_dir)]
+    if not problems and os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         problems.append(f"output directory {out_dir!r} is not empty (pass --overwrite to replace its files)")
     return problems
 
@@ -281,8 +290,9 @@ def _quantize_gguf(path: str, out_dir: str, fmt: str, fuse_global_scale: bool, o
     from qerl_jax import gguf  # noqa: PLC0415
     from qerl_jax.loader import CheckpointError  # noqa: PLC0415
 
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise QuantizeError(f"output directory {out_dir!r} is not empty (pass --overwrite to replace its files)")
+    problems = out_dir_problems(out_dir, overwrite=overwrite)
+    if problems:
+        raise QuantizeError(problems[0])
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=parent) as tmp:

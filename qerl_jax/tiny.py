@@ -241,6 +241,48 @@ def _write_json(path: pathlib.Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def hf_config(
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    eos_id: int = SPECIAL_TOKENS.index(ENDOFTEXT),
+) -> dict:
+    """The config.json that `build_tiny_checkpoint` writes with these arguments (its defaults: the
+    model that `model.tiny=True` builds), known without building it."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": eos_id,  # Qwen2.5 uses <|endoftext|> as bos id too.
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def build_tiny_checkpoint(
     out_dir: str | os.PathLike,
     *,
@@ -310,33 +352,16 @@ def build_tiny_checkpoint(
     eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
 
-    config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": real_vocab,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "attention_bias": True,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": num_layers,
-        "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": eos_id,  # Qwen2.5 uses <|endoftext|> as bos id too.
-        "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
-        "torch_dtype": "bfloat16",
-    }
+    config = hf_config(
+        vocab_size=real_vocab,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_id=eos_id,
+    )
     gen_config = {
         "bos_token_id": eos_id,
         "eos_token_id": [im_end_id, eos_id],

@@ -28,6 +28,7 @@ from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
+from qerl_jax.tiny import hf_config as tiny_hf_config
 
 COMMANDS = ("train", "eval")
 BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
@@ -477,13 +478,15 @@ def _workdir_problems(f: dict[str, Any], command: str) -> list[str]:
 
 
 def _adapter_problems(path: str) -> list[str]:
-    from qerl_jax.peft_adapter import ADAPTER_CONFIG  # noqa: PLC0415 (imports torch-free safetensors only)
+    from qerl_jax.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: PLC0415 (torch-free safetensors only)
 
     if os.path.exists(path) and not os.path.isdir(path):
         return [f"eval.checkpoint = {path!r}: is a file (expected a run's workdir or a PEFT adapter folder)"]
     if not os.path.isdir(path):
         return [f"eval.checkpoint = {path!r}: does not exist (expected a run's workdir or a PEFT adapter)"]
     run_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
+        return [f"eval.checkpoint = {path!r}: a PEFT adapter folder without its weights file {ADAPTER_WEIGHTS}"]
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) or saved_steps(run_dir):
         return []
     return [f"eval.checkpoint = {path!r}: holds no orbax checkpoint and no {ADAPTER_CONFIG}"]
@@ -493,8 +496,9 @@ def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, l
     """(config, raw config.json, problems) of the model directory; tiny: only if already built."""
     if tiny:
         model_dir = tiny_model_dir(cfg)
-        if not os.path.isdir(model_dir):
-            return None, None, []  # built by the run
+        if not os.path.isdir(model_dir):  # built by the run; its config is known now
+            raw = tiny_hf_config()
+            return loader.parse_config(raw, "the tiny model's config.json"), raw, []
     else:
         try:
             model_dir = resolve_model_dir(cfg, download=False)  # a hub id not cached yet: downloaded by the run
@@ -566,7 +570,26 @@ def checkpoint_file_problems(
             loader.read_json(os.path.join(model_dir, f))
         except loader.CheckpointError as e:
             problems.append(str(e))
+    if need_tokenizer and present and not _has_chat_template(model_dir):
+        problems.append(
+            f"{model_dir}: the model has no chat template (no chat_template in tokenizer_config.json, no "
+            "chat_template.jinja), and prompts are rendered with one: use a chat/instruct model (e.g. "
+            "Qwen/Qwen2.5-0.5B-Instruct) or copy one's chat_template into tokenizer_config.json"
+        )
     return problems
+
+
+def _has_chat_template(model_dir: str) -> bool:
+    """Whether a transformers tokenizer loaded from `model_dir` gets a chat template."""
+    if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    if os.path.isdir(os.path.join(model_dir, "additional_chat_templates")):
+        return True
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        return os.path.isfile(path) and bool(loader.read_json(path).get("chat_template"))
+    except loader.CheckpointError:
+        return True  # reported as not valid JSON
 
 
 def _model_fit_problems(config: ModelConfig, raw: dict, f: dict[str, Any], command: str) -> list[str]:

@@ -26,16 +26,22 @@ class WorkdirBusyError(UserFacingError):
 
 def workdir_problems(workdir: str) -> list[str]:
     """What stops a run writing to `workdir`: a file in its place, or no write permission."""
-    path = os.path.abspath(os.path.expanduser(workdir))
+    return [f"workdir = {workdir!r}: {p}" for p in output_dir_problems(workdir)]
+
+
+def output_dir_problems(path: str) -> list[str]:
+    """What stops a command creating or writing the directory `path`: a file in its place or above
+    it, or an existing directory without write permission (best effort: root writes regardless)."""
+    path = os.path.abspath(os.path.expanduser(path))
     existing = path
     while not os.path.exists(existing):  # the nearest existing ancestor is where it would be created
         existing = os.path.dirname(existing)
     if existing != path and not os.path.isdir(existing):
-        return [f"workdir = {workdir!r}: {existing} is a file, not a directory"]
+        return [f"{existing} is a file, not a directory"]
     if existing == path and not os.path.isdir(path):
-        return [f"workdir = {workdir!r}: is a file, not a directory"]
+        return ["is a file, not a directory"]
     if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"workdir = {workdir!r}: {existing} is not writable"]
+        return [f"{existing} is not writable"]
     return []
 
 

@@ -168,3 +168,33 @@ def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr
     _assert_one_line_error(out, "eval.checkpoint", "lora.targets q_proj,v_proj differs from the checkpoint's q_proj,")
     assert len(out.stderr.splitlines()) < 15, out.stderr[-3000:]
     assert not os.path.exists(run / "eval")
+
+
+def test_context_overflow_on_a_first_tiny_run_is_one_line(tmp_path):
+    run = tmp_path / "run"  # the tiny model is not built yet: its context is known without it
+    out = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.rollout.max_new_tokens=1800")
+    _assert_one_line_error(out, "data.max_prompt_len + rollout.max_new_tokens", "context of 2048 tokens")
+    assert not os.path.exists(run)
+
+
+def test_help_lists_every_config_field_with_its_default():
+    from qerl_jax.config import default_config
+
+    flat = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if hasattr(value, "items"):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = value
+
+    walk(default_config(), "")
+    for module in ("qerl_jax.main", "qerl_jax.eval"):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        fields = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("--config.")]
+        assert len(fields) == len(flat), out.stdout[-3000:]
+        assert "--config.rollout.group_size=8" in fields
+        assert f"--config.eval.max_new_tokens={flat['eval.max_new_tokens']}" in fields

@@ -101,3 +101,34 @@ def test_missing_checkpoint_is_clear(tmp_path, tiny_model_dir):
     cfg = _cfg(tmp_path, tiny_model_dir, checkpoint=str(tmp_path / "nope"))
     with pytest.raises(UserFacingError, match="does not exist"):
         evaluation.evaluate(cfg)
+
+
+def _eval_cli(tmp_path, model_dir, *overrides):
+    cmd = [sys.executable, "-m", "qerl_jax.eval", "--config=configs/tiny.py", f"--config.workdir={tmp_path / 'run'}",
+           "--config.model.tiny=False", f"--config.model.path={model_dir}", "--config.eval.num_examples=4",
+           "--config.eval.max_new_tokens=4", *overrides]
+    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert not (tmp_path / "run" / "eval").exists()  # no results written
+    return line
+
+
+def test_a_broken_or_foreign_adapter_and_all_prompts_too_long_are_one_line(tmp_path, tiny_model_dir):
+    from qerl_jax.peft_adapter import ADAPTER_WEIGHTS, export_peft_adapter
+
+    rng = np.random.default_rng(0)
+    three = {"q_proj": {"a": rng.normal(size=(3, 4, 64)).astype(np.float32),
+                        "b": rng.normal(size=(3, 64, 4)).astype(np.float32)}}
+    foreign = export_peft_adapter({"layers": three}, str(tmp_path / "foreign"), rank=4, alpha=8.0)
+    line = _eval_cli(tmp_path, tiny_model_dir, f"--config.eval.checkpoint={foreign}")
+    assert f"eval.checkpoint = {foreign!r}" in line and "covers layers [0, 1, 2], but the model has 2" in line
+
+    os.remove(os.path.join(foreign, ADAPTER_WEIGHTS))
+    line = _eval_cli(tmp_path, tiny_model_dir, f"--config.eval.checkpoint={foreign}")
+    assert f"eval.checkpoint = {foreign!r}: a PEFT adapter folder without its weights file {ADAPTER_WEIGHTS}" in line
+
+    line = _eval_cli(tmp_path, tiny_model_dir, "--config.data.max_prompt_len=8")
+    assert "data.max_prompt_len = 8: every one of the 4 prompts" in line and "raise data.max_prompt_len" in line

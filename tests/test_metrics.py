@@ -38,3 +38,31 @@ def test_writer_without_purge_step_keeps_every_row(tmp_path):
         w.close()
     with open(os.path.join(logdir, SCALARS_JSONL)) as f:
         assert len(f.readlines()) == 2
+
+
+def test_a_full_disk_is_one_user_facing_error(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+    from tensorboardX.event_file_writer import EventsWriter
+
+    from qerl_jax.errors import UserFacingError
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    logdir = str(tmp_path / "tb")
+    w = MetricWriter(logdir)
+    monkeypatch.setattr(EventsWriter, "flush", disk_full)
+    with pytest.raises(UserFacingError, match=f"cannot write the metrics to {logdir}: No space left on device"):
+        w.scalars(1, {"x": 1.0})
+    monkeypatch.undo()
+
+    class FullFile:
+        write = flush = close = disk_full
+
+    w._jsonl = FullFile()
+    with pytest.raises(UserFacingError, match="No space left on device"):
+        w.scalars(2, {"x": 1.0})
+    with pytest.raises(UserFacingError, match="No space left on device"):
+        w.close()

@@ -334,3 +334,27 @@ def test_loading_cli_output_gives_the_same_logits(dirs):
         from_ckpt = _forward(cfg_q, params_q, ids)
         np.testing.assert_array_equal(from_ckpt, _forward(cfg, params, ids))
         np.testing.assert_array_equal(from_ckpt, _forward(cfg_d, quant.quantize_params(dense, fmt), ids))
+
+
+def test_an_unwritable_out_is_one_line_before_any_work(dirs, tmp_path):
+    """--out a file, under a file, or (not as root) in a read-only folder: exit 2, one line, nothing written."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    cases = [(str(a_file), "is a file, not a directory"), (str(a_file / "out"), f"{a_file} is a file, not a directory")]
+    if os.geteuid() != 0:  # root writes regardless of the mode
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((str(locked / "out"), f"{locked} is not writable"))
+    from experiments.models import smollm2_gguf_path
+
+    for model in (dirs["src"], smollm2_gguf_path()):  # a GGUF file is refused before its export
+        for out, needle in cases:
+            bad = subprocess.run(
+                [sys.executable, "-m", "qerl_jax.quantize", "--model", model, "--out", out, "--quiet"],
+                capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+            )
+            assert bad.returncode == 2, bad.stderr
+            assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+            assert f"error: --out {out!r}: {needle}" in bad.stderr, bad.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["file"] + (["locked"] if len(cases) == 3 else []))

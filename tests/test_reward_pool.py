@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from test_rewards import CASES, _prompt_reward, _row_reward
 
 from qerl_jax import reward_pool as P
-from test_rewards import CASES, _prompt_reward, _row_reward
 
 
 def _sleepy_reward(completion: str, answer: str) -> float:

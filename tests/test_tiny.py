@@ -188,3 +188,11 @@ def test_checkpoint_validation(tmp_path):
         tiny.build_tiny_checkpoint(tmp_path, hidden_size=60, num_heads=8)
     with pytest.raises(ValueError, match="num_kv_heads"):
         tiny.build_tiny_checkpoint(tmp_path, num_heads=4, num_kv_heads=3)
+
+
+def test_hf_config_is_the_built_config_json_without_building(ckpt):
+    with open(os.path.join(ckpt, "config.json")) as f:
+        built = json.load(f)
+    expected = tiny.hf_config()
+    expected["torch_dtype"] = built["torch_dtype"]  # float32 where safetensors lacks numpy bf16
+    assert built == expected

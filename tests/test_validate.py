@@ -182,6 +182,8 @@ def test_sharded_checkpoint_problems_name_the_shard(tmp_path):
     src = save_hf_model(make_hf_model(), tmp_path / "sharded", shard_size="40KB")
     with open(os.path.join(src, "tokenizer.json"), "w") as f:
         f.write('{"fake": true}')
+    with open(os.path.join(src, "chat_template.jinja"), "w") as f:
+        f.write("{{ messages }}")
     index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and _file_problems(src) == []
@@ -414,3 +416,17 @@ def test_train_norms_must_be_a_bool_and_the_qerl_recipes_train_them():
     assert default_config().lora.train_norms is False
     for name, arg in (("gsm8k", None), ("bigmath", "7b"), ("baselines", "bf16"), ("baselines", "nvfp4_aqn")):
         assert load_config(name, arg).lora.train_norms is True, (name, arg)
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line(tmp_path, model_copy):
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (model_copy / name).exists():
+            os.remove(model_copy / name)
+    tok_cfg = json.load(open(model_copy / "tokenizer_config.json"))
+    tok_cfg.pop("chat_template", None)
+    json.dump(tok_cfg, open(model_copy / "tokenizer_config.json", "w"))
+    workdir = tmp_path / "run"
+    out = _run("qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+               "--config.model.tiny=False", f"--config.model.path={model_copy}")
+    _assert_one_error(out, f"error: model.path: {model_copy}: the model has no chat template")
+    assert "Instruct" in out.stderr and not workdir.exists()
