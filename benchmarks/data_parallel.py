@@ -7,7 +7,7 @@
 A Qwen2.5-shaped random NVFP4 policy (benchmarks/random_model.py) with LoRA is run twice on
 the same inputs: on one device, and on a ("data", "model") = (n, 1) mesh of all n devices
 (`qerl_jax.sharding`: params replicated, rollout rows and training sequences split over
-"data" through `generate(batch_sharding=...)` and `shard_batch`; XLA all-reduces the LoRA
+"data" through `generate(options=RolloutOptions(batch_sharding=...))` and `shard_batch`; XLA all-reduces the LoRA
 gradients). Rollout: prompts x group sequences, --decode-steps sampling steps with the cache
 sized for --max-new-tokens (a step costs the same at every position), the second of two
 identical calls timed. Train: one DAPO step on prompt + new-token sequences (micro-batches,
@@ -38,7 +38,7 @@ from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: 
 from qerl_jax.optim import make_optimizer  # noqa: E402
 from qerl_jax.rl import step as rl_step  # noqa: E402
 from qerl_jax.rl.losses import LossConfig  # noqa: E402
-from qerl_jax.rollout import SamplingConfig, generate  # noqa: E402
+from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate  # noqa: E402
 
 
 def _timed(fn):
@@ -87,9 +87,8 @@ def run(args) -> dict:
 
     def one_mode(name: str, place, batch_sharding):
         policy = place(with_lora(params, lora))
-        kw = dict(group_size=args.group, lora_scale=scale, backend=backend, cache_new_tokens=args.max_new_tokens)
-        if batch_sharding is not None:
-            kw["batch_sharding"] = batch_sharding
+        kw = dict(group_size=args.group, lora_scale=scale)
+        kw["options"] = RolloutOptions(backend=backend, batch_sharding=batch_sharding)
         out, roll_s = _timed(lambda: generate(config, policy, ids, mask, jax.random.key(3), sampling, **kw))
         frozen = place({"base": params["base"], "norms": params["norms"]})
         step = rl_step.make_train_step(

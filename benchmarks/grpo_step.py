@@ -84,7 +84,7 @@ def run_case(args, fmt: str) -> dict:
     from qerl_jax import lora, optim, rewards
     from qerl_jax.rl import losses
     from qerl_jax.rl.step import init_train_state, make_train_step
-    from qerl_jax.rollout.sampler import generate, to_train_batch
+    from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
     config = random_model.model_config(args.model)
@@ -129,7 +129,7 @@ def run_case(args, fmt: str) -> dict:
             warm,
             group_size=args.group,
             lora_scale=scale,
-            backend=backend,
+            options=RolloutOptions(backend=backend),
         ).tokens
     )
     row["rollout_compile_s"] = time.perf_counter() - t0
@@ -143,7 +143,7 @@ def run_case(args, fmt: str) -> dict:
         sampling,
         group_size=args.group,
         lora_scale=scale,
-        backend=backend,
+        options=RolloutOptions(backend=backend),
     )
     jax.block_until_ready(batch.tokens)
     row["rollout_s"] = time.perf_counter() - t0
@@ -205,7 +205,7 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import losses, packing
     from qerl_jax.rl.step import init_train_state, make_train_step
-    from qerl_jax.rollout.sampler import generate, to_train_batch
+    from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
     run, prompt_ids, lengths = rollout_bench.gsm8k_inputs(args)
@@ -222,7 +222,8 @@ def run_gsm8k_case(args, fmt: str) -> dict:
            "prompt_len": run["prompt_len"], "max_new_tokens": run["max_new"], "micro_batch_size": mb,
            "mean_completion": float(lengths.mean())}  # fmt: skip
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=run["max_new"], ignore_eos=True)
-    kw = dict(group_size=run["group"], lora_scale=scale, backend=backend, max_new_tokens_per_seq=lengths)
+    kw = dict(group_size=run["group"], lora_scale=scale, max_new_tokens_per_seq=lengths)
+    kw["options"] = RolloutOptions(backend=backend)
     policy = {**frozen, "lora": state.lora}
     mask = np.ones_like(prompt_ids)
     jax.block_until_ready(generate(config, policy, prompt_ids, mask, jax.random.key(2), sampling, **kw).tokens)

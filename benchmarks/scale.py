@@ -223,7 +223,8 @@ def run_model(args, name: str) -> dict[str, Any]:
     from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
-    from qerl_jax.rollout import SamplingConfig, generate, to_train_batch
+    from benchmarks.common import timed_generate
+    from qerl_jax.rollout import RolloutOptions, SamplingConfig, to_train_batch
 
     clock = CompileClock()
     config = model_config(name)
@@ -308,12 +309,14 @@ def run_model(args, name: str) -> dict[str, Any]:
         print(f"[{name}] pallas backend failed ({out['pallas_error'][:200]}); re-running on xla", flush=True)
         return fn("xla")
 
-    def rollout(max_batch: int, timings: dict[str, float], backend: str):
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
+    def rollout(max_batch: int, backend: str):
+        """(batch, max_batch, timings): `steps` tokens per sequence at the cache size of max_new_tokens."""
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
         policy = with_lora(params, state.lora)
+        options = RolloutOptions(backend=backend, wgmma_weights=None if args.wgmma == "auto" else False)
         while True:
             try:
-                out_ = generate(
+                out_, timings = timed_generate(
                     config,
                     policy,
                     prompt_ids,
@@ -322,30 +325,26 @@ def run_model(args, name: str) -> dict[str, Any]:
                     sampling,
                     group_size=args.group_size,
                     lora_scale=scale,
-                    backend=backend,
                     max_batch=max_batch,
-                    cache_new_tokens=args.max_new_tokens,
-                    timings=timings,
-                    wgmma_weights=None if args.wgmma == "auto" else False,
+                    max_new_tokens_per_seq=steps,
+                    options=options,
                 )
-                return jax.block_until_ready(out_), max_batch
-            except MemoryError as e:  # the rollout engine's own estimate refused the chunk
+                return jax.block_until_ready(out_), max_batch, timings
+            except MemoryError as e:  # the rollout engine's own estimate refused the rows
                 if max_batch <= 1:
                     raise
-                print(f"[{name}] rollout chunk {max_batch} refused ({e}); halving", flush=True)
+                print(f"[{name}] rollout max_batch {max_batch} refused ({e}); halving", flush=True)
                 max_batch //= 2
-                timings.clear()
 
     if "rollout" in args.phases:
         with Phase(clock, record, "rollout") as out:
 
             def two_calls(backend_: str):
                 t0 = time.perf_counter()
-                _, chunk_ = rollout(chunk, {}, backend_)  # compiles; same shapes as the timed call
+                _, chunk_, _ = rollout(chunk, backend_)  # compiles; same shapes as the timed call
                 out["first_call_s"] = round(time.perf_counter() - t0, 3)
-                timed_: dict[str, float] = {}
                 t0 = time.perf_counter()
-                result_, chunk_ = rollout(chunk_, timed_, backend_)
+                result_, chunk_, timed_ = rollout(chunk_, backend_)
                 out["timed_call_s"] = round(time.perf_counter() - t0, 3)
                 return result_, chunk_, timed_
 

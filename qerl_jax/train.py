@@ -45,7 +45,7 @@ from qerl_jax.policy import (
 )
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
-from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch
+from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate, to_train_batch
 
 # ----------------------------------------------------------------------------- one step's data
 
@@ -106,9 +106,8 @@ def collect_experience(
             sampling,
             group_size=g,
             lora_scale=lora.lora_scale(lora_config(cfg)),
-            backend=policy.backend,
             max_batch=cfg.rollout.max_batch or None,
-            batch_sharding=batch_sharding,
+            options=RolloutOptions(backend=policy.backend, batch_sharding=batch_sharding),
         )
         jax.block_until_ready(batch.tokens)
         timing["rollout"] += time.perf_counter() - t0

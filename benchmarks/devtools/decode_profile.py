@@ -124,13 +124,15 @@ def worker(args, fmt: str) -> dict:
         prompts, group = (int(v) for v in spec.split("x"))
         ids = rng.integers(0, config.vocab_size, (prompts, args.prompt_len), dtype=np.int32)
         mask = np.ones_like(ids)
-        kw = dict(group_size=group, backend=backend, cache_new_tokens=args.cache_new_tokens, smaller_rows=())
+        options = rollout.RolloutOptions(backend=backend, smaller_rows=())
 
-        def run(steps, seed, kw=kw, ids=ids, mask=mask):
-            sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
-            tm = {}
-            b = rollout.generate(config, params, ids, mask, jax.random.key(seed), sampling, timings=tm, **kw)
-            jax.block_until_ready(b.tokens)
+        def run(steps, seed, options=options, ids=ids, mask=mask):
+            """`steps` tokens per sequence at the cache size of --cache-new-tokens -> timings."""
+            sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=args.cache_new_tokens, ignore_eos=True)
+            key = jax.random.key(seed)
+            _, tm = timed_generate(
+                config, params, ids, mask, key, sampling, group_size=group, max_new_tokens_per_seq=steps, options=options
+            )
             return tm
 
         run(args.long, 1)  # compile

@@ -170,7 +170,7 @@ def rollout_setup(
 
     from qerl_jax import lora  # noqa: PLC0415
     from qerl_jax.models.qwen2 import ForwardOptions  # noqa: PLC0415
-    from qerl_jax.rollout import SamplingConfig, plan_rollout, programs, weights  # noqa: PLC0415
+    from qerl_jax.rollout import RolloutOptions, SamplingConfig, plan_rollout, programs, weights  # noqa: PLC0415
 
     config = random_model.model_config(size)
     backend = "xla" if fmt in random_model.DENSE else "pallas"
@@ -185,7 +185,8 @@ def rollout_setup(
             cfg = lora.LoraConfig(rank=lora_rank, alpha=2 * lora_rank)
             params["lora"] = jax.eval_shape(lambda: lora.init_lora(jax.random.key(0), config, cfg))
         plan = plan_rollout(
-            config, params, rows, prompt_len, new_slots, group_size=group_size, max_batch=rows, backend=backend
+            config, params, rows, prompt_len, new_slots, group_size=group_size, max_batch=rows,
+            options=RolloutOptions(backend=backend),
         )
         dense, wgmma = plan.dense_names, plan.wgmma_names
         run_params = jax.eval_shape(
@@ -197,11 +198,10 @@ def rollout_setup(
         options=ForwardOptions(lora_scale=1.0, backend=backend),
         new_slots=new_slots,
         cache_dtype="bfloat16",
-        unroll=True,
     )
 
     def bucket_args(bucket: int):
-        return on_device(jax.eval_shape(lambda: programs._empty(static, bucket, prompt_len, 0)))
+        return on_device(jax.eval_shape(lambda: programs.new_rows(static, bucket, prompt_len, 0)))
 
     key = on_device(jax.eval_shape(lambda: jax.random.key(0)))
     k, bp = plan.admit_rows, plan.admit_prompts
