@@ -83,7 +83,7 @@ def plan_kwargs(args, quant: str | None = None, backend: str | None = None) -> d
         prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size or 8,
-        rollout_chunk=args.rollout_chunk or None,
+        max_batch=args.max_batch or None,
         logprob_chunk=args.logprob_chunk,
         remat="proj" if args.remat == "auto" else args.remat,
         attention=args.attention,
@@ -244,7 +244,7 @@ def run_model(args, name: str) -> dict[str, Any]:
     }
     rows = args.prompts * args.group_size
     plan = memory.plan_memory(config, **plan_kwargs(args, backend=backend), device_bytes=limit)
-    mb, chunk = args.micro_batch_size or 8, args.rollout_chunk or rows
+    mb, chunk = args.micro_batch_size or 8, args.max_batch or rows
     remat = "full" if args.remat == "auto" else args.remat
     if limit is not None:
         try:
@@ -252,7 +252,7 @@ def run_model(args, name: str) -> dict[str, Any]:
             record["fit"] = fitted.message
             plan = fitted.plan
             mb = args.micro_batch_size or fitted.micro_batch_size
-            chunk = args.rollout_chunk or fitted.rollout_chunk
+            chunk = args.max_batch or fitted.max_batch
             remat = fitted.remat
         except memory.DoesNotFitError as e:
             record["fit"] = f"DOES NOT FIT (running anyway): {e}"
@@ -261,7 +261,7 @@ def run_model(args, name: str) -> dict[str, Any]:
         f"[{name}] fit: {record.get('fit', 'device size unknown')}; micro_batch_size={mb}, rollout chunk={chunk}",
         flush=True,
     )
-    record.update(plan=plan.as_dict(), micro_batch_size=mb, rollout_chunk=chunk, remat=remat, attention=args.attention)
+    record.update(plan=plan.as_dict(), micro_batch_size=mb, max_batch=chunk, remat=remat, attention=args.attention)
 
     params = None
     with Phase(clock, record, "load") as out:
@@ -290,7 +290,7 @@ def run_model(args, name: str) -> dict[str, Any]:
 
     def plan_for(backend_: str) -> memory.MemoryPlan:
         """The plan with the sizes in use, for the backend a phase ran on."""
-        kw = {**plan.inputs, "micro_batch_size": mb, "rollout_chunk": chunk, "backend": backend_}
+        kw = {**plan.inputs, "micro_batch_size": mb, "max_batch": chunk, "backend": backend_}
         return memory.plan_memory(config, **kw, device_bytes=limit)
 
     def with_fallback(out: dict[str, Any], fn):
@@ -358,7 +358,7 @@ def run_model(args, name: str) -> dict[str, Any]:
                 prompt_len=args.prompt_len,
                 max_new_tokens=args.max_new_tokens,
                 decode_steps_run=steps_c,
-                rollout_chunk=chunk,
+                max_batch=chunk,
                 prefill_s=round(timed["prefill_s"], 4),
                 decode_step_s=round(step_s, 5),
                 decode_tokens_per_s=round(rows / n_chunks / step_s, 1),
@@ -610,7 +610,7 @@ def parse_args(argv=None):
         "--wgmma", default="auto", choices=("auto", "off"), help="the Hopper wgmma decode kernel (generate's default)"
     )
     p.add_argument("--micro-batch-size", type=int, default=0, help="0: chosen by memory.fit")
-    p.add_argument("--rollout-chunk", type=int, default=0, help="0: chosen by memory.fit")
+    p.add_argument("--max-batch", type=int, default=0, help="0: chosen by memory.fit")
     p.add_argument("--logprob-chunk", type=int, default=256)
     p.add_argument("--remat", default="auto", help="auto (the training loop's choice) | full | proj | none")
     p.add_argument("--attention", default="flash", choices=("flash", "xla"))

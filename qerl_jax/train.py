@@ -523,7 +523,7 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         lora_rank=lcfg.rank,
         lora_targets=lcfg.targets,
         rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        rollout_chunk=cfg.rollout.max_batch or None,
+        max_batch=cfg.rollout.max_batch or None,
         group_size=cfg.rollout.group_size,
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -553,7 +553,7 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         if result is not None:
             cfg.rl.micro_batch_size = result.micro_batch_size
             if cfg.rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
-                cfg.rollout.max_batch = result.rollout_chunk
+                cfg.rollout.max_batch = result.max_batch
     return cfg
 
 

@@ -157,7 +157,7 @@ def test_compiled_programs_are_few(f32_model):
 
 
 def test_scheduler_refills_free_rows_and_compacts_the_tail():
-    s = scheduler.Scheduler(20, rows=8, capacity=8, smaller=(4, 2), refill=2)
+    s = scheduler.Scheduler(20, rows=8, max_batch=8, smaller=(4, 2), refill=2)
     seqs, rows = s.admissions()
     assert seqs.tolist() == list(range(8)) and rows.tolist() == list(range(8))
     assert s.exit_live() == 6  # hand back once 2 rows are free

@@ -161,10 +161,10 @@ def plan_rollout(
     act_dtype = weights.act_dtype_of(params)
     copies = weights.layer_copy_bytes(params)
 
-    def plan(capacity: int, choose_copies: bool) -> RolloutPlan:
-        """The plan at `capacity` sequences at once; copies wanted (False) or those that fit (True)."""
+    def plan(at_once: int, choose_copies: bool) -> RolloutPlan:
+        """The plan at `at_once` sequences decoded at once; copies wanted (False) or those that fit (True)."""
         lay = scheduler.layout(
-            capacity,
+            at_once,
             group_size=group_size,
             smaller_rows=smaller_rows,
             share_prefill=share_prefill,
@@ -194,7 +194,7 @@ def plan_rollout(
         extra = weights.dense_copy_bytes(params, dense) + weights.wgmma_copy_bytes(params, wgmma)
         mem = dataclasses.replace(mem, weight_copies=mem.weight_copies + extra)
         return RolloutPlan(
-            lay.rows, lay.capacity, lay.smaller, lay.admit_rows, lay.admit_prompts, dense, wgmma, mem, limit
+            lay.rows, lay.max_batch, lay.smaller, lay.admit_rows, lay.admit_prompts, dense, wgmma, mem, limit
         )
 
     def fits(p: RolloutPlan) -> bool:
@@ -226,10 +226,10 @@ def plan_rollout(
             return dataclasses.replace(chosen, max_batch=min(chosen.max_batch, num_seqs))
     candidates = sorted({min(num_seqs, r) for r in scheduler.rows_candidates(num_seqs)}, reverse=True)
     for choose_copies in (False, True):
-        for capacity in candidates:
-            chosen = plan(capacity, choose_copies)
+        for at_once in candidates:
+            chosen = plan(at_once, choose_copies)
             if fits(chosen):
-                _AUTO_ROWS[key] = (capacity, choose_copies)
+                _AUTO_ROWS[key] = (at_once, choose_copies)
                 return chosen
     one = plan(1, choose_copies=True)
     raise MemoryError(
@@ -397,7 +397,7 @@ def generate(
     if batch_sharding is None:
         _precompile(static, run_params, plan, p_b, key, stop_V)
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
-    sched = scheduler.Scheduler(total, rows=plan.rows, capacity=plan.max_batch, smaller=plan.smaller)
+    sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
     cache, rows = programs.new_rows(static, plan.rows, p_b, pad_id, batch_sharding)
     prompt_of_seq = np.arange(total) // group_size
     out = _Outputs(total, sampling.max_new_tokens, pad_id)

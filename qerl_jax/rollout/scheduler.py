@@ -1,7 +1,7 @@
 """Which sequence decodes in which row, and when: the rollout's host-side scheduler (numpy only).
 
 The N = B * G sequences of a `generate` call form a queue (sequence b * G + g = sample g of
-prompt b). A bucket of R rows holds at most `capacity` of them at once (continuous batching):
+prompt b). A bucket of R rows holds at most `max_batch` of them at once (continuous batching):
 every free row takes the next queued sequence (its prompt prefilled
   into the row: `programs.admit`); a row retires as soon as its sequence stops (EOS / stop id /
   its token limit) and the decode loop hands control back once `refill` rows are free, so they
@@ -68,32 +68,32 @@ def admit_prompts(rows: int, group_size: int, share_prefill: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The row buckets of a rollout: `rows` (the first bucket) holding `capacity` sequences at
+    """The row buckets of a rollout: `rows` (the first bucket) holding `max_batch` sequences at
     once, `smaller` (compaction buckets), and
     one admission's `admit_rows` rows from `admit_prompts` prefilled prompts."""
 
     rows: int
-    capacity: int
+    max_batch: int
     smaller: tuple[int, ...]
     admit_rows: int
     admit_prompts: int
 
 
 def layout(
-    capacity: int,
+    max_batch: int,
     *,
     group_size: int = 1,
     smaller_rows: Sequence[int] = DEFAULT_SMALLER_ROWS,
     share_prefill: bool = True,
     shards: int = 1,
 ) -> Layout:
-    """The `Layout` of a rollout decoding at most `capacity` sequences at once; every bucket a
+    """The `Layout` of a rollout decoding at most `max_batch` sequences at once; every bucket a
     multiple of `shards` (data-parallel rows)."""
     round_up = lambda n: -(-n // shards) * shards  # noqa: E731
-    rows = round_up(rows_bucket(capacity))
+    rows = round_up(rows_bucket(max_batch))
     smaller = tuple(sorted({b for b in smaller_rows if b < rows and b % shards == 0}, reverse=True))
     k = round_up(admit_rows(rows))
-    return Layout(rows, capacity, smaller, k, round_up(admit_prompts(k, group_size, share_prefill)))
+    return Layout(rows, max_batch, smaller, k, round_up(admit_prompts(k, group_size, share_prefill)))
 
 
 class Scheduler:
@@ -104,17 +104,17 @@ class Scheduler:
         num_seqs: int,
         *,
         rows: int,
-        capacity: int,
+        max_batch: int,
         smaller: tuple[int, ...] = (),
         refill: int | None = None,
     ):
-        if not 1 <= capacity <= rows:
-            raise ValueError(f"capacity must be in [1, rows={rows}]; got {capacity}")
+        if not 1 <= max_batch <= rows:
+            raise ValueError(f"max_batch must be in [1, rows={rows}]; got {max_batch}")
         self.num_seqs = num_seqs
         self.rows = rows
-        self.capacity = capacity
+        self.max_batch = max_batch
         self.smaller = tuple(sorted((b for b in smaller if b < rows), reverse=True))
-        self.refill = refill or max(1, capacity // REFILL_FRACTION)
+        self.refill = refill or max(1, max_batch // REFILL_FRACTION)
         self.row_seq = np.full((rows,), -1, np.int64)
         self.next_seq = 0
 
@@ -128,7 +128,7 @@ class Scheduler:
 
     def admissions(self) -> tuple[np.ndarray, np.ndarray]:
         """The (sequences, rows) to admit now, in queue order into ascending free rows."""
-        free = np.flatnonzero(self.row_seq[: self.capacity] < 0)
+        free = np.flatnonzero(self.row_seq[: self.max_batch] < 0)
         rows = free[: min(len(free), self.queued)]
         seqs = np.arange(self.next_seq, self.next_seq + len(rows))
         self.next_seq += len(rows)
@@ -138,7 +138,7 @@ class Scheduler:
     def exit_live(self) -> int:
         """The decode loop runs while more than this many rows are live."""
         if self.queued:
-            return self.capacity - min(self.refill, self.queued)
+            return self.max_batch - min(self.refill, self.queued)
         return self.smaller[0] if self.smaller else 0
 
     def retire(self, live_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +159,6 @@ class Scheduler:
         keep = np.zeros((bucket,), np.int64)
         keep[: len(live)] = live
         self.row_seq = np.concatenate([self.row_seq[live], np.full((bucket - len(live),), -1, np.int64)])
-        self.rows = self.capacity = bucket
+        self.rows = self.max_batch = bucket
         self.smaller = tuple(b for b in self.smaller if b < bucket)
         return keep
