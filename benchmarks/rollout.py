@@ -1,9 +1,9 @@
 """Rollout throughput: our jitted KV-cache generation (bf16 / NF4 / MXFP4 / NVFP4) vs transformers.
 
-    PYTHONPATH=. python benchmarks/rollout.py --out $OUT/rollout.json          # GPU, Qwen2.5-7B shapes
-    PYTHONPATH=. python benchmarks/rollout.py --tiny --out /tmp/rollout.json   # CPU smoke test
-    PYTHONPATH=. python benchmarks/rollout.py --workload gsm8k --out $OUT/gsm8k.json         # GPU
-    PYTHONPATH=. python benchmarks/rollout.py --workload gsm8k --tiny --out /tmp/gsm8k.json  # CPU smoke
+    python -m benchmarks.rollout --out $OUT/rollout.json          # GPU, Qwen2.5-7B shapes
+    python -m benchmarks.rollout --tiny --out /tmp/rollout.json   # CPU smoke test
+    python -m benchmarks.rollout --workload gsm8k --out $OUT/gsm8k.json         # GPU
+    python -m benchmarks.rollout --workload gsm8k --tiny --out /tmp/gsm8k.json  # CPU smoke
 
 Two workloads. "decode" (default, below): decode-step time at fixed batches. "gsm8k": whole GRPO
 rollouts of the GSM8K recipe (`configs/gsm8k.py`): Qwen2.5-7B shapes, 32 prompts x 8 samples,
@@ -129,21 +129,19 @@ PROJ_SHAPES = {  # (N, K) as functions of the config
 
 def build_random_params(config, fmt: str, key):
     """Random Qwen2 params {"base", "norms"}: bf16 or `fmt`-quantized linears, built layer by
-    layer on the device by benchmarks/random_model.py (the seed comes from `key`)."""
+    layer on the device by benchmarks/common.py (the seed comes from `key`)."""
     import jax
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import random_model  # noqa: PLC0415
+    from benchmarks import common
 
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
-    return random_model.random_params(config, quant=fmt, seed=seed)
+    return common.random_params(config, quant=fmt, seed=seed)
 
 
 def tree_bytes(tree) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import random_model  # noqa: PLC0415
+    from benchmarks import common
 
-    return random_model.tree_bytes(tree)
+    return common.tree_bytes(tree)
 
 
 # ----------------------------------------------------------------------------- device ceilings
@@ -332,9 +330,7 @@ def torch_worker(args) -> dict:
     import torch
     import transformers
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import peer  # noqa: PLC0415 (benchmarks/peer.py)
-
+    from benchmarks import common
     from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
 
     run = run_config(args)
@@ -347,7 +343,7 @@ def torch_worker(args) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     t = time.perf_counter()
-    model = peer.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True).eval()
+    model = common.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True).eval()
     hf_config = model.config
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -545,9 +541,7 @@ def gsm8k_torch_worker(args) -> dict:
     import torch
     import transformers
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import peer  # noqa: PLC0415 (benchmarks/peer.py)
-
+    from benchmarks import common
     from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
 
     run, ids_np, lengths = gsm8k_inputs(args)
@@ -555,7 +549,7 @@ def gsm8k_torch_worker(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {"format": "transformers", "rows": [], "errors": [], "versions": {"transformers": transformers.__version__}}
     t = time.perf_counter()
-    model = peer.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True, eos_token_id=EOS_ID).eval()
+    model = common.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True, eos_token_id=EOS_ID).eval()
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.tensor(ids_np, dtype=torch.long, device=device)
@@ -882,7 +876,8 @@ def main(argv=None) -> None:
         worker_out = f"{args.out}.{name.replace(':', '-')}.part"
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            __spec__.name,
             "--worker",
             name,
             "--worker-out",

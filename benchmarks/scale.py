@@ -1,8 +1,8 @@
 """Scale benchmark: one full GRPO step of Qwen2.5-14B / 32B-shaped random NVFP4 models on one GPU.
 
-    PYTHONPATH=. python benchmarks/scale.py --out $OUT/scale.json                 # 14b,32b on the GPU
-    PYTHONPATH=. python benchmarks/scale.py --models 32b --phases load,rollout,train --out ...
-    PYTHONPATH=. python benchmarks/scale.py --tiny --out /tmp/scale.json          # CPU smoke test
+    python -m benchmarks.scale --out $OUT/scale.json                 # 14b,32b on the GPU
+    python -m benchmarks.scale --models 32b --phases load,rollout,train --out ...
+    python -m benchmarks.scale --tiny --out /tmp/scale.json          # CPU smoke test
 
 What it does:
 - prints memory plans (`qerl_jax.memory`): each benchmarked model in NVFP4 on the device,
@@ -10,7 +10,7 @@ What it does:
 - `loader` phase (own process): writes a random Qwen2.5-0.5B-shaped bf16 checkpoint and loads
   it with `qerl_jax.load_model(path, quant=...)`; peak device memory vs the final footprint;
 - per model (own process, so that peak memory is per model): `load` builds the random
-  quantized pytree layer by layer on the device (benchmarks/random_model.py) and compares
+  quantized pytree layer by layer on the device (benchmarks/common.py) and compares
   the peak to the final footprint; `rollout` generates prompts x group sequences of
   max-new-tokens (EOS ignored) from prompt-len random prompt tokens; `train` runs the jitted
   GRPO/DAPO train step (LoRA, micro-batches, the recipe's remat and flash attention, chunked
@@ -61,17 +61,11 @@ MEM_FRACTION = "0.95"
 MODELS = ("tiny", "0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")
 
 
-def _random_model_module():
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import random_model  # benchmarks/random_model.py
-
-    return random_model
-
-
 def model_config(name: str):
-    """Qwen2.5-<name> shapes (config.json values), from benchmarks/random_model.py."""
-    return _random_model_module().model_config(name)
+    """Qwen2.5-<name> shapes (config.json values), from benchmarks/common.py."""
+    from benchmarks import common  # noqa: PLC0415 (imports jax: not before the environment is set)
+
+    return common.model_config(name)
 
 
 def plan_kwargs(args, quant: str | None = None, backend: str | None = None) -> dict[str, Any]:
@@ -205,9 +199,10 @@ class Phase:
 
 
 def build_random_params(config, quant: str, seed: int):
-    """{"base", "norms"} of random weights, built layer by layer on the device (random_model.py)."""
-    rm = _random_model_module()
-    return rm.random_params(config, quant=quant, seed=seed)
+    """{"base", "norms"} of random weights, built layer by layer on the device (benchmarks/common.py)."""
+    from benchmarks import common  # noqa: PLC0415
+
+    return common.random_params(config, quant=quant, seed=seed)
 
 
 # ----------------------------------------------------------------------------- model worker
@@ -217,13 +212,13 @@ def run_model(args, name: str) -> dict[str, Any]:
     import jax
     import numpy as np
 
+    from benchmarks.common import timed_generate
     from qerl_jax import memory
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
     from qerl_jax.optim import make_optimizer
     from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
-    from benchmarks.common import timed_generate
     from qerl_jax.rollout import RolloutOptions, SamplingConfig, to_train_batch
 
     clock = CompileClock()
@@ -565,7 +560,7 @@ def run_worker_subprocess(args, kind: str, model: str) -> dict[str, Any]:
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         result_path = f.name
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--result-file", result_path]
+    argv = [sys.executable, "-m", __spec__.name, "--worker", kind, "--model", model, "--result-file", result_path]
     argv += args.raw_argv
     t0 = time.perf_counter()
     try:

@@ -327,8 +327,6 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
     second one: with `attention`'s einsums instead of `decode_attention_reference`, XLA carried
     the cache in another layout and copied all of it on entry (the old OOM at 256 x 2304)."""
     import importlib.util
-    import os
-    import sys
 
     try:
         found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -336,12 +334,8 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
         found = False
     if not found:
         pytest.skip("jax's CUDA plugin (jax-cuda12-plugin / -pjrt) is not installed")
-    from conftest import REPO
-
-    sys.path.insert(0, os.path.join(REPO, "benchmarks", "devtools"))
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import hlo_census
-    import random_model
+    from benchmarks import common
+    from benchmarks.devtools import hlo_census
 
     config = ModelConfig(
         vocab_size=2048,
@@ -353,7 +347,7 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
         head_dim=128,
         max_position_embeddings=4096,
     )
-    monkeypatch.setattr(random_model, "model_config", lambda name: config)
+    monkeypatch.setattr(common, "model_config", lambda name: config)
     device = hlo_census.h100_device()
     setup = hlo_census.rollout_setup("test", "bf16", 64, prompt_len=64, new_slots=448, lora_rank=4, device=device)
     cache, state = setup["bucket_args"](64)

@@ -41,6 +41,7 @@ from qerl_jax.models.qwen2 import (
 from qerl_jax.rollout import weights
 from qerl_jax.rollout.sampling import SamplingConfig, sample
 
+
 @dataclasses.dataclass(frozen=True)
 class Static:
     """Everything the compiled programs are specialised on (besides array shapes).
