@@ -335,9 +335,7 @@ def test_wgmma_weight_names_take_the_largest_units_that_fit(fusable_nvfp4_model)
     largest first, while they fit: never a k/v without its q, never more than the budget."""
     _, params = fusable_nvfp4_model
     size = functools.partial(weights_module.wgmma_copy_bytes, params)
-    names = functools.partial(
-        weights_module.wgmma_weight_names, params, None, backend="pallas", rows=16
-    )
+    names = functools.partial(weights_module.wgmma_weight_names, params, None, backend="pallas", rows=16)
     qkv, mlp = ("k_proj", "q_proj", "v_proj"), ("gate_proj", "up_proj")
     assert size(qkv) == size(mlp) > size(("down_proj",)) == size(("o_proj",))  # the tiny model's sizes
     both = tuple(sorted(qkv + mlp))
@@ -442,15 +440,11 @@ def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits(
     assert choose(backend="xla", rows=1)  # the XLA path dequantizes every step at any batch
     assert not choose(backend="pallas", rows=64)  # the kernels read packed weights up to M = 64
     assert choose(backend="pallas", rows=weights_module.DENSE_FROM_ROWS)
-    assert not weights_module.use_dense_weights(
-        None, backend="pallas", rows=256, dense_bytes=1, fits=False
-    )
+    assert not weights_module.use_dense_weights(None, backend="pallas", rows=256, dense_bytes=1, fits=False)
     assert not weights_module.use_dense_weights(
         None, backend="xla", rows=256, dense_bytes=0, fits=True
     )  # nothing packed
-    assert not weights_module.use_dense_weights(
-        False, backend="xla", rows=256, dense_bytes=1, fits=True
-    )
+    assert not weights_module.use_dense_weights(False, backend="xla", rows=256, dense_bytes=1, fits=True)
 
 
 # ----------------------------------------------------------------------------- log-prob invariant
@@ -569,7 +563,14 @@ def test_group_sharing_chunking_and_repeats_give_identical_samples(f32_model):
     variants = {
         "repeated_prompts": generate(config, params, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), key, sampling, **kw),
         "no_sharing": generate(
-            config, params, ids, mask, key, sampling, group_size=2, options=dataclasses.replace(F32, share_prefill=False)
+            config,
+            params,
+            ids,
+            mask,
+            key,
+            sampling,
+            group_size=2,
+            options=dataclasses.replace(F32, share_prefill=False),
         ),
         "split_groups": generate(config, params, ids, mask, key, sampling, group_size=2, max_batch=1, **kw),
         "chunks_of_4": generate(config, params, ids, mask, key, sampling, group_size=2, max_batch=5, **kw),

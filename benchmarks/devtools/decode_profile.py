@@ -130,7 +130,15 @@ def worker(args, fmt: str) -> dict:
             sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=args.cache_new_tokens, ignore_eos=True)
             key = jax.random.key(seed)
             _, tm = timed_generate(
-                config, params, ids, mask, key, sampling, group_size=group, max_new_tokens_per_seq=steps, options=options
+                config,
+                params,
+                ids,
+                mask,
+                key,
+                sampling,
+                group_size=group,
+                max_new_tokens_per_seq=steps,
+                options=options,
             )
             return tm
 
