@@ -516,7 +516,7 @@ def run_summary(
 
 def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.LoraConfig) -> ml_collections.ConfigDict:
     """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
-    rollout chunk to it (or stops with the config value to lower)."""
+    rollout rows (rollout.max_batch) to it (or stops with the config value to lower)."""
     plan = memory.plan_memory(
         policy.config,
         quant=policy.quant,

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from decode_profile import gpu_kernels_with_args  # noqa: E402
+from benchmarks.devtools.decode_profile import gpu_kernels_with_args
 
 # (kind, regex on "op_name kernel"); the model marks its parts with jax.named_scope. First match wins.
 KINDS = (
