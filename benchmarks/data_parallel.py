@@ -1,13 +1,13 @@
 """Data-parallel scaling: rollout and GRPO train step on all local GPUs vs one, same batch.
 
-    PYTHONPATH=. python benchmarks/data_parallel.py --out $OUT/dp.json        # e.g. 2 x H200, 7B
+    python -m benchmarks.data_parallel --out $OUT/dp.json        # e.g. 2 x H200, 7B
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-      PYTHONPATH=. python benchmarks/data_parallel.py --tiny --out /tmp/dp.json   # CPU smoke test
+      python -m benchmarks.data_parallel --tiny --out /tmp/dp.json   # CPU smoke test
 
-A Qwen2.5-shaped random NVFP4 policy (benchmarks/random_model.py) with LoRA is run twice on
+A Qwen2.5-shaped random NVFP4 policy (benchmarks/common.py) with LoRA is run twice on
 the same inputs: on one device, and on a ("data", "model") = (n, 1) mesh of all n devices
 (`qerl_jax.sharding`: params replicated, rollout rows and training sequences split over
-"data" through `generate(batch_sharding=...)` and `shard_batch`; XLA all-reduces the LoRA
+"data" through `generate(options=RolloutOptions(batch_sharding=...))` and `shard_batch`; XLA all-reduces the LoRA
 gradients). Rollout: prompts x group sequences, --decode-steps sampling steps with the cache
 sized for --max-new-tokens (a step costs the same at every position), the second of two
 identical calls timed. Train: one DAPO step on prompt + new-token sequences (micro-batches,
@@ -21,24 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import jax
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import random_model  # noqa: E402
-
+from benchmarks import common
 from qerl_jax import sharding  # noqa: E402
 from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: E402
 from qerl_jax.optim import make_optimizer  # noqa: E402
 from qerl_jax.rl import step as rl_step  # noqa: E402
 from qerl_jax.rl.losses import LossConfig  # noqa: E402
-from qerl_jax.rollout import SamplingConfig, generate  # noqa: E402
+from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate  # noqa: E402
 
 
 def _timed(fn):
@@ -54,8 +48,8 @@ def run(args) -> dict:
     n = len(devices)
     if n < 2:
         raise SystemExit(f"needs at least 2 devices, found {n} ({devices})")
-    config = random_model.model_config("tiny" if args.tiny else args.model)
-    params = random_model.random_params(config, quant=args.quant, seed=0)
+    config = common.model_config("tiny" if args.tiny else args.model)
+    params = common.random_params(config, quant=args.quant, seed=0)
     lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
     lora = init_lora(jax.random.key(1), config, lcfg)
     # Non-zero B so the adapters take part in the forward like in training.
@@ -69,7 +63,7 @@ def run(args) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.decode_steps, ignore_eos=True)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=100)
     t_total = args.prompt_len + args.max_new_tokens
-    batch = random_model.random_rl_batch(config, batch=rows, seq_len=t_total, prompt_len=args.prompt_len)
+    batch = common.random_rl_batch(config, batch=rows, seq_len=t_total, prompt_len=args.prompt_len)
     mesh = sharding.make_mesh(n, 1)
     report = {
         "devices": [str(d) for d in devices],
@@ -87,9 +81,8 @@ def run(args) -> dict:
 
     def one_mode(name: str, place, batch_sharding):
         policy = place(with_lora(params, lora))
-        kw = dict(group_size=args.group, lora_scale=scale, backend=backend, cache_new_tokens=args.max_new_tokens)
-        if batch_sharding is not None:
-            kw["batch_sharding"] = batch_sharding
+        kw = dict(group_size=args.group, lora_scale=scale)
+        kw["options"] = RolloutOptions(backend=backend, batch_sharding=batch_sharding)
         out, roll_s = _timed(lambda: generate(config, policy, ids, mask, jax.random.key(3), sampling, **kw))
         frozen = place({"base": params["base"], "norms": params["norms"]})
         step = rl_step.make_train_step(

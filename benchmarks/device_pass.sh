@@ -19,61 +19,61 @@ T0=$(date +%s)
 for step in ${STEPS:-rollout grpo scale}; do
   case $step in
     rollout)
-      timeout ${ROLLOUT_S:-270} python3 benchmarks/rollout.py --out "$OUT/rollout.json" \
+      timeout ${ROLLOUT_S:-270} python3 -m benchmarks.rollout --out "$OUT/rollout.json" \
         --formats ${ROLLOUT_FORMATS:-bf16,nvfp4,mxfp4,nf4} --deadline $(( ${ROLLOUT_S:-270} - 40 )) > "$OUT/rollout.log" 2>&1
       echo "rollout rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 25 "$OUT/rollout.log" ;;
     grpo)
-      timeout ${GRPO_S:-200} python3 benchmarks/grpo_step.py --formats ${GRPO_FORMATS:-bf16,nvfp4} \
+      timeout ${GRPO_S:-200} python3 -m benchmarks.grpo_step --formats ${GRPO_FORMATS:-bf16,nvfp4} \
         --timeout ${GRPO_CASE_S:-95} --out "$OUT/grpo_step.json" > "$OUT/grpo_step.log" 2>&1
       echo "grpo rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 8 "$OUT/grpo_step.log" ;;
     scale)
-      timeout ${SCALE_S:-100} python3 benchmarks/scale.py --models ${SCALE_MODELS:-32b} --phases load,rollout,train \
+      timeout ${SCALE_S:-100} python3 -m benchmarks.scale --models ${SCALE_MODELS:-32b} --phases load,rollout,train \
         --decode-steps 32 --out "$OUT/scale.json" > "$OUT/scale.log" 2>&1
       echo "scale rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 20 "$OUT/scale.log" ;;
     persistent)  # decode sweep with the persistent-loop candidates, then the decode bench
-      timeout ${PERS_S:-380} python3 benchmarks/kernels.py --out "$OUT/kernels_persistent.json" --sections env,sweep,bench \
+      timeout ${PERS_S:-380} python3 -m benchmarks.kernels --out "$OUT/kernels_persistent.json" --sections env,sweep,bench \
         --deadline $(( ${PERS_S:-380} - 25 )) --sweep-deadline $(( ${PERS_S:-380} - 150 )) --ms 1,16,64 --bwd-ms "" \
         --sweep-decode-ms 16,64 --sweep-prefill-ms "" --sweep-decode-cands 11,13,14,15,6 > "$OUT/kernels_persistent.log" 2>&1
       echo "persistent rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 30 "$OUT/kernels_persistent.log" ;;
     kernels256)
-      timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT/kernels256.json" --sections env,sweep,bench \
+      timeout ${KERNELS_S:-200} python3 -m benchmarks.kernels --out "$OUT/kernels256.json" --sections env,sweep,bench \
         --deadline $(( ${KERNELS_S:-200} - 20 )) --ms 128,256 --bwd-ms "" --sweep-decode-ms "" \
         --sweep-prefill-ms 256 --sweep-prefill-cands 1,2,5,6,7,8 --models ${KERNELS_MODELS:-7B} > "$OUT/kernels256.log" 2>&1
       echo "kernels256 rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 22 "$OUT/kernels256.log" ;;
     nulldecode)  # diagnostic: the same kernels with the nibble decode replaced by a byte->bf16 convert
-      timeout ${NULL_S:-120} python3 benchmarks/kernels.py --out "$OUT/kernels_null.json" --sections bench --null-decode \
+      timeout ${NULL_S:-120} python3 -m benchmarks.kernels --out "$OUT/kernels_null.json" --sections bench --null-decode \
         --deadline $(( ${NULL_S:-120} - 15 )) --ms 16,64 --models 7B > "$OUT/kernels_null.log" 2>&1
       echo "nulldecode rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 "$OUT/kernels_null.log" ;;
     stream)  # diagnostic: Pallas streaming of the packed codes alone (no decode, no dot) vs bf16 dot
-      timeout ${STREAM_S:-150} python3 benchmarks/devtools/stream_probe.py --out "$OUT/stream.json" > "$OUT/stream.log" 2>&1
+      timeout ${STREAM_S:-150} python3 -m benchmarks.devtools.stream_probe --out "$OUT/stream.json" > "$OUT/stream.log" 2>&1
       echo "stream rc=$? after $(( $(date +%s) - T0 )) s"; cat "$OUT/stream.log" | cut -c1-230 ;;
     stages)  # decode sweep: unpipelined / 2-stage candidates against the table's best (11)
-      timeout ${STAGES_S:-200} python3 benchmarks/kernels.py --out "$OUT/kernels_stages.json" --sections env,sweep \
+      timeout ${STAGES_S:-200} python3 -m benchmarks.kernels --out "$OUT/kernels_stages.json" --sections env,sweep \
         --deadline $(( ${STAGES_S:-200} - 15 )) --models 7B --sweep-decode-ms ${STAGES_MS:-16} --sweep-prefill-ms "" \
         --sweep-decode-cands 11,16,17,18,19,20,21,22 > "$OUT/kernels_stages.log" 2>&1
       echo "stages rc=$? after $(( $(date +%s) - T0 )) s"; python3 -c "import json; d = json.load(open('$OUT/kernels_stages.json')); [print(r['m'], r['n'], r['k'], [r['cfg'][c] for c in ('bn', 'bk', 'split_k', 'num_warps', 'num_stages')], r.get('us'), r.get('rel_err')) for r in d['sweep']]" ;;
     ttir)  # the decode kernel's Triton IR launched from PyTorch: timing, then an Nsight Compute profile
-      timeout 200 python3 benchmarks/devtools/ttir_ncu.py dump --dir "$OUT/ttir" > "$OUT/ttir_dump.log" 2>&1
+      timeout 200 python3 -m benchmarks.devtools.ttir_ncu dump --dir "$OUT/ttir" > "$OUT/ttir_dump.log" 2>&1
       echo "ttir dump rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 3 "$OUT/ttir_dump.log"
-      timeout 120 python3 benchmarks/devtools/ttir_ncu.py run --dir "$OUT/ttir" 2>&1 | tail -n 12
+      timeout 120 python3 -m benchmarks.devtools.ttir_ncu run --dir "$OUT/ttir" 2>&1 | tail -n 12
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
       timeout -k 5 ${NCU_S:-180} "$NCU" --profile-from-start off --clock-control none --set full --import-source no -f \
-        -o "$OUT/ttir_prof" python3 benchmarks/devtools/ttir_ncu.py run --dir "$OUT/ttir" --profile --names ${NCU_NAMES:-gate16,gate16_null,gate1} \
+        -o "$OUT/ttir_prof" python3 -m benchmarks.devtools.ttir_ncu run --dir "$OUT/ttir" --profile --names ${NCU_NAMES:-gate16,gate16_null,gate1} \
         > "$OUT/ttir_ncu.log" 2>&1
       echo "ncu rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 4 "$OUT/ttir_ncu.log"
       "$NCU" -i "$OUT/ttir_prof.ncu-rep" --page raw --csv > "$OUT/ttir_raw.csv" 2>&1
       "$NCU" -i "$OUT/ttir_prof.ncu-rep" --page details --csv > "$OUT/ttir_details.csv" 2>&1
       "$NCU" -i "$OUT/ttir_prof.ncu-rep" -k regex:w4a16 --page source --print-source sass --csv > "$OUT/ttir_sass.csv" 2>&1
-      python3 benchmarks/devtools/ncu_summary.py "$OUT/ttir_raw.csv" | tee "$OUT/ttir_summary.txt" ;;
+      python3 -m benchmarks.devtools.ncu_summary "$OUT/ttir_raw.csv" | tee "$OUT/ttir_summary.txt" ;;
     block)  # correctness + sweep of the nvfp4 block kernel (with the table's previous best, 11, as control) + bench
-      timeout ${BLOCK_S:-560} python3 benchmarks/kernels.py --out "$OUT/kernels_block.json" --sections env,check,sweep,bench \
+      timeout ${BLOCK_S:-560} python3 -m benchmarks.kernels --out "$OUT/kernels_block.json" --sections env,check,sweep,bench \
         --check-quick --deadline $(( ${BLOCK_S:-560} - 20 )) --sweep-deadline $(( ${BLOCK_S:-560} - 200 )) \
         --sweep-decode-ms ${BLOCK_MS:-16} --sweep-prefill-ms "" --sweep-decode-cands ${BLOCK_CANDS:-11,23,24,25,26,28} \
         --ms ${BLOCK_BENCH_MS:-1,16} --models ${BLOCK_MODELS:-7B,32B} --bwd-ms "" > "$OUT/kernels_block.log" 2>&1
       echo "block rc=$? after $(( $(date +%s) - T0 )) s"; grep -E "^CHECK|ERROR" "$OUT/kernels_block.log" | cut -c1-200 | tail -n 12
       python3 -c "import json; d = json.load(open('$OUT/kernels_block.json')); [print(r['m'], r['n'], r['k'], [r['cfg'][c] for c in ('mode', 'bn', 'bk', 'split_k', 'num_warps', 'num_stages')], r.get('us'), r.get('rel_err')) for r in d['sweep']]; [print('BENCH', r['m'], r['n'], r['k'], r.get('cfg', {}).get('mode'), round(r.get('ours_us', 0), 1), round(r.get('bf16_us', 0), 1), round(r.get('speedup_vs_bf16', 0), 3)) for r in d['bench']]" ;;
     dp)  # all local GPUs vs one (e.g. on nvidia-h200-x2)
-      timeout ${DP_S:-300} python3 benchmarks/data_parallel.py --model ${DP_MODEL:-7B} --out "$OUT/data_parallel.json" \
+      timeout ${DP_S:-300} python3 -m benchmarks.data_parallel --model ${DP_MODEL:-7B} --out "$OUT/data_parallel.json" \
         > "$OUT/data_parallel.log" 2>&1
       echo "dp rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 10 "$OUT/data_parallel.log" ;;
     *) echo "unknown step $step" ;;

@@ -1,9 +1,9 @@
 """One full GRPO step (rollout + reward + train) on a Qwen2.5-shaped random model, per base format.
 
-    PYTHONPATH=. python benchmarks/grpo_step.py --out $OUT/grpo_step.json          # GPU: 7B
-    PYTHONPATH=. python benchmarks/grpo_step.py --tiny --out /tmp/grpo_step.json   # CPU smoke test
-    PYTHONPATH=. python benchmarks/grpo_step.py --workload gsm8k --out $OUT/grpo_gsm8k.json   # GPU, 7B
-    PYTHONPATH=. python benchmarks/grpo_step.py --workload gsm8k --tiny --out /tmp/grpo_gsm8k.json
+    python -m benchmarks.grpo_step --out $OUT/grpo_step.json          # GPU: 7B
+    python -m benchmarks.grpo_step --tiny --out /tmp/grpo_step.json   # CPU smoke test
+    python -m benchmarks.grpo_step --workload gsm8k --out $OUT/grpo_gsm8k.json   # GPU, 7B
+    python -m benchmarks.grpo_step --workload gsm8k --tiny --out /tmp/grpo_gsm8k.json
 
 --workload gsm8k: the recipe's step at 7B shapes with the rollout benchmark's seeded long-tailed
 completion lengths (benchmarks/rollout.py `gsm8k_inputs`: EOS at each row's drawn length), per
@@ -13,15 +13,15 @@ training loop does). Each case records train_tokens_real (prompt + response toke
 and train_tokens_computed (slots the train forward computes, padding included).
 
 For each base (bf16 LoRA, NF4, NVFP4) a child process builds the random model on the device
-(benchmarks/random_model.py) and runs the training loop's own pieces: `rollout.generate`
+(benchmarks/common.py) and runs the training loop's own pieces: `rollout.generate`
 (group sampling from shared prefills, fixed-length responses), the reward pool
 (`reward_pool.RewardPool`; random models have no tokenizer, so each completion is scored as the
 text of its token ids against a numeric answer, which exercises the same extraction and
 math-verify path), group advantages and the jitted train step (LoRA, the recipe's flash attention
 and remat choice, micro-batches). Each phase is compiled by a warm-up call first (the rollout
 warm-up stops every row after one token, so it compiles the same programs), then timed once.
-The format `peer` is transformers + PEFT (benchmarks/peer.py): `generate` (sampling, its default
-cache) then the same DAPO train step. The train phase's TFLOP/s use `peer.train_flops` (printed).
+The format `peer` is transformers + PEFT (benchmarks/common.py): `generate` (sampling, its default
+cache) then the same DAPO train step. The train phase's TFLOP/s use `common.train_flops` (printed).
 Prints a table, writes JSON.
 """
 
@@ -35,7 +35,6 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 RESULT_PREFIX = "RESULT "
 
 
@@ -77,20 +76,17 @@ def run_case(args, fmt: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, HERE)
-    import random_model  # noqa: PLC0415
-    import train_step  # noqa: PLC0415
-
+    from benchmarks import common, train_step
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.rl import losses
     from qerl_jax.rl.step import init_train_state, make_train_step
-    from qerl_jax.rollout.sampler import generate, to_train_batch
+    from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
-    config = random_model.model_config(args.model)
+    config = common.model_config(args.model)
     backend = backend_for(fmt)
     t0 = time.perf_counter()
-    frozen = random_model.random_params(config, quant=fmt, seed=0)
+    frozen = common.random_params(config, quant=fmt, seed=0)
     build_s = time.perf_counter() - t0
     lcfg = lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     scale = lora.lora_scale(lcfg)
@@ -129,7 +125,7 @@ def run_case(args, fmt: str) -> dict:
             warm,
             group_size=args.group,
             lora_scale=scale,
-            backend=backend,
+            options=RolloutOptions(backend=backend),
         ).tokens
     )
     row["rollout_compile_s"] = time.perf_counter() - t0
@@ -143,7 +139,7 @@ def run_case(args, fmt: str) -> dict:
         sampling,
         group_size=args.group,
         lora_scale=scale,
-        backend=backend,
+        options=RolloutOptions(backend=backend),
     )
     jax.block_until_ready(batch.tokens)
     row["rollout_s"] = time.perf_counter() - t0
@@ -186,7 +182,7 @@ def run_case(args, fmt: str) -> dict:
     row["loss_finite"] = bool(np.isfinite(float(m["loss"])))
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30 or None
-    row["weight_gib"] = random_model.tree_bytes(frozen) / 2**30
+    row["weight_gib"] = common.tree_bytes(frozen) / 2**30
     return row
 
 
@@ -197,21 +193,19 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, HERE)
-    import random_model  # noqa: PLC0415
-    import rollout as rollout_bench  # noqa: PLC0415
-
+    from benchmarks import common
+    from benchmarks import rollout as rollout_bench
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import losses, packing
     from qerl_jax.rl.step import init_train_state, make_train_step
-    from qerl_jax.rollout.sampler import generate, to_train_batch
+    from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
     run, prompt_ids, lengths = rollout_bench.gsm8k_inputs(args)
     config = ModelConfig(**(rollout_bench.TINY if args.tiny else rollout_bench.QWEN25_7B))
     backend = backend_for(fmt)
-    frozen = random_model.random_params(config, quant=fmt, seed=0)
+    frozen = common.random_params(config, quant=fmt, seed=0)
     lcfg = lora.LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
     scale = lora.lora_scale(lcfg)
     optimizer = optim.make_optimizer(1e-5, warmup_steps=0, total_steps=100)
@@ -222,7 +216,8 @@ def run_gsm8k_case(args, fmt: str) -> dict:
            "prompt_len": run["prompt_len"], "max_new_tokens": run["max_new"], "micro_batch_size": mb,
            "mean_completion": float(lengths.mean())}  # fmt: skip
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=run["max_new"], ignore_eos=True)
-    kw = dict(group_size=run["group"], lora_scale=scale, backend=backend, max_new_tokens_per_seq=lengths)
+    kw = dict(group_size=run["group"], lora_scale=scale, max_new_tokens_per_seq=lengths)
+    kw["options"] = RolloutOptions(backend=backend)
     policy = {**frozen, "lora": state.lora}
     mask = np.ones_like(prompt_ids)
     jax.block_until_ready(generate(config, policy, prompt_ids, mask, jax.random.key(2), sampling, **kw).tokens)
@@ -280,29 +275,27 @@ def run_gsm8k_case(args, fmt: str) -> dict:
 
 
 def _train_flops(row: dict, config, args) -> None:
-    import peer  # noqa: PLC0415
+    from benchmarks import common
 
     seq = args.prompt_len + args.new_tokens
-    flops = peer.train_flops(config, tokens=args.prompts * args.group * seq, seq_len=seq, lora_rank=args.rank)
+    flops = common.train_flops(config, tokens=args.prompts * args.group * seq, seq_len=seq, lora_rank=args.rank)
     row["train_tflop"] = flops["step"] / 1e12
     row["train_tflops"] = row["train_tflop"] / row["train_s"]
 
 
 def run_peer_case(args) -> dict:
     """transformers + PEFT: sampled `generate` (its default cache) of the same rollout, then the same
-    DAPO train step (benchmarks/peer.py)."""
+    DAPO train step (benchmarks/common.py)."""
     import numpy as np
     import torch
 
-    sys.path.insert(0, HERE)
-    import peer  # noqa: PLC0415
-    import random_model  # noqa: PLC0415
+    from benchmarks import common
 
-    config = random_model.model_config(args.model)
+    config = common.model_config(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    model = peer.peer_model(config, lora_rank=args.rank, device=device)
+    model = common.peer_model(config, lora_rank=args.rank, device=device)
     row = {"format": "peer", "backend": "transformers+peft", "model": args.model, "build_s": time.perf_counter() - t0}
     row.update(sequences=args.prompts * args.group, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     rng = np.random.default_rng(0)
@@ -335,7 +328,7 @@ def run_peer_case(args) -> dict:
     row["rollout_s"] = time.perf_counter() - t0
     row["rollout_tokens_per_s"] = args.prompts * args.group * args.new_tokens / row["rollout_s"]
     seq = args.prompt_len + args.new_tokens
-    batch = random_model.random_rl_batch(
+    batch = common.random_rl_batch(
         config, batch=args.prompts * args.group, seq_len=seq, prompt_len=args.prompt_len
     )
     batch["input_ids"] = tokens.cpu().numpy().astype(np.int32)
@@ -343,7 +336,7 @@ def run_peer_case(args) -> dict:
     batch["response_mask"] = np.zeros(batch["input_ids"].shape, np.float32)
     batch["response_mask"][:, args.prompt_len :] = 1
     row["reward_s"] = 0.0  # the same reward pool as ours; not re-timed here
-    timed = peer.time_peer_train(model, batch, micro_batch_size=args.micro_batch_size, steps=1)
+    timed = common.time_peer_train(model, batch, micro_batch_size=args.micro_batch_size, steps=1)
     row["train_s"] = timed["step_s"]
     row["train_tokens_per_s"] = float(batch["attention_mask"].sum()) / row["train_s"]
     _train_flops(row, config, args)
@@ -376,7 +369,8 @@ def main(argv=None) -> None:
     for fmt in formats.split(","):
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            __spec__.name,
             "--case",
             fmt,
             "--model",
@@ -421,7 +415,7 @@ def main(argv=None) -> None:
     )
     if any("train_tflop" in r for r in rows):
         tflop = next(r["train_tflop"] for r in rows if "train_tflop" in r)
-        print(f"train FLOPs by formula (benchmarks/peer.py train_flops): {tflop:.0f} TFLOP per train phase")
+        print(f"train FLOPs by formula (benchmarks/common.py train_flops): {tflop:.0f} TFLOP per train phase")
     print(
         f"{'base':8} {'backend':17} {'remat':5} {'rollout s':>10} {'reward s':>9} {'train s':>8} {'train TFLOP/s':>13} "
         f"{'step s':>8} {'vs bf16':>8} {'peak GiB':>9}"

@@ -1,6 +1,6 @@
 """Check and time the Pallas W4A16 kernels on the GPU (one device call does everything).
 
-    PYTHONPATH=. python benchmarks/kernels.py --out $OUT/kernels.json [--sections check,sweep,bench]
+    python -m benchmarks.kernels --out $OUT/kernels.json [--sections check,sweep,bench]
 
 Sections:
 - env / ceilings: device-to-device copy bandwidth (read + write), read-only bandwidth;
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 import pallas_kernels  # noqa: F401  (registers the package)
 from pallas_kernels import autotune
-from pallas_kernels.quant_matmul import _backward, _dot_nt, _forward
+from pallas_kernels.quant_matmul import backward_launch, dot_nt, forward_launch
 from qerl_jax.quant import packed as P
 from qerl_jax.quant.formats import REGISTRY
 
@@ -274,7 +274,7 @@ def section_check(args, decode: str) -> bool:
         row = dict(kind="fwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
             out = jax.jit(
-                lambda x, c, s, g: _forward(x, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
+                lambda x, c, s, g: forward_launch(x, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
             )(x, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_fwd(x, p))
             row["cfg"] = autotune.get_config("fwd", m, n, k).to_dict()
@@ -292,7 +292,7 @@ def section_check(args, decode: str) -> bool:
         row = dict(kind="bwd", fmt=fmt, m=m, n=n, k=k, decode=decode)
         try:
             out = jax.jit(
-                lambda d, c, s, g: _backward(d, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
+                lambda d, c, s, g: backward_launch(d, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, poison=True)  # noqa: B023 (traced at once)
             )(dy, p.codes, p.scales, p.global_scale)
             row["rel_err"] = rel_err(out, ref_bwd(dy, p))
         except Exception as e:  # noqa: BLE001
@@ -324,7 +324,7 @@ def section_check(args, decode: str) -> bool:
 
 
 def fwd_op(fmt, cfg, decode):
-    return lambda x, c, s, g: _forward(x, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, cfg=cfg)
+    return lambda x, c, s, g: forward_launch(x, c, s, g, fmt=REGISTRY[fmt], interpret=INTERPRET, decode=decode, cfg=cfg)
 
 
 def bf16_copy_groups(packed, xs: list, u_cap: int = 16) -> list[list]:
@@ -478,7 +478,7 @@ def section_sweep(args, decode: str):
                 fwd_op("nvfp4", cfg, decode)
                 if kind == "fwd"
                 else (
-                    lambda d, cc, s, g, cfg=cfg: _backward(
+                    lambda d, cc, s, g, cfg=cfg: backward_launch(
                         d, cc, s, g, fmt=REGISTRY["nvfp4"], interpret=INTERPRET, decode=decode, cfg=cfg
                     )
                 )
@@ -535,7 +535,7 @@ def bench_fwd(args, decode: str, ms: list[int]):
                     t = time_ops(fwd_op("nvfp4", None, decode), groups)
                     row["ours_us"] = t["s"] * 1e6
                     row["compile_s"] = t["compile_s"]
-                    deq = lambda x, c, s, g: _dot_nt(x, P.dequantize(P.PackedWeight(c, s, g, "nvfp4"), jnp.bfloat16))
+                    deq = lambda x, c, s, g: dot_nt(x, P.dequantize(P.PackedWeight(c, s, g, "nvfp4"), jnp.bfloat16))
                     row["xla_dequant_us"] = time_ops(deq, groups)["s"] * 1e6
                     pb = packed_bytes(items[0])
                     row["packed_MB"] = pb / 1e6
@@ -547,7 +547,7 @@ def bench_fwd(args, decode: str, ms: list[int]):
                     # bf16 weights: the dequantized values, rotated the same way
                     bgroups = bf16_copy_groups(items[0], [g_[0] for g_ in groups[0]])
                     del items, groups
-                    row["bf16_us"] = time_ops(_dot_nt, bgroups)["s"] * 1e6
+                    row["bf16_us"] = time_ops(dot_nt, bgroups)["s"] * 1e6
                     row["speedup_vs_bf16"] = row["bf16_us"] / row["ours_us"]
                     row["speedup_vs_xla_dequant"] = row["xla_dequant_us"] / row["ours_us"]
                     row["bf16_TFLOPs"] = 2 * m * n * k / (row["bf16_us"] * 1e-6) / 1e12
@@ -577,7 +577,7 @@ def bench_bwd(args, decode: str, ms: list[int]):
                         [(rand_x(jax.random.fold_in(key, 5 + j), m, n),) + a[1:] for j, a in enumerate(g)]
                         for g in groups
                     ]
-                    ours = lambda d, c, s, g: _backward(d, c, s, g, fmt=REGISTRY["nvfp4"], interpret=INTERPRET, decode=decode)
+                    ours = lambda d, c, s, g: backward_launch(d, c, s, g, fmt=REGISTRY["nvfp4"], interpret=INTERPRET, decode=decode)
                     row["ours_us"] = time_ops(ours, groups)["s"] * 1e6
                     deq = lambda d, c, s, g: jax.lax.dot_general(
                         d,

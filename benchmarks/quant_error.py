@@ -1,6 +1,6 @@
 """Quantization error of NVFP4 / MXFP4 / NF4 (CPU is fine).
 
-  python benchmarks/quant_error.py [--out benchmarks/quant_error.json]
+  python -m benchmarks.quant_error [--out benchmarks/quant_error.json]
 
 1. Weight reconstruction: relative Frobenius error ||dequant(quant(W)) - W|| / ||W|| on
    Gaussian, heavy-tailed (Student t, 3 dof) and outlier (Gaussian + 0.1% entries x50)

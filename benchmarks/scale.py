@@ -1,8 +1,8 @@
 """Scale benchmark: one full GRPO step of Qwen2.5-14B / 32B-shaped random NVFP4 models on one GPU.
 
-    PYTHONPATH=. python benchmarks/scale.py --out $OUT/scale.json                 # 14b,32b on the GPU
-    PYTHONPATH=. python benchmarks/scale.py --models 32b --phases load,rollout,train --out ...
-    PYTHONPATH=. python benchmarks/scale.py --tiny --out /tmp/scale.json          # CPU smoke test
+    python -m benchmarks.scale --out $OUT/scale.json                 # 14b,32b on the GPU
+    python -m benchmarks.scale --models 32b --phases load,rollout,train --out ...
+    python -m benchmarks.scale --tiny --out /tmp/scale.json          # CPU smoke test
 
 What it does:
 - prints memory plans (`qerl_jax.memory`): each benchmarked model in NVFP4 on the device,
@@ -10,7 +10,7 @@ What it does:
 - `loader` phase (own process): writes a random Qwen2.5-0.5B-shaped bf16 checkpoint and loads
   it with `qerl_jax.load_model(path, quant=...)`; peak device memory vs the final footprint;
 - per model (own process, so that peak memory is per model): `load` builds the random
-  quantized pytree layer by layer on the device (benchmarks/random_model.py) and compares
+  quantized pytree layer by layer on the device (benchmarks/common.py) and compares
   the peak to the final footprint; `rollout` generates prompts x group sequences of
   max-new-tokens (EOS ignored) from prompt-len random prompt tokens; `train` runs the jitted
   GRPO/DAPO train step (LoRA, micro-batches, the recipe's remat and flash attention, chunked
@@ -61,17 +61,11 @@ MEM_FRACTION = "0.95"
 MODELS = ("tiny", "0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")
 
 
-def _random_model_module():
-    if HERE not in sys.path:
-        sys.path.insert(0, HERE)
-    import random_model  # benchmarks/random_model.py
-
-    return random_model
-
-
 def model_config(name: str):
-    """Qwen2.5-<name> shapes (config.json values), from benchmarks/random_model.py."""
-    return _random_model_module().model_config(name)
+    """Qwen2.5-<name> shapes (config.json values), from benchmarks/common.py."""
+    from benchmarks import common  # noqa: PLC0415 (imports jax: not before the environment is set)
+
+    return common.model_config(name)
 
 
 def plan_kwargs(args, quant: str | None = None, backend: str | None = None) -> dict[str, Any]:
@@ -83,7 +77,7 @@ def plan_kwargs(args, quant: str | None = None, backend: str | None = None) -> d
         prompt_len=args.prompt_len,
         max_new_tokens=args.max_new_tokens,
         micro_batch_size=args.micro_batch_size or 8,
-        rollout_chunk=args.rollout_chunk or None,
+        max_batch=args.max_batch or None,
         logprob_chunk=args.logprob_chunk,
         remat="proj" if args.remat == "auto" else args.remat,
         attention=args.attention,
@@ -205,9 +199,10 @@ class Phase:
 
 
 def build_random_params(config, quant: str, seed: int):
-    """{"base", "norms"} of random weights, built layer by layer on the device (random_model.py)."""
-    rm = _random_model_module()
-    return rm.random_params(config, quant=quant, seed=seed)
+    """{"base", "norms"} of random weights, built layer by layer on the device (benchmarks/common.py)."""
+    from benchmarks import common  # noqa: PLC0415
+
+    return common.random_params(config, quant=quant, seed=seed)
 
 
 # ----------------------------------------------------------------------------- model worker
@@ -217,13 +212,14 @@ def run_model(args, name: str) -> dict[str, Any]:
     import jax
     import numpy as np
 
+    from benchmarks.common import timed_generate
     from qerl_jax import memory
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
     from qerl_jax.optim import make_optimizer
     from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
-    from qerl_jax.rollout import SamplingConfig, generate, to_train_batch
+    from qerl_jax.rollout import RolloutOptions, SamplingConfig, to_train_batch
 
     clock = CompileClock()
     config = model_config(name)
@@ -243,7 +239,7 @@ def run_model(args, name: str) -> dict[str, Any]:
     }
     rows = args.prompts * args.group_size
     plan = memory.plan_memory(config, **plan_kwargs(args, backend=backend), device_bytes=limit)
-    mb, chunk = args.micro_batch_size or 8, args.rollout_chunk or rows
+    mb, chunk = args.micro_batch_size or 8, args.max_batch or rows
     remat = "full" if args.remat == "auto" else args.remat
     if limit is not None:
         try:
@@ -251,7 +247,7 @@ def run_model(args, name: str) -> dict[str, Any]:
             record["fit"] = fitted.message
             plan = fitted.plan
             mb = args.micro_batch_size or fitted.micro_batch_size
-            chunk = args.rollout_chunk or fitted.rollout_chunk
+            chunk = args.max_batch or fitted.max_batch
             remat = fitted.remat
         except memory.DoesNotFitError as e:
             record["fit"] = f"DOES NOT FIT (running anyway): {e}"
@@ -260,7 +256,7 @@ def run_model(args, name: str) -> dict[str, Any]:
         f"[{name}] fit: {record.get('fit', 'device size unknown')}; micro_batch_size={mb}, rollout chunk={chunk}",
         flush=True,
     )
-    record.update(plan=plan.as_dict(), micro_batch_size=mb, rollout_chunk=chunk, remat=remat, attention=args.attention)
+    record.update(plan=plan.as_dict(), micro_batch_size=mb, max_batch=chunk, remat=remat, attention=args.attention)
 
     params = None
     with Phase(clock, record, "load") as out:
@@ -289,7 +285,7 @@ def run_model(args, name: str) -> dict[str, Any]:
 
     def plan_for(backend_: str) -> memory.MemoryPlan:
         """The plan with the sizes in use, for the backend a phase ran on."""
-        kw = {**plan.inputs, "micro_batch_size": mb, "rollout_chunk": chunk, "backend": backend_}
+        kw = {**plan.inputs, "micro_batch_size": mb, "max_batch": chunk, "backend": backend_}
         return memory.plan_memory(config, **kw, device_bytes=limit)
 
     def with_fallback(out: dict[str, Any], fn):
@@ -308,12 +304,14 @@ def run_model(args, name: str) -> dict[str, Any]:
         print(f"[{name}] pallas backend failed ({out['pallas_error'][:200]}); re-running on xla", flush=True)
         return fn("xla")
 
-    def rollout(max_batch: int, timings: dict[str, float], backend: str):
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
+    def rollout(max_batch: int, backend: str):
+        """(batch, max_batch, timings): `steps` tokens per sequence at the cache size of max_new_tokens."""
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
         policy = with_lora(params, state.lora)
+        options = RolloutOptions(backend=backend, wgmma_weights=None if args.wgmma == "auto" else False)
         while True:
             try:
-                out_ = generate(
+                out_, timings = timed_generate(
                     config,
                     policy,
                     prompt_ids,
@@ -322,30 +320,26 @@ def run_model(args, name: str) -> dict[str, Any]:
                     sampling,
                     group_size=args.group_size,
                     lora_scale=scale,
-                    backend=backend,
                     max_batch=max_batch,
-                    cache_new_tokens=args.max_new_tokens,
-                    timings=timings,
-                    wgmma_weights=None if args.wgmma == "auto" else False,
+                    max_new_tokens_per_seq=steps,
+                    options=options,
                 )
-                return jax.block_until_ready(out_), max_batch
-            except MemoryError as e:  # the rollout engine's own estimate refused the chunk
+                return jax.block_until_ready(out_), max_batch, timings
+            except MemoryError as e:  # the rollout engine's own estimate refused the rows
                 if max_batch <= 1:
                     raise
-                print(f"[{name}] rollout chunk {max_batch} refused ({e}); halving", flush=True)
+                print(f"[{name}] rollout max_batch {max_batch} refused ({e}); halving", flush=True)
                 max_batch //= 2
-                timings.clear()
 
     if "rollout" in args.phases:
         with Phase(clock, record, "rollout") as out:
 
             def two_calls(backend_: str):
                 t0 = time.perf_counter()
-                _, chunk_ = rollout(chunk, {}, backend_)  # compiles; same shapes as the timed call
+                _, chunk_, _ = rollout(chunk, backend_)  # compiles; same shapes as the timed call
                 out["first_call_s"] = round(time.perf_counter() - t0, 3)
-                timed_: dict[str, float] = {}
                 t0 = time.perf_counter()
-                result_, chunk_ = rollout(chunk_, timed_, backend_)
+                result_, chunk_, timed_ = rollout(chunk_, backend_)
                 out["timed_call_s"] = round(time.perf_counter() - t0, 3)
                 return result_, chunk_, timed_
 
@@ -359,7 +353,7 @@ def run_model(args, name: str) -> dict[str, Any]:
                 prompt_len=args.prompt_len,
                 max_new_tokens=args.max_new_tokens,
                 decode_steps_run=steps_c,
-                rollout_chunk=chunk,
+                max_batch=chunk,
                 prefill_s=round(timed["prefill_s"], 4),
                 decode_step_s=round(step_s, 5),
                 decode_tokens_per_s=round(rows / n_chunks / step_s, 1),
@@ -566,7 +560,7 @@ def run_worker_subprocess(args, kind: str, model: str) -> dict[str, Any]:
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         result_path = f.name
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--result-file", result_path]
+    argv = [sys.executable, "-m", __spec__.name, "--worker", kind, "--model", model, "--result-file", result_path]
     argv += args.raw_argv
     t0 = time.perf_counter()
     try:
@@ -611,7 +605,7 @@ def parse_args(argv=None):
         "--wgmma", default="auto", choices=("auto", "off"), help="the Hopper wgmma decode kernel (generate's default)"
     )
     p.add_argument("--micro-batch-size", type=int, default=0, help="0: chosen by memory.fit")
-    p.add_argument("--rollout-chunk", type=int, default=0, help="0: chosen by memory.fit")
+    p.add_argument("--max-batch", type=int, default=0, help="0: chosen by memory.fit")
     p.add_argument("--logprob-chunk", type=int, default=256)
     p.add_argument("--remat", default="auto", help="auto (the training loop's choice) | full | proj | none")
     p.add_argument("--attention", default="flash", choices=("flash", "xla"))

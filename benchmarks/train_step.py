@@ -1,8 +1,8 @@
 """Train-step benchmark: the GRPO/DAPO LoRA train step on Qwen2.5-shaped random weights, side by side
-with the transformers + PEFT peer (`benchmarks/peer.py`).
+with the transformers + PEFT peer (`benchmarks/common.py`).
 
-    PYTHONPATH=. python benchmarks/train_step.py --out $OUT/train_step.json      # GPU: 7B, 64 x (256 + 512)
-    PYTHONPATH=. python benchmarks/train_step.py --tiny --out /tmp/train_step.json  # CPU smoke test
+    python -m benchmarks.train_step --out $OUT/train_step.json      # GPU: 7B, 64 x (256 + 512)
+    python -m benchmarks.train_step --tiny --out /tmp/train_step.json  # CPU smoke test
 
 The default shape is the GRPO step's train phase (`benchmarks/grpo_step.py`): Qwen2.5-7B, LoRA rank 16
 on every projection, 64 sequences of 256 prompt + 512 response tokens, DAPO loss, micro-batches of
@@ -17,7 +17,7 @@ on every projection, 64 sequences of 256 prompt + 512 response tokens, DAPO loss
 Each case runs in its own process (its own peak memory): build, one warm-up step (it compiles the
 packed micro-step and the update: `rl.packing` rows of prompt + response slots, as the training
 loop packs them), then the median of --steps timed steps. Reported: step time, tokens/s, TFLOP/s by the FLOP formula of
-`peer.train_flops` (printed), that as a fraction of a bf16 8192^3 matmul timed in the same process
+`common.train_flops` (printed), that as a fraction of a bf16 8192^3 matmul timed in the same process
 (16 chained products, best of 5: the measured peak, not the datasheet's), the device's peak memory, compile time. Prints a table,
 writes JSON.
 """
@@ -93,10 +93,10 @@ def _mem_stats() -> dict[str, int] | None:
 
 
 def _common(args, config) -> dict[str, Any]:
-    import peer
+    from benchmarks import common
 
     tokens = args.batch * (args.prompt_len + args.new_tokens)
-    flops = peer.train_flops(config, tokens=tokens, seq_len=args.prompt_len + args.new_tokens, lora_rank=args.rank)
+    flops = common.train_flops(config, tokens=tokens, seq_len=args.prompt_len + args.new_tokens, lora_rank=args.rank)
     return {"model": args.model, "tokens": tokens, "flops": flops, "lora_rank": args.rank, "batch": args.batch}
 
 
@@ -138,27 +138,27 @@ def resolve_remat(config, *, fmt: str, backend: str, attention: str, remat: str,
 
 def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     import jax
-    import random_model
 
+    from benchmarks import common
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
     from qerl_jax.optim import make_optimizer
     from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
 
-    config = random_model.model_config(args.model)
+    config = common.model_config(args.model)
     row = {"case": f"{fmt}:{attention}:{remat}", "format": fmt, "attention": attention, **_common(args, config)}
     backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
     seq = args.prompt_len + args.new_tokens
     remat, mb = resolve_remat(config, fmt=fmt, backend=backend, attention=attention, remat=remat, args=args)
     row.update(remat=remat, micro_batch_size=mb, backend=backend, device=str(jax.devices()[0].device_kind))
     t0 = time.perf_counter()
-    params = random_model.random_params(config, quant=fmt, seed=0)
+    params = common.random_params(config, quant=fmt, seed=0)
     frozen = {"base": params["base"], "norms": params["norms"]}
     row["build_s"] = round(time.perf_counter() - t0, 1)
     lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
-    batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
+    batch = common.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
     packed = packing.pack_batch(batch, seq, rows_multiple=mb)
     row.update({f"train_tokens_{k}": v for k, v in packing.token_counts(packed).items()})
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
@@ -199,12 +199,12 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
 
 
 def run_peer_case(args) -> dict[str, Any]:
-    import peer
-    import random_model
     import torch
     import transformers
 
-    config = random_model.model_config(args.model)
+    from benchmarks import common
+
+    config = common.model_config(args.model)
     row = {"case": "peer", "format": "bf16", "attention": "sdpa", "remat": "full", **_common(args, config)}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     row.update(
@@ -213,12 +213,12 @@ def run_peer_case(args) -> dict[str, Any]:
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
     )
     t0 = time.perf_counter()
-    model = peer.peer_model(config, lora_rank=args.rank, device=device)
+    model = common.peer_model(config, lora_rank=args.rank, device=device)
     row["build_s"] = round(time.perf_counter() - t0, 1)
-    batch = random_model.random_rl_batch(
+    batch = common.random_rl_batch(
         config, batch=args.batch, seq_len=args.prompt_len + args.new_tokens, prompt_len=args.prompt_len
     )
-    row.update(peer.time_peer_train(model, batch, micro_batch_size=args.micro_batch_size, steps=args.steps))
+    row.update(common.time_peer_train(model, batch, micro_batch_size=args.micro_batch_size, steps=args.steps))
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -248,7 +248,7 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the "proj" and "none" cases need more than 75%
     root = os.path.dirname(HERE)
-    env["PYTHONPATH"] = os.pathsep.join([root, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
@@ -268,7 +268,7 @@ def run_children(args) -> list[dict[str, Any]]:
             passthrough.append(a)
     results = []
     for case in cases:
-        cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--case", case]
+        cmd = [sys.executable, "-m", __spec__.name, *passthrough, "--case", case]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=args.timeout)
@@ -308,7 +308,7 @@ def table(results: list[dict[str, Any]], args) -> str:
     ]
     if flops:
         lines.append(
-            f"FLOPs by formula (benchmarks/peer.py train_flops: 3 forward passes of 2*N*K per token per matrix + causal "
+            f"FLOPs by formula (benchmarks/common.py train_flops: 3 forward passes of 2*N*K per token per matrix + causal "
             f"attention + LoRA, + LoRA weight gradients): {flops['step'] / 1e12:.0f} TFLOP per step "
             f"(attention {100 * flops['attention_share']:.1f}% of a forward)"
         )
@@ -340,7 +340,6 @@ def _write(args, results: list[dict[str, Any]], wall_s: float | None) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    sys.path.insert(0, HERE)
     if args.case:
         try:
             if args.case == "peer":

@@ -178,7 +178,7 @@ def worker_base(exp: Experiment, args) -> None:
     from qerl_jax.config_adapters import aqn_config, sampling_config  # noqa: PLC0415
     from qerl_jax.data import load_math_dataset, tokenize_prompts  # noqa: PLC0415
     from qerl_jax.policy import load_policy  # noqa: PLC0415
-    from qerl_jax.rollout.sampler import generate  # noqa: PLC0415
+    from qerl_jax.rollout.sampler import RolloutOptions, generate  # noqa: PLC0415
 
     out_dir = os.path.join(args.out, "base")
     os.makedirs(out_dir, exist_ok=True)
@@ -222,8 +222,8 @@ def worker_base(exp: Experiment, args) -> None:
             key,
             sampling,
             group_size=group,
-            backend=policy.backend,
             max_batch=cfg.rollout.max_batch or None,  # 0 = one batch
+            options=RolloutOptions(backend=policy.backend),
         )
         stats = _entropy_of_samples(policy, params, batch, sampling, row_block=64)
         samples[name] = (params, batch, stats, policy)

@@ -482,7 +482,7 @@ def _launch_split_k(kernel, args: list, *, m: int, n: int, grid, cfg, interpret:
     return y
 
 
-def _forward(
+def forward_launch(
     x,
     codes,
     scales,
@@ -512,7 +512,7 @@ def _forward(
     cfg, k_chunk = _fwd_config(m, n, k, fmt, cfg)
     if cfg.mode == "dequant":
         w = _dequantize(codes, scales, gs, fmt=fmt, interpret=interpret, decode=decode, n=n, row0=row0)
-        return _dot_nt(x, w)
+        return dot_nt(x, w)
     if cfg.mode == "block":
         return _forward_block(
             x,
@@ -615,7 +615,7 @@ def _bwd_kernel(dy_ref, c_ref, s_ref, g_ref, t_ref, *rest, fmt, m, n, k, cfg, de
         o_ref[idx] = out
 
 
-def _backward(
+def backward_launch(
     dy,
     codes,
     scales,
@@ -723,7 +723,7 @@ def _dequantize(
     )(codes, _kernel_scales(scales), jnp.reshape(gs.astype(jnp.float32), (1,)), row0, _table_input(fmt))
 
 
-def _dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+def dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """float32 x [M, K] @ w [N, K].T of bf16 operands, fp32 accumulation (XLA / cuBLAS)."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -733,7 +733,7 @@ def _dot_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _qmm(x, codes, scales, gs, layer, fmt, interpret):
-    return _forward(x, codes, scales, gs, fmt=fmt, interpret=interpret, layer=layer)
+    return forward_launch(x, codes, scales, gs, fmt=fmt, interpret=interpret, layer=layer)
 
 
 def _qmm_fwd(x, codes, scales, gs, layer, fmt, interpret):
@@ -744,7 +744,7 @@ def _qmm_bwd(fmt, interpret, res, dy):
     codes, scales, gs, layer = res
     if layer is not None:  # the backward kernel takes one matrix: slice the layer out
         codes, scales, gs = (jnp.take(a, layer, axis=0) for a in (codes, scales, jnp.reshape(gs, (-1,))))
-    dx = _backward(dy, codes, scales, gs, fmt=fmt, interpret=interpret)
+    dx = backward_launch(dy, codes, scales, gs, fmt=fmt, interpret=interpret)
     # W is frozen: no cotangent for codes / scales / global scale (nor the layer index).
     return dx, None, None, None, None
 

@@ -31,7 +31,7 @@ from qerl_jax.metrics import MetricWriter
 from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl.step import init_train_state
-from qerl_jax.rollout.sampler import generate
+from qerl_jax.rollout.sampler import RolloutOptions, generate
 from qerl_jax.rollout.sampling import SamplingConfig
 
 
@@ -170,8 +170,8 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
                 sampling,
                 group_size=k,
                 lora_scale=lora_scale,
-                backend=policy.backend,
                 max_batch=cfg.rollout.max_batch or None,
+                options=RolloutOptions(backend=policy.backend),
             )
             tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
             completions += policy.tokenizer.batch_decode(

@@ -14,7 +14,7 @@ alone (no arrays are built). A step has two phases that never overlap in time, s
 Every term is documented on the function that computes it. The weight, LoRA, optimizer and KV
 cache terms are exact array sizes; the activation terms are estimates of what XLA keeps live
 (checked against measured peaks by `benchmarks/scale.py`). `fit` chooses the training
-micro-batch and the rollout chunk for a device and, when nothing fits, names the config value
+micro-batch and the rollout rows (max_batch) for a device and, when nothing fits, names the config value
 to lower.
 """
 
@@ -36,7 +36,7 @@ GLOBAL_SCALE_BYTES = 4  # float32 global_scale, one per matrix
 ATTN_SCORE_BYTES = 4 + 2
 # The config fields `fit` names when something must be lowered.
 FIELD_MICRO_BATCH = "rl.micro_batch_size"
-FIELD_ROLLOUT_CHUNK = "rollout.max_batch"
+FIELD_MAX_BATCH = "rollout.max_batch"
 FIELD_NEW_TOKENS = "rollout.max_new_tokens"
 FIELD_QUANT = "model.quant"
 FIELD_LOGPROB_CHUNK = "rl.logprob_chunk"
@@ -168,7 +168,7 @@ class MemoryPlan:
             ),
             ("AdamW moments (f32, 2x)", self.optimizer_state),
             ("= persistent", self.persistent),
-            (f"KV cache ({i['rollout_chunk']} seqs x {i['prompt_len'] + i['max_new_tokens']} tokens)", self.kv_cache),
+            (f"KV cache ({i['max_batch']} seqs x {i['prompt_len'] + i['max_new_tokens']} tokens)", self.kv_cache),
             ("rollout activations", self.rollout_activations),
             ("per-layer copies (dense linears, biases, norms, LoRA)", self.rollout_layer_copies),
             ("dequantized layer (xla backend)", self.dequant_workspace),
@@ -192,7 +192,7 @@ class MemoryPlan:
             rows.append(("device limit", self.device_bytes))
         title = (
             f"memory plan: L={c.num_hidden_layers} D={c.hidden_size} I={c.intermediate_size} V={c.vocab_size} "
-            f"quant={i['quant']} rollout={i['rollout_batch']} seqs (chunk {i['rollout_chunk']}) "
+            f"quant={i['quant']} rollout={i['rollout_batch']} seqs (max_batch {i['max_batch']}) "
             f"micro-batch={i['micro_batch_size']}"
         )
         width = max(len(name) for name, _ in rows)
@@ -225,7 +225,7 @@ def plan_memory(
     lora_rank: int = 32,
     lora_targets: Sequence[str] = PROJECTIONS,
     rollout_batch: int = 64,
-    rollout_chunk: int | None = None,
+    max_batch: int | None = None,
     group_size: int = 1,
     prompt_len: int = 512,
     max_new_tokens: int = 1024,
@@ -247,7 +247,7 @@ def plan_memory(
         listed but are bf16 either way (the model reads them as dense matrices).
       lora_rank, lora_targets: LoRA rank r and the projections that carry an adapter (rank 0: none).
       rollout_batch: sequences generated per step (prompts x group size) = the training batch.
-      rollout_chunk: sequences generated at once (None or more than the batch: the whole batch).
+      max_batch: sequences generated at once (None or more than the batch: the whole batch).
       group_size: samples per prompt; the rollout prefills each prompt once for its group, so a
         chunk of B sequences prefills ceil(B / group_size) prompts (1: every row is prefilled).
       prompt_len, max_new_tokens: the KV cache holds S = prompt_len + max_new_tokens slots. The
@@ -275,7 +275,7 @@ def plan_memory(
         with train_norms the float32 masters of the trained scales, 2 * L * D * 4.
       optimizer_state: 2 * lora_params (AdamW first and second moments).
       lora_grads: 2 * lora_params (the micro-batch gradient and the float32 accumulator).
-      kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = rollout_chunk,
+      kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = max_batch,
         S = prompt_len + max_new_tokens: the chunk's cache (one copy: the rollout updates it in
         place). kv_cache and rollout_activations are `rollout.budget.rollout_memory`'s terms, the
         estimate the rollout itself sizes its rows with (admissions of `scheduler.layout`'s rows
@@ -319,8 +319,8 @@ def plan_memory(
         raise ValueError(f"{FIELD_LORA_RANK} must be an int >= 0; got {lora_rank!r}")
     _positive("rollout_batch", rollout_batch)
     _positive("group_size", group_size)
-    rollout_chunk = (
-        rollout_batch if rollout_chunk is None else min(_positive(FIELD_ROLLOUT_CHUNK, rollout_chunk), rollout_batch)
+    max_batch = (
+        rollout_batch if max_batch is None else min(_positive(FIELD_MAX_BATCH, max_batch), rollout_batch)
     )
     _positive("prompt_len", prompt_len)
     _positive(FIELD_NEW_TOKENS, max_new_tokens)
@@ -338,7 +338,7 @@ def plan_memory(
         lora_rank=lora_rank,
         lora_targets=tuple(lora_targets) if lora_rank else (),
         rollout_batch=rollout_batch,
-        rollout_chunk=rollout_chunk,
+        max_batch=max_batch,
         group_size=group_size,
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
@@ -370,7 +370,7 @@ def plan_memory(
     optimizer_state = 2 * lora_params
     lora_grads = 2 * lora_params
 
-    b = rollout_chunk
+    b = max_batch
     lay = rollout_scheduler.layout(b, group_size=group_size)
     rollout = rollout_budget.rollout_memory(
         c,
@@ -454,7 +454,7 @@ class FitResult:
     """What `fit` settled on: the (possibly lowered) sizes and the plan built with them."""
 
     micro_batch_size: int
-    rollout_chunk: int
+    max_batch: int
     remat: str  # the training remat mode (see `fit`'s remat_fallback)
     plan: MemoryPlan
     changed: tuple[str, ...]  # config fields that were lowered
@@ -477,7 +477,7 @@ def fit(
     margin: float = 0.05,
     remat_fallback: bool = False,
 ) -> FitResult:
-    """Picks (adjust=True) or validates (adjust=False) the micro-batch and rollout chunk.
+    """Picks (adjust=True) or validates (adjust=False) the micro-batch and the rollout rows (max_batch).
 
     remat_fallback: with a "proj" plan, the training phase keeps "proj" at the largest micro-batch
     of at least PROJ_REMAT_MIN_TOKENS tokens that fits, else takes "full" (and its largest fitting
@@ -485,7 +485,7 @@ def fit(
 
     The budget is `device_bytes * (1 - margin)` (the margin covers XLA workspace and
     fragmentation); `device_bytes` defaults to `plan.device_bytes`, then to the first JAX
-    device's `bytes_limit`. The two phases are independent: the rollout chunk is the largest
+    device's `bytes_limit`. The two phases are independent: max_batch is the largest
     divisor of the rollout batch, at most the planned one, whose rollout phase fits; the
     micro-batch likewise for the training phase.
 
@@ -509,13 +509,13 @@ def fit(
             **{
                 **inputs,
                 "micro_batch_size": mb,
-                "rollout_chunk": chunk,
+                "max_batch": chunk,
                 "device_bytes": device_bytes,
                 "remat": remat or inputs["remat"],
             },
         )
 
-    mb0, chunk0 = inputs["micro_batch_size"], inputs["rollout_chunk"]
+    mb0, chunk0 = inputs["micro_batch_size"], inputs["max_batch"]
     where = f"{_gib(device_bytes)} device ({_gib(budget)} usable with a {margin:.0%} margin)"
 
     if plan.persistent > budget:
@@ -537,7 +537,7 @@ def fit(
         return replan(1, k).rollout_peak  # the rollout phase does not depend on the micro-batch
 
     def train_peak(k: int) -> int:
-        return replan(k, chunk0).train_peak  # nor the training phase on the rollout chunk
+        return replan(k, chunk0).train_peak  # nor the training phase on the rollout rows
 
     batch = inputs["rollout_batch"]
     mb_candidates = _divisors_desc(batch, mb0) if adjust else [mb0]
@@ -554,7 +554,7 @@ def fit(
         best = None if adjust else first_fitting(_divisors_desc(batch, chunk0), rollout_peak)
         if best is not None:
             problems.append(
-                f"the rollout phase needs {_gib(rollout_peak(chunk0))}: lower {FIELD_ROLLOUT_CHUNK} from {chunk0} to {best}"
+                f"the rollout phase needs {_gib(rollout_peak(chunk0))}: lower {FIELD_MAX_BATCH} from {chunk0} to {best}"
             )
         else:
             one = replan(1, 1)
@@ -598,8 +598,8 @@ def fit(
         changed.append(FIELD_MICRO_BATCH)
         notes.append(f"{FIELD_MICRO_BATCH} {mb0} -> {mb}")
     if chunk != chunk0:
-        changed.append(FIELD_ROLLOUT_CHUNK)
-        notes.append(f"{FIELD_ROLLOUT_CHUNK} {chunk0} -> {chunk}")
+        changed.append(FIELD_MAX_BATCH)
+        notes.append(f"{FIELD_MAX_BATCH} {chunk0} -> {chunk}")
     message = f"fits: peak {_gib(final.total)} of {_gib(device_bytes)}"
     if notes:
         message += "; lowered " + ", ".join(notes)
@@ -608,7 +608,7 @@ def fit(
         message += f"; {FIELD_REMAT} {plan.inputs['remat']} -> {inputs['remat']} (projection outputs do not fit)"
     return FitResult(
         micro_batch_size=mb,
-        rollout_chunk=chunk,
+        max_batch=chunk,
         remat=inputs["remat"],
         plan=final,
         changed=tuple(changed),

@@ -18,7 +18,7 @@ logged. Norms are replicated. LoRA adapters follow their base weight under "tp" 
 N-sharded for a column-parallel base, A [L, r, K] K-sharded for a row-parallel one, so the
 adapter delta is computed where the base output shard lives) and are replicated under "fsdp"
 (they are small). Batches shard their leading axis over "data" (`shard_batch`; rollouts:
-`qerl_jax.rollout.generate(..., batch_sharding=data_sharding(mesh))`).
+`qerl_jax.rollout.generate(..., options=RolloutOptions(batch_sharding=data_sharding(mesh)))`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
-from qerl_jax.rollout.sampler import RolloutBatch, generate, to_train_batch
+from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate, to_train_batch
 
 # ----------------------------------------------------------------------------- one step's data
 
@@ -101,9 +101,8 @@ def collect_experience(
             sampling,
             group_size=g,
             lora_scale=lora.lora_scale(lora_config(cfg)),
-            backend=policy.backend,
             max_batch=cfg.rollout.max_batch or None,
-            batch_sharding=batch_sharding,
+            options=RolloutOptions(backend=policy.backend, batch_sharding=batch_sharding),
         )
         jax.block_until_ready(batch.tokens)
         timing["rollout"] += time.perf_counter() - t0
@@ -512,14 +511,14 @@ def run_summary(
 
 def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.LoraConfig) -> ml_collections.ConfigDict:
     """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
-    rollout chunk to it (or stops with the config value to lower)."""
+    rollout rows (rollout.max_batch) to it (or stops with the config value to lower)."""
     plan = memory.plan_memory(
         policy.config,
         quant=policy.quant,
         lora_rank=lcfg.rank,
         lora_targets=lcfg.targets,
         rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        rollout_chunk=cfg.rollout.max_batch or None,
+        max_batch=cfg.rollout.max_batch or None,
         group_size=cfg.rollout.group_size,
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -549,7 +548,7 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         if result is not None:
             cfg.rl.micro_batch_size = result.micro_batch_size
             if cfg.rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
-                cfg.rollout.max_batch = result.rollout_chunk
+                cfg.rollout.max_batch = result.max_batch
     return cfg
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -91,9 +91,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 def load_config(name: str, arg: str | None = None):
     """configs/<name>.py's get_config(arg), as `--config=configs/<name>.py[:arg]` would give."""
-    spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(REPO, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module(f"configs.{name}")
     return module.get_config() if arg is None else module.get_config(arg)
 
 

@@ -92,8 +92,6 @@ def test_a_failed_save_names_the_cause_and_keeps_the_previous_checkpoint(tmp_pat
 
 def test_a_process_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path):
     script = (
-        "import sys\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "import orbax.checkpoint as ocp\n"
         "from conftest import faulty_json_save\n"
         "from test_checkpoint import _state\n"
@@ -103,7 +101,7 @@ def test_a_process_killed_inside_a_save_leaves_the_previous_checkpoint(tmp_path)
         "ocp.handlers.JsonCheckpointHandler.async_save = faulty_json_save(4, 'kill')\n"
         "ckpt.save(4, _state(4), {'step': 4})\n"
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(__file__)])}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     assert any(n.startswith("4.") for n in os.listdir(tmp_path / "ckpt"))  # the killed save's partial write
@@ -202,8 +200,6 @@ def test_a_failed_restore_ends_its_reads_before_the_loop_closes(tmp_path):
     """A restore whose reads fail (shapes that do not match, with the metadata check skipped) raises
     once; without draining orbax's loop, the reads still in flight print "Event loop is closed"."""
     script = (
-        "import sys\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "from test_checkpoint import _many\n"
         "from qerl_jax.checkpoint import Checkpointer\n"
         "Checkpointer._check_shapes = lambda *a: None\n"
@@ -216,7 +212,7 @@ def test_a_failed_restore_ends_its_reads_before_the_loop_closes(tmp_path):
         "        pass\n"
         "print('done')\n"
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(__file__)])}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
     assert out.stderr == "", out.stderr[-2000:]

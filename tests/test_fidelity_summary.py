@@ -1,18 +1,12 @@
 """experiments/fidelity/summarize.py on synthetic runs: the verdicts follow the numbers."""
 
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
-from conftest import REPO
 
-_spec = importlib.util.spec_from_file_location(
-    "fidelity_summarize", os.path.join(REPO, "experiments", "fidelity", "summarize.py")
-)
-summarize = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(summarize)
+from experiments.fidelity import summarize
 
 STEPS = 40
 

@@ -8,13 +8,9 @@ fusions).
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "devtools"))
-import hlo_census  # noqa: E402
+from benchmarks.devtools import hlo_census
 
 MODULE = """HloModule jit_f, is_scheduled=true
 

@@ -18,7 +18,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import autotune, decode_asm, formats
-from pallas_kernels.quant_matmul import _backward, _dequantize, _forward
+from pallas_kernels.quant_matmul import _dequantize, backward_launch, forward_launch
 from qerl_jax.quant import packed as packed_lib
 from qerl_jax.quant.formats import FORMATS, REGISTRY
 
@@ -132,7 +132,7 @@ def test_forward_matches_reference(fmt, m, n, k):
     rng = _rng("fwd", fmt, m, n, k)
     p = rand_packed(rng, n, k, fmt)
     x = rand_x(rng, m, k)
-    out = _forward(x, *_args(p), fmt=REGISTRY[fmt], interpret=True, poison=True)
+    out = forward_launch(x, *_args(p), fmt=REGISTRY[fmt], interpret=True, poison=True)
     assert out.dtype == jnp.float32  # unrounded: the caller's epilogue rounds once
     assert rel_err(out, reference(x, p)) < TOL
 
@@ -155,7 +155,7 @@ def test_forward_configs(cfg):
     m, n, k = (20, 72, 256) if cfg.group_m != 2 else (100, 72, 128)
     p = rand_packed(rng, n, k, "nvfp4")
     x = rand_x(rng, m, k)
-    out = _forward(x, *_args(p), fmt=REGISTRY["nvfp4"], interpret=True, cfg=cfg, poison=True)
+    out = forward_launch(x, *_args(p), fmt=REGISTRY["nvfp4"], interpret=True, cfg=cfg, poison=True)
     assert rel_err(out, reference(x, p)) < TOL
 
 
@@ -191,7 +191,7 @@ def test_block_kernel_configs(m, n, k, cfg):
     rng = _rng("block", m, n, k)
     p = rand_packed(rng, n, k, "nvfp4")
     x = rand_x(rng, m, k)
-    out = _forward(x, *_args(p), fmt=REGISTRY["nvfp4"], interpret=True, cfg=cfg, poison=True)
+    out = forward_launch(x, *_args(p), fmt=REGISTRY["nvfp4"], interpret=True, cfg=cfg, poison=True)
     assert out.shape == (m, n) and rel_err(out, reference(x, p)) < TOL
 
 
@@ -207,7 +207,7 @@ def test_block_mode_only_for_nvfp4_and_small_m():
     for fmt, m in (("mxfp4", 3), ("nf4", 3), ("nvfp4", 300)):
         p = rand_packed(rng, 48, 128, fmt)
         x = rand_x(rng, m, 128)
-        assert rel_err(_forward(x, *_args(p), fmt=REGISTRY[fmt], interpret=True, cfg=block), reference(x, p)) < TOL
+        assert rel_err(forward_launch(x, *_args(p), fmt=REGISTRY[fmt], interpret=True, cfg=block), reference(x, p)) < TOL
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -258,10 +258,10 @@ def test_backward_kernel(fmt, m, n, k):
     dy = rand_x(rng, m, n)
     want = jnp.dot(dy.astype(jnp.float32), packed_lib.dequantize(p, jnp.float32), precision=jax.lax.Precision.HIGHEST)
     fused = autotune.Config(bm=64, bn=0, bk=64, bc=64)  # the default for M > 64 is "dequant"
-    out = _backward(dy, *_args(p), fmt=REGISTRY[fmt], interpret=True, poison=True, cfg=fused)
+    out = backward_launch(dy, *_args(p), fmt=REGISTRY[fmt], interpret=True, poison=True, cfg=fused)
     assert out.shape == (m, k) and out.dtype == jnp.bfloat16
     assert rel_err(out, want) < TOL
-    out = _backward(dy, *_args(p), fmt=REGISTRY[fmt], interpret=True, cfg=autotune.Config(bm=64, bn=0, bk=64, mode="dequant"))
+    out = backward_launch(dy, *_args(p), fmt=REGISTRY[fmt], interpret=True, cfg=autotune.Config(bm=64, bn=0, bk=64, mode="dequant"))
     assert rel_err(out, want) < TOL
 
 
@@ -346,9 +346,9 @@ def test_stacked_weights_read_in_place_equal_the_slice(fmt, m, cfg):
     layers = [rand_packed(rng, 72, 256, fmt) for _ in range(3)]
     stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     x = rand_x(rng, m, 256)
-    run = jax.jit(lambda x, l: _forward(x, *_args(stack), fmt=REGISTRY[fmt], interpret=True, cfg=cfg, layer=l, poison=True))
+    run = jax.jit(lambda x, l: forward_launch(x, *_args(stack), fmt=REGISTRY[fmt], interpret=True, cfg=cfg, layer=l, poison=True))
     for layer in range(3):
-        want = _forward(x, *_args(layers[layer]), fmt=REGISTRY[fmt], interpret=True, cfg=cfg)
+        want = forward_launch(x, *_args(layers[layer]), fmt=REGISTRY[fmt], interpret=True, cfg=cfg)
         assert rel_err(want, reference(x, layers[layer])) < TOL
         np.testing.assert_array_equal(np.asarray(run(x, jnp.int32(layer)), np.float32), np.asarray(want, np.float32))
 

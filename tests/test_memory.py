@@ -114,7 +114,7 @@ def test_kv_cache_and_lora_for_7b_and_72b():
     )
     assert p7.kv_cache == 2 * 28 * 16 * 1024 * 4 * 128 * 2
     assert p7.lora_params == 28 * 8 * ((3584 + 3584) + (512 + 3584)) * 4
-    p72 = memory.plan_memory(QWEN_72B, rollout_batch=64, rollout_chunk=32, prompt_len=512, max_new_tokens=1024)
+    p72 = memory.plan_memory(QWEN_72B, rollout_batch=64, max_batch=32, prompt_len=512, max_new_tokens=1024)
     assert p72.kv_cache == 2 * 80 * 32 * 1536 * 8 * 128 * 2
 
 
@@ -181,7 +181,7 @@ def test_kv_cache_matches_the_rollout_engine():
     from qerl_jax.rollout import cache_bytes
 
     for config in (QWEN_7B, QWEN_32B):
-        plan = memory.plan_memory(config, rollout_batch=32, rollout_chunk=16, prompt_len=512, max_new_tokens=1024)
+        plan = memory.plan_memory(config, rollout_batch=32, max_batch=16, prompt_len=512, max_new_tokens=1024)
         assert plan.kv_cache == cache_bytes(config, 16, 1536)
 
 
@@ -224,7 +224,7 @@ def test_table_lists_terms_in_gib():
 def test_fit_keeps_sizes_that_fit():
     plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=2)
     result = memory.fit(plan, 140 * GIB)
-    assert (result.micro_batch_size, result.rollout_chunk, result.changed) == (2, 64, ())
+    assert (result.micro_batch_size, result.max_batch, result.changed) == (2, 64, ())
     assert result.plan.total <= 0.95 * 140 * GIB
 
 
@@ -238,7 +238,7 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
     assert result.plan.total <= budget
     # Maximal: the next larger divisor of 64 does not fit its phase.
     up_chunk = memory.plan_memory(
-        QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, rollout_chunk=2 * result.rollout_chunk
+        QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, max_batch=2 * result.max_batch
     )
     assert up_chunk.rollout_peak > budget
     up_mb = memory.plan_memory(
@@ -247,7 +247,7 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
         rollout_batch=64,
         group_size=8,
         micro_batch_size=2 * result.micro_batch_size,
-        rollout_chunk=result.rollout_chunk,
+        max_batch=result.max_batch,
     )
     assert up_mb.train_peak > budget
 
@@ -315,7 +315,7 @@ def test_device_memory_bytes_reads_bytes_limit():
         (dict(lora_targets=("qkv",)), "lora_targets"),
         (dict(quant_skip=("norm",)), "quant_skip"),
         (dict(micro_batch_size=0), "rl.micro_batch_size"),
-        (dict(rollout_chunk=-1), "rollout.max_batch"),
+        (dict(max_batch=-1), "rollout.max_batch"),
         (dict(backend="cuda"), "backend"),
     ],
 )

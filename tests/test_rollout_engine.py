@@ -1,5 +1,5 @@
-"""The rollout engine's scheduling and memory: continuous batching (refill, compaction) against the
-fixed-batch schedule, per-sequence token limits, compile counts, the memory estimate against XLA's
+"""The rollout engine's scheduling and memory: continuous batching (refill, compaction) against one
+batch of every sequence, per-sequence token limits, compile counts, the memory estimate against XLA's
 buffer assignment, and the errors raised before anything is compiled."""
 
 import jax
@@ -10,6 +10,7 @@ import pytest
 import qerl_jax
 from qerl_jax.models.qwen2 import ForwardOptions, ModelConfig, projection_shapes
 from qerl_jax.rollout import (
+    RolloutOptions,
     SamplingConfig,
     budget,
     cache_bytes,
@@ -25,6 +26,16 @@ from qerl_jax.rollout import (
 def f32_model(tiny_qwen2_dir):
     path, _ = tiny_qwen2_dir
     return qerl_jax.load_model(path, dtype="float32")
+
+
+def _options(**kw) -> RolloutOptions:
+    return RolloutOptions(cache_dtype=jnp.float32, **kw)
+
+
+def _compiled() -> dict[str, int]:
+    """How many programs of each kind jit holds compiled."""
+    return {"prefill": programs.admit._cache_size(), "decode": programs.decode._cache_size(),
+            "compact": programs.compact._cache_size()}  # fmt: skip
 
 
 STOPS = tuple(range(10, 25))  # ~11% of the vocabulary: rows stop at scattered steps, some run to the limit
@@ -54,38 +65,35 @@ def _assert_same(a, b, name):
 # ----------------------------------------------------------------------------- continuous = fixed
 
 
-def test_continuous_batching_samples_what_the_fixed_batch_engine_samples(f32_model):
-    """4 prompts x 3 samples: every schedule draws the same tokens, log-probs and lengths per
+def test_continuous_batching_samples_what_one_batch_samples(f32_model):
+    """4 prompts x 3 samples: every row count draws the same tokens, log-probs and lengths per
     sequence, with max_batch below (groups split across refills), equal to and above B * G, rows
     stopping mid-run (EOS) and at the limit, and the tail compacted into smaller buckets."""
     config, params = f32_model
     ids, mask = _prompts(config.vocab_size)
-    kw = dict(group_size=3, cache_dtype=jnp.float32)
     key = jax.random.key(7)
-    fixed = generate(config, params, ids, mask, key, _sampling(), schedule="fixed", **kw)
+    fixed = generate(config, params, ids, mask, key, _sampling(), group_size=3, options=_options(smaller_rows=()))
+    assert fixed.steps.shape == (1,)  # every sequence in one batch, no refill, no compaction
     lengths = np.asarray(fixed.lengths)
     assert lengths.min() < 24 and len(set(lengths.tolist())) > 3  # EOS in the middle, at many steps
     assert np.asarray(fixed.truncated).any() and not np.asarray(fixed.truncated).all()
     variants = {
-        "all rows, compacted": dict(smaller_rows=(8, 4, 2)),
-        "max_batch = N": dict(max_batch=12, smaller_rows=()),
-        "max_batch > N": dict(max_batch=50),
-        "max_batch 5: groups of 3 split over refills": dict(max_batch=5, smaller_rows=(4, 2)),
-        "max_batch 2": dict(max_batch=2),
+        "all rows, compacted": (None, (8, 4, 2)),
+        "max_batch = N": (12, ()),
+        "max_batch > N": (50, None),
+        "max_batch 5: groups of 3 split over refills": (5, (4, 2)),
+        "max_batch 2": (2, None),
     }
-    for name, extra in variants.items():
-        timings = {}
-        other = generate(config, params, ids, mask, key, _sampling(), timings=timings, **kw, **extra)
+    for name, (max_batch, smaller) in variants.items():
+        opts = _options(smaller_rows=smaller)
+        other = generate(config, params, ids, mask, key, _sampling(), group_size=3, max_batch=max_batch, options=opts)
         _assert_same(other, fixed, name)
         if name.startswith("max_batch 5"):  # 12 sequences through 5 rows: refilled as they stop
             assert other.steps.shape[0] > 3
-            assert timings["rows"] == 8
+            assert plan_rollout(config, params, 12, 16, 64, group_size=3, max_batch=5, options=opts).rows == 8
         if name == "all rows, compacted":
-            assert "compact_s" in timings and timings["rows"] == 16
-    chunked = generate(config, params, ids, mask, key, _sampling(), max_batch=5, schedule="fixed", **kw)
-    _assert_same(chunked, fixed, "fixed chunks")
-    assert chunked.steps.shape == (4,)  # whole groups: 4 chunks of 3
-    assert [int(s) for s in chunked.steps] == [int(lengths[i : i + 3].max()) for i in range(0, 12, 3)]
+            assert other.steps.shape[0] > 1  # compacted: the tail ran in smaller buckets
+            assert plan_rollout(config, params, 12, 16, 64, group_size=3, options=opts).rows == 16
 
 
 def test_per_sequence_token_limits(f32_model):
@@ -93,7 +101,7 @@ def test_per_sequence_token_limits(f32_model):
     are the prefix of the same sequence without the limit (its own PRNG stream)."""
     config, params = f32_model
     ids, mask = _prompts(config.vocab_size)
-    kw = dict(group_size=3, cache_dtype=jnp.float32, max_batch=5, smaller_rows=(4, 2))
+    kw = dict(group_size=3, max_batch=5, options=_options(smaller_rows=(4, 2)))
     key = jax.random.key(8)
     free = generate(config, params, ids, mask, key, _sampling(eos_ids=()), **kw)
     limits = np.array([1, 2, 3, 24, 5, 8, 13, 21, 7, 1, 16, 4], np.int32)
@@ -114,14 +122,14 @@ def test_per_sequence_token_limits(f32_model):
     np.testing.assert_array_equal(np.asarray(both.truncated), ~(hit_stop & ~np.asarray(stopped.truncated)))
 
 
-def test_layer_scan_and_unshared_prefill_follow_the_continuous_schedule(f32_model):
+def test_unshared_prefill_samples_the_same(f32_model):
     config, params = f32_model
     ids, mask = _prompts(config.vocab_size)
-    kw = dict(group_size=3, cache_dtype=jnp.float32, max_batch=5, smaller_rows=(4,))
+    kw = dict(group_size=3, max_batch=5)
     key = jax.random.key(9)
-    ref = generate(config, params, ids, mask, key, _sampling(), **kw)
-    _assert_same(generate(config, params, ids, mask, key, _sampling(), unroll_layers=False, **kw), ref, "scan")
-    _assert_same(generate(config, params, ids, mask, key, _sampling(), share_prefill=False, **kw), ref, "unshared")
+    ref = generate(config, params, ids, mask, key, _sampling(), **kw, options=_options(smaller_rows=(4,)))
+    unshared = _options(smaller_rows=(4,), share_prefill=False)
+    _assert_same(generate(config, params, ids, mask, key, _sampling(), **kw, options=unshared), ref, "unshared")
 
 
 def test_compiled_programs_are_few(f32_model):
@@ -129,10 +137,10 @@ def test_compiled_programs_are_few(f32_model):
     reaches (plus the gathers between buckets); another call in the same buckets compiles nothing."""
     config, params = f32_model
     ids, mask = _prompts(config.vocab_size, width=20)  # prompt bucket 32: programs not compiled yet
-    kw = dict(group_size=3, cache_dtype=jnp.float32, smaller_rows=(8, 4))
-    before = dict(programs.TRACE_COUNTS)
+    kw = dict(group_size=3, options=_options(smaller_rows=(8, 4)))
+    before = _compiled()
     generate(config, params, ids, mask, jax.random.key(1), _sampling(), **kw)
-    first = {k: programs.TRACE_COUNTS[k] - before[k] for k in before}
+    first = {k: _compiled()[k] - before[k] for k in before}
     assert first["prefill"] == 1 and 1 <= first["decode"] <= 3 and first["compact"] <= 2, first
     # Other batch sizes in the same bucket, other max_new_tokens / stop ids / limits: nothing new.
     generate(config, params, ids[:3], mask[:3], jax.random.key(2), _sampling(max_new_tokens=40), **kw)
@@ -141,7 +149,7 @@ def test_compiled_programs_are_few(f32_model):
         config, params, ids, mask, jax.random.key(3), _sampling(max_new_tokens=60), max_new_tokens_per_seq=limits, **kw
     )
     generate(config, params, ids, mask, jax.random.key(4), _sampling(ignore_eos=True, max_new_tokens=9), **kw)
-    total = {k: programs.TRACE_COUNTS[k] - before[k] for k in before}
+    total = {k: _compiled()[k] - before[k] for k in before}
     assert total["prefill"] == 1 and total["decode"] <= 3 and total["compact"] <= 2, total
 
 
@@ -149,7 +157,7 @@ def test_compiled_programs_are_few(f32_model):
 
 
 def test_scheduler_refills_free_rows_and_compacts_the_tail():
-    s = scheduler.Scheduler(20, rows=8, capacity=8, smaller=(4, 2), refill=2)
+    s = scheduler.Scheduler(20, rows=8, max_batch=8, smaller=(4, 2), refill=2)
     seqs, rows = s.admissions()
     assert seqs.tolist() == list(range(8)) and rows.tolist() == list(range(8))
     assert s.exit_live() == 6  # hand back once 2 rows are free
@@ -169,23 +177,10 @@ def test_scheduler_refills_free_rows_and_compacts_the_tail():
     assert s.compaction() is None  # 3 live rows do not fit 2
 
 
-def test_scheduler_fixed_schedule_admits_whole_chunks_only_when_all_rows_are_free():
-    s = scheduler.Scheduler(7, rows=4, capacity=3, schedule="fixed", smaller=(2,), chunk=3)
-    assert s.admissions()[0].tolist() == [0, 1, 2] and s.exit_live() == 0 and s.smaller == ()
-    live = np.array([True, False, False, False])
-    s.retire(live)
-    assert s.admissions()[0].size == 0  # row 0 still decoding
-    s.retire(np.zeros(4, bool))
-    assert s.admissions()[0].tolist() == [3, 4, 5]
-    assert scheduler.fixed_chunk(4, 10) == 8 and scheduler.fixed_chunk(4, 3) == 3
-
-
 def test_layout_buckets():
     lay = scheduler.layout(256, group_size=8)
     assert (lay.rows, lay.smaller, lay.admit_rows, lay.admit_prompts) == (256, (64, 16), 64, 9)
-    assert (
-        scheduler.layout(12, group_size=3).rows == 16 and scheduler.layout(5, schedule="fixed", group_size=3).chunk == 3
-    )
+    assert scheduler.layout(12, group_size=3).rows == 16
     assert scheduler.layout(20, shards=3).rows % 3 == 0
     assert scheduler.rows_candidates(20) == [24, 16, 8, 4, 2, 1]
 
@@ -229,7 +224,7 @@ def test_memory_estimate_covers_the_compiled_programs():
     bucket a compaction builds) stay within the estimate's term for it."""
     params = _random_params(SMALL)
     prompt, new = 16, 448
-    plan = plan_rollout(SMALL, params, 32, prompt, new, group_size=4, max_batch=32, cache_dtype=jnp.float32)
+    plan = plan_rollout(SMALL, params, 32, prompt, new, group_size=4, max_batch=32, options=_options())
     assert plan.rows == 32 and plan.smaller == (16,)
     static = programs.Static(SMALL, SamplingConfig(temperature=1.0), ForwardOptions(), new, "float32")
     run_params = weights.split_layers(params)
@@ -262,26 +257,26 @@ def test_memory_estimate_covers_the_compiled_programs():
 def test_rows_are_sized_to_the_budget_and_sample_the_same(f32_model):
     """max_batch=None: the largest row bucket whose estimate (x the margin) fits the budget."""
     config, params = f32_model
-    plan_kw = dict(group_size=3, cache_dtype=jnp.float32)
+    plan_kw = dict(group_size=3, options=_options())
     full = plan_rollout(config, params, 12, 16, 64, max_batch=12, **plan_kw)
     limit = int(full.memory.total * budget.MEMORY_MARGIN) - 1  # all 12 rows just do not fit
-    auto = plan_rollout(config, params, 12, 16, 64, memory_budget_bytes=limit, **plan_kw)
+    budget_kw = lambda b: dict(group_size=3, options=_options(memory_budget_bytes=b))  # noqa: E731
+    auto = plan_rollout(config, params, 12, 16, 64, **budget_kw(limit))
     assert auto.rows < full.rows and auto.memory.total * budget.MEMORY_MARGIN <= limit
     bigger = plan_rollout(config, params, 12, 16, 64, max_batch=auto.rows + 1, **plan_kw)
     assert bigger.memory.total * budget.MEMORY_MARGIN > limit
     ids, mask = _prompts(config.vocab_size)
-    timings = {}
     key = jax.random.key(5)
-    sized = generate(config, params, ids, mask, key, _sampling(), memory_budget_bytes=limit, timings=timings, **plan_kw)
-    assert timings["rows"] == auto.rows
+    sized = generate(config, params, ids, mask, key, _sampling(), **budget_kw(limit))
+    assert plan_rollout(config, params, 12, 16, 64, **budget_kw(limit)).rows == auto.rows  # what the call ran
     _assert_same(sized, generate(config, params, ids, mask, key, _sampling(), **plan_kw), "budget-sized")
     # Later calls of the same shapes keep the rows while they fit (a training step after another
     # compiles nothing new), even where more memory is free; with less, they are sized again.
     roomy = int(full.memory.total * budget.MEMORY_MARGIN) + 2**20
-    assert plan_rollout(config, params, 12, 16, 64, memory_budget_bytes=roomy, **plan_kw).rows == auto.rows
-    assert plan_rollout(config, params, 10, 16, 64, memory_budget_bytes=roomy, **plan_kw).rows == auto.rows
+    assert plan_rollout(config, params, 12, 16, 64, **budget_kw(roomy)).rows == auto.rows
+    assert plan_rollout(config, params, 10, 16, 64, **budget_kw(roomy)).rows == auto.rows
     tight = int(auto.memory.total * budget.MEMORY_MARGIN) - 1
-    assert plan_rollout(config, params, 12, 16, 64, memory_budget_bytes=tight, **plan_kw).rows < auto.rows
+    assert plan_rollout(config, params, 12, 16, 64, **budget_kw(tight)).rows < auto.rows
 
 
 def test_memory_plan_uses_the_rollout_estimate():
@@ -304,11 +299,12 @@ def test_bad_input_is_refused_before_compiling(f32_model):
     config, params = f32_model
     ids, mask = _prompts(config.vocab_size)
     key = jax.random.key(0)
-    before = dict(programs.TRACE_COUNTS)
+    before = _compiled()
+    tiny = RolloutOptions(memory_budget_bytes=50_000)
     with pytest.raises(MemoryError, match="even one sequence.*max_new_tokens"):  # a KV budget too small for 1
-        generate(config, params, ids, mask, key, _sampling(), group_size=3, memory_budget_bytes=50_000)
+        generate(config, params, ids, mask, key, _sampling(), group_size=3, options=tiny)
     with pytest.raises(MemoryError, match="lower max_batch"):
-        generate(config, params, ids, mask, key, _sampling(), group_size=3, max_batch=12, memory_budget_bytes=50_000)
+        generate(config, params, ids, mask, key, _sampling(), group_size=3, max_batch=12, options=tiny)
     long_ids = np.ones((1, 256), np.int32)
     with pytest.raises(ValueError, match=r"context \(max_position_embeddings=256\)"):
         generate(config, params, long_ids, np.ones_like(long_ids), key, _sampling())
@@ -316,15 +312,13 @@ def test_bad_input_is_refused_before_compiling(f32_model):
         generate(config, params, ids, mask, key, _sampling(), group_size=3, max_new_tokens_per_seq=np.ones(4, np.int32))
     with pytest.raises(ValueError, match=r"max_new_tokens_per_seq must be in \[1, max_new_tokens=24\]"):
         generate(config, params, ids, mask, key, _sampling(), group_size=3, max_new_tokens_per_seq=np.full(12, 25))
-    with pytest.raises(ValueError, match="schedule"):
-        generate(config, params, ids, mask, key, _sampling(), schedule="greedy")
     with pytest.raises(ValueError, match="smaller_rows"):
-        generate(config, params, ids, mask, key, _sampling(), smaller_rows=(0,))
+        generate(config, params, ids, mask, key, _sampling(), options=RolloutOptions(smaller_rows=(0,)))
     with pytest.raises(ValueError, match="decode_attention"):
-        generate(config, params, ids, mask, key, _sampling(), decode_attention="flash")
+        generate(config, params, ids, mask, key, _sampling(), options=RolloutOptions(decode_attention="flash"))
     with pytest.raises(ValueError, match="max_batch"):
         generate(config, params, ids, mask, key, _sampling(), max_batch=0)
-    assert programs.TRACE_COUNTS == before  # all refused before anything was compiled
+    assert _compiled() == before  # all refused before anything was compiled
 
 
 def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
@@ -333,8 +327,6 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
     second one: with `attention`'s einsums instead of `decode_attention_reference`, XLA carried
     the cache in another layout and copied all of it on entry (the old OOM at 256 x 2304)."""
     import importlib.util
-    import os
-    import sys
 
     try:
         found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -342,12 +334,8 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
         found = False
     if not found:
         pytest.skip("jax's CUDA plugin (jax-cuda12-plugin / -pjrt) is not installed")
-    from conftest import REPO
-
-    sys.path.insert(0, os.path.join(REPO, "benchmarks", "devtools"))
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import hlo_census
-    import random_model
+    from benchmarks import common
+    from benchmarks.devtools import hlo_census
 
     config = ModelConfig(
         vocab_size=2048,
@@ -359,7 +347,7 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
         head_dim=128,
         max_position_embeddings=4096,
     )
-    monkeypatch.setattr(random_model, "model_config", lambda name: config)
+    monkeypatch.setattr(common, "model_config", lambda name: config)
     device = hlo_census.h100_device()
     setup = hlo_census.rollout_setup("test", "bf16", 64, prompt_len=64, new_slots=448, lora_rank=4, device=device)
     cache, state = setup["bucket_args"](64)

@@ -290,7 +290,7 @@ def _worker() -> dict:
     from qerl_jax.rl.losses import LossConfig
     from qerl_jax.rl.packing import pack_batch
     from qerl_jax.rl.step import init_train_state, make_train_step
-    from qerl_jax.rollout import SamplingConfig, generate
+    from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate
 
     start = [time.perf_counter()]
 
@@ -425,9 +425,10 @@ def _worker() -> dict:
         ("greedy", SamplingConfig(greedy=True, max_new_tokens=10, eos_ids=())),
         ("sampled", SamplingConfig(temperature=1.0, max_new_tokens=10, eos_ids=())),
     ):
-        kw = dict(group_size=2, lora_scale=lora_scale, cache_dtype=jnp.float32)
-        ref = generate(config, full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw)
-        got = generate(config, sharded_full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw)
+        kw = dict(group_size=2, lora_scale=lora_scale)
+        f32 = RolloutOptions(cache_dtype=jnp.float32)
+        ref = generate(config, full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw, options=f32)
+        got = generate(config, sharded_full, prompt_ids, prompt_mask, jax.random.key(3), sampling, **kw, options=f32)
         out.setdefault("rollout", {})[mode] = {
             "tokens_equal": bool(np.array_equal(np.asarray(ref.tokens), np.asarray(got.tokens))),
             "logp_max_abs_diff": float(np.abs(np.asarray(ref.logprobs) - np.asarray(got.logprobs)).max()),
@@ -440,8 +441,8 @@ def _worker() -> dict:
             prompt_mask,
             jax.random.key(3),
             sampling,
-            batch_sharding=sharding.data_sharding(mesh),
             **kw,
+            options=RolloutOptions(cache_dtype=jnp.float32, batch_sharding=sharding.data_sharding(mesh)),
         )
         out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
         _tick(f"rollout {mode}")

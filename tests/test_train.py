@@ -174,8 +174,6 @@ def test_sigkill_inside_a_save_then_resume_reproduces_uninterrupted_run(tmp_path
     workdir = str(tmp_path / "killed")
     script = "\n".join(
         [
-            "import sys",
-            f"sys.path.insert(0, {TESTS!r})",
             "import orbax.checkpoint as ocp",
             "from conftest import faulty_json_save",
             "import test_train",
@@ -183,7 +181,7 @@ def test_sigkill_inside_a_save_then_resume_reproduces_uninterrupted_run(tmp_path
             f"test_train.train.train(test_train._config({workdir!r}, {tiny_model_dir!r}, **test_train.RESUME_RUN))",
         ]
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([REPO, TESTS])}  # conftest, test_train
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
     checkpoints = os.path.join(workdir, "checkpoints")

@@ -1,7 +1,7 @@
 """Check and time the length-aware decode attention kernel (pallas_kernels/decode_attention.py).
 
-    PYTHONPATH=. python benchmarks/devtools/decode_attention_probe.py --out $OUT/decode_attention.json [--quick]
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/devtools/decode_attention_probe.py --interpret --tiny \
+    python -m benchmarks.devtools.decode_attention_probe --out $OUT/decode_attention.json [--quick]
+    JAX_PLATFORMS=cpu python -m benchmarks.devtools.decode_attention_probe --interpret --tiny \
         --out /tmp/decode_attention.json                                     # CPU smoke test of this script
 
 check: the compiled kernel (default tuning and forced splits) against `decode_attention_reference`
@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import sys
 import time
 import traceback
 
@@ -40,8 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-import kernels as kb  # noqa: E402
+from benchmarks import kernels as kb
 
 # The module: the package's `decode_attention` attribute is the function of the same name.
 da = importlib.import_module("pallas_kernels.decode_attention")

@@ -1,7 +1,7 @@
 """Where a rollout decode step's GPU time goes: kernels by kind, per step, from a JAX profile.
 
-    PYTHONPATH=. python benchmarks/devtools/decode_profile.py --out $OUT/decode_profile.json   # GPU
-    PYTHONPATH=. python benchmarks/devtools/decode_profile.py --tiny --prompt-len 16 --cache-new-tokens 32  # CPU smoke
+    python -m benchmarks.devtools.decode_profile --out $OUT/decode_profile.json   # GPU
+    python -m benchmarks.devtools.decode_profile --tiny --prompt-len 16 --cache-new-tokens 32  # CPU smoke
 
 Qwen2.5-7B shapes with random weights (benchmarks/rollout.py's model), one format per
 process (--formats). For each batch, `generate` runs twice under `jax.profiler.trace`, with
@@ -28,8 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 KINDS = (  # (kind, regex on the kernel name), first match wins
     ("wgmma", r"wgmma_nvfp4"),
@@ -110,9 +108,10 @@ def per_step(short: dict, long: dict, steps: int) -> dict:
 def worker(args, fmt: str) -> dict:
     import jax
     import numpy as np
-    import rollout as bench  # benchmarks/rollout.py: its model and random weights
 
     import qerl_jax.rollout as rollout
+    from benchmarks import rollout as bench
+    from benchmarks.common import timed_generate
     from qerl_jax.models.qwen2 import ModelConfig
 
     config = ModelConfig(**(bench.TINY if args.tiny else bench.QWEN25_7B))
@@ -124,13 +123,23 @@ def worker(args, fmt: str) -> dict:
         prompts, group = (int(v) for v in spec.split("x"))
         ids = rng.integers(0, config.vocab_size, (prompts, args.prompt_len), dtype=np.int32)
         mask = np.ones_like(ids)
-        kw = dict(group_size=group, backend=backend, cache_new_tokens=args.cache_new_tokens, smaller_rows=())
+        options = rollout.RolloutOptions(backend=backend, smaller_rows=())
 
-        def run(steps, seed, kw=kw, ids=ids, mask=mask):
-            sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
-            tm = {}
-            b = rollout.generate(config, params, ids, mask, jax.random.key(seed), sampling, timings=tm, **kw)
-            jax.block_until_ready(b.tokens)
+        def run(steps, seed, options=options, ids=ids, mask=mask, group=group):
+            """`steps` tokens per sequence at the cache size of --cache-new-tokens -> timings."""
+            sampling = rollout.SamplingConfig(temperature=1.0, max_new_tokens=args.cache_new_tokens, ignore_eos=True)
+            key = jax.random.key(seed)
+            _, tm = timed_generate(
+                config,
+                params,
+                ids,
+                mask,
+                key,
+                sampling,
+                group_size=group,
+                max_new_tokens_per_seq=steps,
+                options=options,
+            )
             return tm
 
         run(args.long, 1)  # compile
@@ -181,7 +190,7 @@ def main():
     results = []
     for fmt in args.formats.split(","):
         t = time.time()
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", fmt] + sys.argv[1:]
+        cmd = [sys.executable, "-m", __spec__.name, "--worker", fmt] + sys.argv[1:]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -2,14 +2,14 @@
 machine without a GPU.
 
     pip install "jax-cuda12-plugin==$JAXV" "jax-cuda12-pjrt==$JAXV"   # XLA's GPU compiler; no GPU needed
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/devtools/hlo_census.py --out /tmp/census.json
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/devtools/hlo_census.py --formats nvfp4 --batches 1 --list
+    JAX_PLATFORMS=cpu python -m benchmarks.devtools.hlo_census --out /tmp/census.json
+    JAX_PLATFORMS=cpu python -m benchmarks.devtools.hlo_census --formats nvfp4 --batches 1 --list
 
 XLA's GPU compiler runs without a device when it is given the device's description
 (deviceless AOT compilation: `jax.experimental.topologies.get_topology_desc` with a
 `target_config`; the H100 SXM's is in benchmarks/devtools/gpu_specs/h100_sxm.txtpb). For each
 (format, batch), `generate`'s decode program is lowered with shape-only Qwen2.5 params
-(benchmarks/random_model.py under `jax.eval_shape`, so a 7B model needs no memory), with the
+(benchmarks/common.py under `jax.eval_shape`, so a 7B model needs no memory), with the
 weight copies `generate` makes on a Hopper GPU (`decode_weight_names`; the wgmma kernel is
 taken as available), compiled for the H100, and the while loop's body (one decode step) of
 the optimized HLO is walked: every instruction that launches a kernel is counted, by kind.
@@ -29,11 +29,8 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import time
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs", "h100_sxm.txtpb")
 # Instructions that launch nothing: buffer plumbing and constants.
@@ -166,26 +163,27 @@ def rollout_setup(
     on `device`; and `bucket_args(b)`, the cache and row state of a bucket of b rows."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    import random_model  # noqa: PLC0415
 
+    from benchmarks import common
     from qerl_jax import lora  # noqa: PLC0415
     from qerl_jax.models.qwen2 import ForwardOptions  # noqa: PLC0415
-    from qerl_jax.rollout import SamplingConfig, plan_rollout, programs, weights  # noqa: PLC0415
+    from qerl_jax.rollout import RolloutOptions, SamplingConfig, plan_rollout, programs, weights  # noqa: PLC0415
 
-    config = random_model.model_config(size)
-    backend = "xla" if fmt in random_model.DENSE else "pallas"
+    config = common.model_config(size)
+    backend = "xla" if fmt in common.DENSE else "pallas"
     sharding = jax.sharding.SingleDeviceSharding(device)
     on_device = lambda tree: jax.tree.map(  # noqa: E731
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
     )
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     with as_if_hopper():
-        params = jax.eval_shape(lambda: random_model.random_params(config, quant=fmt))
+        params = jax.eval_shape(lambda: common.random_params(config, quant=fmt))
         if lora_rank:
             cfg = lora.LoraConfig(rank=lora_rank, alpha=2 * lora_rank)
             params["lora"] = jax.eval_shape(lambda: lora.init_lora(jax.random.key(0), config, cfg))
         plan = plan_rollout(
-            config, params, rows, prompt_len, new_slots, group_size=group_size, max_batch=rows, backend=backend
+            config, params, rows, prompt_len, new_slots, group_size=group_size, max_batch=rows,
+            options=RolloutOptions(backend=backend),
         )
         dense, wgmma = plan.dense_names, plan.wgmma_names
         run_params = jax.eval_shape(
@@ -197,11 +195,10 @@ def rollout_setup(
         options=ForwardOptions(lora_scale=1.0, backend=backend),
         new_slots=new_slots,
         cache_dtype="bfloat16",
-        unroll=True,
     )
 
     def bucket_args(bucket: int):
-        return on_device(jax.eval_shape(lambda: programs._empty(static, bucket, prompt_len, 0)))
+        return on_device(jax.eval_shape(lambda: programs.new_rows(static, bucket, prompt_len, 0)))
 
     key = on_device(jax.eval_shape(lambda: jax.random.key(0)))
     k, bp = plan.admit_rows, plan.admit_prompts
@@ -260,7 +257,7 @@ def census(steps: list[Launch], num_layers: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="7B", help="Qwen2.5 size (benchmarks/random_model.py) or tiny")
+    parser.add_argument("--size", default="7B", help="Qwen2.5 size (benchmarks/common.py) or tiny")
     parser.add_argument("--formats", default="bf16,nvfp4")
     parser.add_argument("--batches", default="1,16,64", help="decode rows")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -271,10 +268,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import jax  # noqa: PLC0415
-    import random_model  # noqa: PLC0415
+
+    from benchmarks import common
 
     device = h100_device()
-    num_layers = random_model.model_config(args.size).num_hidden_layers
+    num_layers = common.model_config(args.size).num_hidden_layers
     rows_out = []
     print(f"jax {jax.__version__}, compiled for {device.device_kind}")
     print(f"{'format':>7} {'rows':>5} {'launches':>9} {'/layer':>7}  by kind")

@@ -1,7 +1,7 @@
 """Summarise an Nsight Compute raw CSV (`ncu -i X.ncu-rep --page raw --csv`): per kernel the
 duration, DRAM throughput, occupancy, issue activity and the top warp-stall reasons.
 
-    python3 benchmarks/devtools/ncu_summary.py decode_raw.csv
+    python -m benchmarks.devtools.ncu_summary decode_raw.csv
 """
 
 from __future__ import annotations

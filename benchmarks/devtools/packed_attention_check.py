@@ -1,6 +1,6 @@
 """Packed (segment) attention on GPU: cuDNN's ragged flash path vs the masked XLA reference.
 
-    PYTHONPATH=. python benchmarks/devtools/packed_attention_check.py
+    python -m benchmarks.devtools.packed_attention_check
 
 Prints the max abs error of the forward and of the q/k/v gradients (bf16, causal within segments).
 """
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax.models.qwen2 import _attention, packed_flash_attention
+from qerl_jax.models.qwen2 import attention, packed_flash_attention
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
 
     def ref(q, k, v):
         mask = (seg[:, :, None] == seg[:, None, :]) & jnp.tri(t, dtype=bool)[None]
-        return _attention(q, k, v, mask)
+        return attention(q, k, v, mask)
 
     def flash(q, k, v):
         return packed_flash_attention(q, k, v, seg)

@@ -3,7 +3,7 @@ buffer assignment (`compiled.memory_analysis()`) against the engine's estimate
 (`qerl_jax.rollout.budget.rollout_memory`, what `generate` sizes its rows with).
 
     pip install "jax-cuda12-plugin==$JAXV" "jax-cuda12-pjrt==$JAXV"   # XLA's GPU compiler; no GPU needed
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/devtools/rollout_memory.py --formats bf16,nvfp4 --rows 256
+    JAX_PLATFORMS=cpu python -m benchmarks.devtools.rollout_memory --formats bf16,nvfp4 --rows 256
 
 For each format, the admission program of the first row bucket, the decode program of every
 bucket and the compaction into the next are compiled for the H100 (deviceless, as
@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/devtools/
-import hlo_census  # noqa: E402
+from benchmarks.devtools import hlo_census
 
 GIB = 2**30
 
@@ -104,7 +101,7 @@ def measure(fmt: str, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="7B", help="Qwen2.5 size (benchmarks/random_model.py) or tiny")
+    parser.add_argument("--size", default="7B", help="Qwen2.5 size (benchmarks/common.py) or tiny")
     parser.add_argument("--formats", default="bf16,nvfp4")
     parser.add_argument("--rows", type=int, default=256, help="sequences decoded at once (the first row bucket)")
     parser.add_argument("--group-size", type=int, default=8)

@@ -1,6 +1,6 @@
 """The packed train step's two programs at a workload's shapes: XLA's memory analysis and largest buffers.
 
-    PYTHONPATH=. python benchmarks/devtools/step_memory.py --model 7B --sequences 256 --row-len 2304 --rows 96
+    python -m benchmarks.devtools.step_memory --model 7B --sequences 256 --row-len 2304 --rows 96
 
 Lowers and compiles (nothing runs) the micro-step ([micro_batch, row_len] packed rows) and the
 update ([sequences, row_len] per-sequence arrays) of `rl.step.make_train_step` for LoRA on a
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, "benchmarks")
-import rollout as rollout_bench  # noqa: E402
-
+from benchmarks import rollout as rollout_bench
 from qerl_jax import lora, optim  # noqa: E402
 from qerl_jax.models.qwen2 import ModelConfig  # noqa: E402
 from qerl_jax.rl import losses  # noqa: E402
@@ -72,9 +69,9 @@ def main() -> None:
     trainable = (state.lora, state.norms)
     acc = (jax.tree.map(lambda x: f32(*x.shape), trainable), f32(b, length - 1), f32(b, length - 1), None)
     report("update", step.update.lower(state, per_seq, None, acc).compile())
-    import random_model  # noqa: PLC0415
+    from benchmarks import common
 
-    frozen = jax.eval_shape(lambda: random_model.random_params(config, quant=args.quant, seed=0))
+    frozen = jax.eval_shape(lambda: common.random_params(config, quant=args.quant, seed=0))
     mb = args.micro_batch_size
     micro = step.micro.lower(trainable, frozen, i32(mb, length), i32(mb, length), jnp.int32(0), per_seq, None, acc)
     report("micro", micro.compile())

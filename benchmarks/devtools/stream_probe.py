@@ -2,7 +2,7 @@
 given tiling, with no decode and no dot? Each program reads [bn, bkb] tiles of the codes
 (uint8 [N, K/2], or the same bytes as int32 words) over its K range and writes row sums.
 
-    PYTHONPATH=. python3 benchmarks/devtools/stream_probe.py --out $OUT/stream.json
+    python -m benchmarks.devtools.stream_probe --out $OUT/stream.json
 
 Compared side by side with a bf16 `jnp.dot` of the same weight shape at M=16 and an XLA
 row-sum of the codes, in one process (the ratio is what matters).

@@ -1,7 +1,7 @@
 """Where the train step's GPU time goes: kernels by kind and by name stack, from a JAX profile.
 
-    PYTHONPATH=. python benchmarks/devtools/train_profile.py --out $OUT/train_profile.json   # GPU, 7B
-    PYTHONPATH=. python benchmarks/devtools/train_profile.py --tiny --out /tmp/tp.json      # CPU smoke
+    python -m benchmarks.devtools.train_profile --out $OUT/train_profile.json   # GPU, 7B
+    python -m benchmarks.devtools.train_profile --tiny --out /tmp/tp.json      # CPU smoke
 
 The GRPO step's train phase at benchmarks/grpo_step.py's shape (Qwen2.5-7B shapes, random
 weights, LoRA rank 16 on every projection, 64 sequences x (256 + 512) tokens, DAPO loss,
@@ -13,7 +13,7 @@ the HLO instruction that launched it (the trace's `hlo_op` argument, or the kern
 through the compiled module's metadata, to the JAX name stack that made it (`op_name`: the model
 marks attention, norms, RoPE, LoRA, base matmuls, the LM head and the loss with `jax.named_scope`). Reported: GPU busy time vs step time (host gaps), time by kind (dots, Pallas/Triton
 kernels, attention, LM head, LoRA, optimizer, ...) and by name stack, with FLOPs counted by
-formula (`benchmarks/peer.py` train_flops) and achieved TFLOP/s against a bf16 matmul measured in
+formula (`benchmarks/common.py` train_flops) and achieved TFLOP/s against a bf16 matmul measured in
 the same process.
 """
 
@@ -30,11 +30,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/
-sys.path.insert(0, HERE)
-
-from decode_profile import gpu_kernels_with_args  # noqa: E402
+from benchmarks.devtools.decode_profile import gpu_kernels_with_args
 
 # (kind, regex on "op_name kernel"); the model marks its parts with jax.named_scope. First match wins.
 KINDS = (
@@ -75,23 +71,22 @@ def kind_of(text: str) -> str:
 def worker(args, fmt: str) -> dict:
     import jax
     import numpy as np
-    import peer
-    import random_model
-    from train_step import bf16_matmul_tflops
 
+    from benchmarks import common
+    from benchmarks.train_step import bf16_matmul_tflops
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale
     from qerl_jax.optim import make_optimizer
     from qerl_jax.rl import packing
     from qerl_jax.rl import step as rl_step
     from qerl_jax.rl.losses import LossConfig
 
-    config = random_model.model_config(args.model)
-    params = random_model.random_params(config, quant=fmt, seed=0)
+    config = common.model_config(args.model)
+    params = common.random_params(config, quant=fmt, seed=0)
     frozen = {"base": params["base"], "norms": params["norms"]}
     lcfg = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=1000)
     seq = args.prompt_len + args.new_tokens
-    batch = random_model.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
+    batch = common.random_rl_batch(config, batch=args.batch, seq_len=seq, prompt_len=args.prompt_len)
     packed = rl_step.train_arrays(packing.pack_batch(batch, seq, rows_multiple=args.micro_batch_size))
     backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
@@ -147,7 +142,7 @@ def worker(args, fmt: str) -> dict:
         by_name[name[:120]][1] += 1
     busy_us = sum(by_kind.values())
     tokens = args.batch * seq
-    flops = peer.train_flops(config, tokens=tokens, seq_len=seq, lora_rank=args.rank)
+    flops = common.train_flops(config, tokens=tokens, seq_len=seq, lora_rank=args.rank)
     peak = bf16_matmul_tflops() or float("nan")
     stats = jax.devices()[0].memory_stats() or {}
     sample_args = [k[3] for k in kernels[:3]]
@@ -230,7 +225,7 @@ def main() -> None:
         return
     results = []
     for fmt in args.formats.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", fmt] + sys.argv[1:]
+        cmd = [sys.executable, "-m", __spec__.name, "--worker", fmt] + sys.argv[1:]
         # Without command buffers every kernel of the trace names its HLO instruction (inside a CUDA
         # graph they all name the graph), so the cuBLAS calls are attributed too.
         env = {

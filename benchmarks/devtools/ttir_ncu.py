@@ -3,9 +3,9 @@ process on the device): `dump` lowers kernels to Triton IR with JAX, `run` compi
 with the `triton` package and launches it from PyTorch, timing it with CUDA events against a
 torch bf16 matmul of the same shape.
 
-    PYTHONPATH=. python3 benchmarks/devtools/ttir_ncu.py dump --dir /tmp/ttir
-    python3 benchmarks/devtools/ttir_ncu.py run --dir /tmp/ttir                       # timing
-    ncu --profile-from-start off --set full -o X python3 benchmarks/devtools/ttir_ncu.py run --dir /tmp/ttir --profile
+    python -m benchmarks.devtools.ttir_ncu dump --dir /tmp/ttir
+    python -m benchmarks.devtools.ttir_ncu run --dir /tmp/ttir                       # timing
+    ncu --profile-from-start off --set full -o X python -m benchmarks.devtools.ttir_ncu run --dir /tmp/ttir --profile
 
 Diagnostic only (a kernel's values are not checked here; kernels.py checks them).
 """
@@ -67,7 +67,7 @@ def dump(out_dir: str):
             jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((), jnp.float32),
         ]
-        f = jax.jit(lambda x, c, s, g, cfg=cfg: qm._forward(x, c, s, g, fmt="nvfp4", interpret=False, cfg=cfg))
+        f = jax.jit(lambda x, c, s, g, cfg=cfg: qm.forward_launch(x, c, s, g, fmt="nvfp4", interpret=False, cfg=cfg))
         captured.clear()
         f.trace(*sds).lower(lowering_platforms=("cuda",))
         qm._decode_tile = real_decode

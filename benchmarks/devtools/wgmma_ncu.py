@@ -1,20 +1,16 @@
 """Launch the wgmma NVFP4 kernel a few times on one shape, for Nsight Compute.
 
     ncu --set full -k regex:wgmma_nvfp4 --launch-skip 2 --launch-count 2 -o X \
-        python3 benchmarks/devtools/wgmma_ncu.py --n 18944 --k 3584 --m 16
+        python -m benchmarks.devtools.wgmma_ncu --n 18944 --k 3584 --m 16
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-import kernels as kb  # noqa: E402
-
+from benchmarks import kernels as kb
 from pallas_kernels import wgmma_nvfp4 as wn  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU wgmma NVFP4 decode kernel (pallas_kernels/wgmma_nvfp4.py).
 
-    PYTHONPATH=. python benchmarks/devtools/wgmma_probe.py --out $OUT/wgmma.json
+    python -m benchmarks.devtools.wgmma_probe --out $OUT/wgmma.json
 
 check: kernel vs float32 reference (random weights, plus E4M3-subnormal and zero block scales),
 with one CTA per SM and with 7 CTAs (uneven stream-K ranges, dummy steps);
@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-import kernels as kb  # noqa: E402
-
+from benchmarks import kernels as kb
 from pallas_kernels import wgmma_nvfp4 as wn  # noqa: E402
 
 RES: dict = {"check": [], "bench": [], "errors": []}
@@ -128,7 +124,7 @@ def bench(args):
                             row["partial_MB"][c] = wn.partial_bytes(m, n, k, cfg["tk"], cfg["wgs"], c) / 1e6
                     row["triton_us"] = kb.time_ops(kb.fwd_op("nvfp4", None, "asm"), tgroups)["s"] * 1e6
                     bgroups = kb.bf16_copy_groups(items[0], [g_[0] for g_ in tgroups[0]])
-                    row["bf16_us"] = kb.time_ops(kb._dot_nt, bgroups)["s"] * 1e6
+                    row["bf16_us"] = kb.time_ops(kb.dot_nt, bgroups)["s"] * 1e6
                     row["bf16_over_wgmma"] = row["bf16_us"] / row["wgmma_us"]
                     row["bf16_over_triton"] = row["bf16_us"] / row["triton_us"]
                     row["wgmma_GBps"] = kb.packed_bytes(items[0]) / (row["wgmma_us"] * 1e-6) / 1e9

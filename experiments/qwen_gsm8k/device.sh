@@ -30,9 +30,9 @@ case $PASS in
     done
     wait ;;
   bench)
-    timeout 60 python3 benchmarks/devtools/packed_attention_check.py > $W/packed_attention_check.log 2>&1
+    timeout 60 python3 -m benchmarks.devtools.packed_attention_check > $W/packed_attention_check.log 2>&1
     echo "packed attention check rc=$?"; cat $W/packed_attention_check.log | tail -n 8
-    timeout 330 python3 benchmarks/grpo_step.py --workload gsm8k --formats nvfp4,bf16 --timeout 160 \
+    timeout 330 python3 -m benchmarks.grpo_step --workload gsm8k --formats nvfp4,bf16 --timeout 160 \
       --out $W/grpo_gsm8k.json > $W/grpo_gsm8k.log 2>&1
     echo "grpo gsm8k rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 $W/grpo_gsm8k.log
     ;;

@@ -21,9 +21,9 @@ from qerl_jax.rollout.budget import (
     estimate_rollout_bytes,
     rollout_memory,
 )
-from qerl_jax.rollout.sampler import RolloutPlan, decode_attention_backend, generate, plan_rollout
+from qerl_jax.rollout.sampler import RolloutOptions, RolloutPlan, decode_attention_backend, generate, plan_rollout
 from qerl_jax.rollout.sampling import SamplingConfig, processed_logits, sample, top_k_filter, top_p_filter
-from qerl_jax.rollout.scheduler import DEFAULT_SMALLER_ROWS, SCHEDULES, new_tokens_bucket, prompt_bucket, rows_bucket
+from qerl_jax.rollout.scheduler import DEFAULT_SMALLER_ROWS, new_tokens_bucket, prompt_bucket, rows_bucket
 from qerl_jax.rollout.weights import (
     decode_weight_names,
     dense_copy_bytes,
@@ -38,9 +38,9 @@ from qerl_jax.rollout.weights import (
 __all__ = [
     "DEFAULT_SMALLER_ROWS",
     "MEMORY_MARGIN",
-    "SCHEDULES",
     "RolloutBatch",
     "RolloutMemory",
+    "RolloutOptions",
     "RolloutPlan",
     "SamplingConfig",
     "cache_bytes",

@@ -22,8 +22,7 @@ class RolloutBatch:
       (max_new_tokens or its own; always True with ignore_eos).
     prompt_index: int32 [N] the prompt (row of the input) each row was sampled from.
     steps: int32 [C] per decode segment (a run of the decode loop between admissions and
-      compactions), 1 + the steps it ran: with the fixed schedule, the sampling steps of each
-      of the C sequential chunks (<= M; smaller when every row of the chunk stopped early).
+      compactions), 1 + the steps it ran (one segment: the sampling steps, <= M).
     group_size: G (static).
     """
 

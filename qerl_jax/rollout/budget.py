@@ -81,13 +81,11 @@ def rollout_memory(
     cache_dtype: Any = jnp.bfloat16,
     act_dtype: Any = jnp.bfloat16,
     weight_copies: int = 0,
-    stacked: bool = False,
 ) -> RolloutMemory:
     """The memory of a rollout (bytes; L layers, D hidden, I MLP, H heads, V vocab, P prompt_len,
     M new_tokens, S = P + M cache slots, K admit_rows, Bp admit_prompts):
 
-      kv_cache    `cache_bytes`(rows, S), twice when `stacked` (a layer scan writes a new stack
-                  of caches while reading the old one).
+      kv_cache    `cache_bytes`(rows, S).
       row_state   rows * (M * 8 + ROW_SCALARS * 4): sampled ids and log-probs, per-row scalars.
       admission   `cache_bytes`(Bp, P) (the prompts' caches) + Bp*P*(3I + 4D)*act (one layer's
                   activations) + Bp*H*P*P*SCORE_BYTES (its attention scores) + Bp*V*4 (the last
@@ -128,7 +126,7 @@ def rollout_memory(
     )
     compaction = cache_bytes(c, compact_rows, slots, cache_dtype) + state(compact_rows) if compact_rows else 0
     return RolloutMemory(
-        kv_cache=(2 if stacked else 1) * cache_bytes(c, rows, slots, cache_dtype),
+        kv_cache=cache_bytes(c, rows, slots, cache_dtype),
         row_state=state(rows),
         admission=admission,
         decode=decode,
@@ -149,7 +147,6 @@ def estimate_rollout_bytes(
     compact_rows: int = 0,
     act_dtype: Any = jnp.bfloat16,
     layer_copy_bytes: int = 0,
-    stacked: bool = False,
 ) -> int:
     """`rollout_memory(...).total` for `batch` decode rows and `max_new_tokens` new-token slots:
     the device bytes a rollout allocates on top of the resident weights. num_prompts: prompts
@@ -165,7 +162,6 @@ def estimate_rollout_bytes(
         cache_dtype=cache_dtype,
         act_dtype=act_dtype,
         weight_copies=layer_copy_bytes,
-        stacked=stacked,
     ).total
 
 

@@ -17,15 +17,13 @@ Randomness: sequence q (its index in the call's B * G output, whatever its row, 
 admission) draws its step-t token with key fold_in(fold_in(key, q), t); tokens do not depend
 on the scheduling.
 
-The layers run one by one over per-layer weight and cache buffers (`weights.split_layers`;
-`Static.unroll` False runs the model's layer scan over stacked ones instead, same results).
+The layers run one by one over per-layer weight and cache buffers (`weights.split_layers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
@@ -37,16 +35,11 @@ from qerl_jax.models.qwen2 import (
     DecodeSlots,
     ForwardOptions,
     ModelConfig,
-    Qwen2,
     positions_from_mask,
     rms_norm,
-    variables,
 )
 from qerl_jax.rollout import weights
 from qerl_jax.rollout.sampling import SamplingConfig, sample
-
-# How many times each jitted program was traced (i.e. compiled), by name; for tests/logs.
-TRACE_COUNTS: dict[str, int] = {"prefill": 0, "decode": 0, "compact": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +55,6 @@ class Static:
     options: ForwardOptions
     new_slots: int  # the new-token bucket M; cache slots S = P + M
     cache_dtype: str
-    unroll: bool = True
-
-    @property
-    def row_axis(self) -> int:
-        """The rows' axis in the cache's leaves: [R, S, KVH, hd] per layer, or [L, R, ...] stacked."""
-        return 0 if self.unroll else 1
 
 
 @struct.dataclass
@@ -94,10 +81,7 @@ class Rows:
 def _empty(static: Static, rows: int, prompt_slots: int, pad_id) -> tuple[Any, Rows]:
     cfg = static.config
     layer_shape = (rows, prompt_slots + static.new_slots, cfg.num_key_value_heads, cfg.head_dim)
-    if static.unroll:
-        cache = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
-    else:
-        cache = (jnp.zeros((cfg.num_hidden_layers, *layer_shape), static.cache_dtype),) * 2
+    cache = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
     zeros = jnp.zeros((rows,), jnp.int32)
     state = Rows(
         seq=jnp.zeros((rows,), jnp.uint32),
@@ -129,41 +113,21 @@ def _new_rows_jit(static: Static, rows: int, prompt_slots: int, sharding: jax.sh
         return jax.jit(fn)
     shapes = jax.eval_shape(fn, jnp.int32(0))
     out_shardings = (
-        jax.tree.map(lambda _: _row_sharding(sharding, static.row_axis), shapes[0]),
+        jax.tree.map(lambda _: sharding, shapes[0]),
         jax.tree.map(lambda _: sharding, shapes[1]),
     )
     return jax.jit(fn, out_shardings=out_shardings)
-
-
-def _row_sharding(sharding: jax.sharding.Sharding, axis: int) -> jax.sharding.Sharding:
-    if axis == 0:
-        return sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        raise ValueError("batch_sharding with unroll_layers=False must be a NamedSharding")
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
 
 
 # ----------------------------------------------------------------------------- the model
 
 
 def _hidden(static: Static, params, ids_BxT, positions_BxT, kv_valid_BxS, cache, cache_index):
-    """Final normed hidden states [B, T, D] and the updated cache, stacked or layer by layer.
-
-    Stacked (static.unroll False): params is the usual dict and cache (k, v) [L, B, S, KVH, hd],
-    run by the model's own `Qwen2` module. Unrolled: params from `weights.split_layers` and cache
-    a list of per-layer (k, v) [B, S, KVH, hd], each layer run by the model's `DecoderLayer`.
+    """Final normed hidden states [B, T, D] and the updated cache, layer by layer: params from
+    `weights.split_layers` and cache a list of per-layer (k, v) [B, S, KVH, hd], each layer run by
+    the model's `DecoderLayer`.
     """
     cfg = static.config
-    if not static.unroll:
-        return Qwen2(cfg, static.options).apply(
-            variables(params),
-            ids_BxT,
-            positions_BxT,
-            kv_valid_BxS,
-            cache=cache,
-            cache_index=cache_index,
-            compute_logits=False,
-        )
     h = jnp.take(params["top"]["embed"], ids_BxT, axis=0)
     new_cache = []
     for layer, cache_l in enumerate(cache):
@@ -190,7 +154,7 @@ _layer_jit = jax.jit(_layer, static_argnums=(0, 1))
 
 def _lm_logits(static: Static, params: dict[str, Any], h_BxD: jax.Array) -> jax.Array:
     """float32 [B, V] logits of final normed hidden states (the model's own head, one position)."""
-    top = params["top"] if static.unroll else params["base"]
+    top = params["top"]
     head = top["embed"] if static.config.tie_word_embeddings else top["lm_head"]
     return jnp.einsum("bd,vd->bv", h_BxD, head.astype(h_BxD.dtype), preferred_element_type=jnp.float32)
 
@@ -211,22 +175,15 @@ def _admit(
     to row dest_K[k] (>= R: none). Its prompt's cache is copied into the row's slots [0, P), its
     first token is sampled (step 0) and its state reset (pad_id: int32 for its unsampled tokens).
     Returns (cache, rows)."""
-    TRACE_COUNTS["prefill"] += 1
     cfg = static.config
     b, p = ids_BxP.shape
     layer_shape = (b, p, cfg.num_key_value_heads, cfg.head_dim)
-    if static.unroll:
-        prompt_cache = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
-    else:
-        prompt_cache = (jnp.zeros((cfg.num_hidden_layers, *layer_shape), static.cache_dtype),) * 2
+    prompt_cache = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
     positions_BxP = positions_from_mask(mask_BxP)
     h_BxPxD, prompt_cache = _hidden(static, params, ids_BxP, positions_BxP, mask_BxP.astype(bool), prompt_cache, 0)
     logits_BxV = _lm_logits(static, params, h_BxPxD[:, -1])
 
-    if static.unroll:
-        insert = lambda big, small: big.at[dest_K, :p].set(small[src_K], mode="drop")  # noqa: E731
-    else:
-        insert = lambda big, small: big.at[:, dest_K, :p].set(small[:, src_K], mode="drop")  # noqa: E731
+    insert = lambda big, small: big.at[dest_K, :p].set(small[src_K], mode="drop")  # noqa: E731
     cache = jax.tree.map(insert, cache, prompt_cache)
 
     first_K, logp_K = sample(_token_keys(key, seq_K, jnp.zeros_like(limit_K)), logits_BxV[src_K], static.sampling)
@@ -256,9 +213,8 @@ def _decode(static: Static, params, cache, rows: Rows, key, stop_V, exit_live):
     limit; other rows attend to nothing and keep their state. The cache and rows are returned
     (and dropped by the caller) so that XLA aliases them with the donated inputs.
     """
-    TRACE_COUNTS["decode"] += 1
     r, m = rows.tokens.shape
-    slots = jax.tree.leaves(cache)[0].shape[static.row_axis + 1]
+    slots = jax.tree.leaves(cache)[0].shape[1]
     p = slots - static.new_slots
     row_ids = jnp.arange(r)
 
@@ -296,8 +252,7 @@ def _decode(static: Static, params, cache, rows: Rows, key, stop_V, exit_live):
 def _compact(static: Static, cache, rows: Rows, keep_N, valid_N):
     """The rows keep_N (int32 [N]) of the cache and state, as a bucket of N rows; rows where
     valid_N is False are padding (not live)."""
-    TRACE_COUNTS["compact"] += 1
-    cache = jax.tree.map(lambda c: jnp.take(c, keep_N, axis=static.row_axis), cache)
+    cache = jax.tree.map(lambda c: jnp.take(c, keep_N, axis=0), cache)
     rows = jax.tree.map(lambda a: jnp.take(a, keep_N, axis=0), rows)
     return cache, rows.replace(live=rows.live & valid_N)
 
@@ -306,8 +261,8 @@ def _compact(static: Static, cache, rows: Rows, keep_N, valid_N):
 # share an input, by concatenating [W; A] inside the decode loop: compiled for an H100 (jax
 # 0.10.2), a copy of every bf16 weight per step (7B, 256 rows: 56 concatenations, an 8.7 GiB
 # temporary). Off for the rollout's programs (the A's of a fused call are stacked once per call
-# instead: `weights`); QERL_XLA_DOT_MERGER=1 leaves XLA's default (to compare on a device).
-COMPILER_OPTIONS = {} if os.environ.get("QERL_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0}
+# instead: `weights`).
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 admit = jax.jit(_admit, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
 decode = jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)

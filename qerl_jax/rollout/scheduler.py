@@ -1,17 +1,13 @@
 """Which sequence decodes in which row, and when: the rollout's host-side scheduler (numpy only).
 
 The N = B * G sequences of a `generate` call form a queue (sequence b * G + g = sample g of
-prompt b). A bucket of R rows holds at most `capacity` of them at once:
-
-- "continuous" (default): every free row takes the next queued sequence (its prompt prefilled
+prompt b). A bucket of R rows holds at most `max_batch` of them at once (continuous batching):
+every free row takes the next queued sequence (its prompt prefilled
   into the row: `programs.admit`); a row retires as soon as its sequence stops (EOS / stop id /
   its token limit) and the decode loop hands control back once `refill` rows are free, so they
   are refilled. When the queue is empty, the decode loop hands back once the live rows fit a
   smaller bucket of `smaller` (e.g. 64, then 16), and they are compacted into it
-  (`programs.compact`): the tail of long completions runs at a small batch.
-- "fixed": chunks of `chunk` sequences (whole groups where they fit) are admitted together and
-  decoded until all of their rows stop; no refill, no compaction (the engine before
-  continuous batching, kept to compare with).
+(`programs.compact`): the tail of long completions runs at a small batch.
 
 Shape buckets keep the compiled programs few: prompts are padded to `prompt_bucket`, the new
 tokens to `new_tokens_bucket`, rows to `rows_bucket`, and the smaller buckets are a short fixed
@@ -27,8 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-SCHEDULES = ("continuous", "fixed")
-# The row buckets the continuous schedule compacts the tail into (those below the call's rows):
+# The row buckets the schedule compacts the tail into (those below the call's rows):
 # at most 64 rows the Hopper wgmma W4A16 kernel decodes (weights.WGMMA_MAX_ROWS), and a step at
 # 16 rows costs little more than one at 1 (the weights' bytes dominate).
 DEFAULT_SMALLER_ROWS = (64, 16)
@@ -59,11 +54,6 @@ def rows_candidates(n: int) -> list[int]:
     return [r for r in range(top, 8, -8)] + [r for r in (8, 4, 2, 1) if r <= top]
 
 
-def fixed_chunk(group_size: int, max_rows: int) -> int:
-    """Sequences per chunk of the fixed schedule: whole groups when one fits, else max_rows."""
-    return (max_rows // group_size) * group_size if group_size <= max_rows else max_rows
-
-
 def admit_rows(rows: int) -> int:
     """Rows one admission (prefill) program fills: a quarter of the bucket, 8 to 64."""
     return min(rows, max(8, min(64, rows // 4)))
@@ -78,39 +68,32 @@ def admit_prompts(rows: int, group_size: int, share_prefill: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The row buckets of a rollout: `rows` (the first bucket) holding `capacity` sequences at
-    once, `smaller` (compaction buckets, continuous), `chunk` (sequences per chunk, fixed), and
+    """The row buckets of a rollout: `rows` (the first bucket) holding `max_batch` sequences at
+    once, `smaller` (compaction buckets), and
     one admission's `admit_rows` rows from `admit_prompts` prefilled prompts."""
 
     rows: int
-    capacity: int
-    chunk: int
+    max_batch: int
     smaller: tuple[int, ...]
     admit_rows: int
     admit_prompts: int
 
 
 def layout(
-    capacity: int,
+    max_batch: int,
     *,
     group_size: int = 1,
-    schedule: str = "continuous",
     smaller_rows: Sequence[int] = DEFAULT_SMALLER_ROWS,
     share_prefill: bool = True,
     shards: int = 1,
 ) -> Layout:
-    """The `Layout` of a rollout decoding at most `capacity` sequences at once; every bucket a
+    """The `Layout` of a rollout decoding at most `max_batch` sequences at once; every bucket a
     multiple of `shards` (data-parallel rows)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     round_up = lambda n: -(-n // shards) * shards  # noqa: E731
-    chunk = fixed_chunk(group_size, capacity) if schedule == "fixed" else capacity
-    rows = round_up(rows_bucket(chunk))
-    smaller = ()
-    if schedule == "continuous":
-        smaller = tuple(sorted({b for b in smaller_rows if b < rows and b % shards == 0}, reverse=True))
+    rows = round_up(rows_bucket(max_batch))
+    smaller = tuple(sorted({b for b in smaller_rows if b < rows and b % shards == 0}, reverse=True))
     k = round_up(admit_rows(rows))
-    return Layout(rows, chunk, chunk, smaller, k, round_up(admit_prompts(k, group_size, share_prefill)))
+    return Layout(rows, max_batch, smaller, k, round_up(admit_prompts(k, group_size, share_prefill)))
 
 
 class Scheduler:
@@ -121,23 +104,17 @@ class Scheduler:
         num_seqs: int,
         *,
         rows: int,
-        capacity: int,
-        schedule: str = "continuous",
+        max_batch: int,
         smaller: tuple[int, ...] = (),
-        chunk: int | None = None,
         refill: int | None = None,
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
-        if not 1 <= capacity <= rows:
-            raise ValueError(f"capacity must be in [1, rows={rows}]; got {capacity}")
+        if not 1 <= max_batch <= rows:
+            raise ValueError(f"max_batch must be in [1, rows={rows}]; got {max_batch}")
         self.num_seqs = num_seqs
-        self.schedule = schedule
         self.rows = rows
-        self.capacity = capacity
-        self.smaller = tuple(sorted((b for b in smaller if b < rows), reverse=True)) if schedule == "continuous" else ()
-        self.chunk = min(chunk or capacity, capacity)
-        self.refill = refill or max(1, capacity // REFILL_FRACTION)
+        self.max_batch = max_batch
+        self.smaller = tuple(sorted((b for b in smaller if b < rows), reverse=True))
+        self.refill = refill or max(1, max_batch // REFILL_FRACTION)
         self.row_seq = np.full((rows,), -1, np.int64)
         self.next_seq = 0
 
@@ -151,12 +128,8 @@ class Scheduler:
 
     def admissions(self) -> tuple[np.ndarray, np.ndarray]:
         """The (sequences, rows) to admit now, in queue order into ascending free rows."""
-        if self.schedule == "fixed":
-            count = min(self.chunk, self.queued) if np.all(self.row_seq < 0) else 0
-            rows = np.arange(count)
-        else:
-            free = np.flatnonzero(self.row_seq[: self.capacity] < 0)
-            rows = free[: min(len(free), self.queued)]
+        free = np.flatnonzero(self.row_seq[: self.max_batch] < 0)
+        rows = free[: min(len(free), self.queued)]
         seqs = np.arange(self.next_seq, self.next_seq + len(rows))
         self.next_seq += len(rows)
         self.row_seq[rows] = seqs
@@ -164,10 +137,8 @@ class Scheduler:
 
     def exit_live(self) -> int:
         """The decode loop runs while more than this many rows are live."""
-        if self.schedule == "fixed":
-            return 0
         if self.queued:
-            return self.capacity - min(self.refill, self.queued)
+            return self.max_batch - min(self.refill, self.queued)
         return self.smaller[0] if self.smaller else 0
 
     def retire(self, live_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,6 +159,6 @@ class Scheduler:
         keep = np.zeros((bucket,), np.int64)
         keep[: len(live)] = live
         self.row_seq = np.concatenate([self.row_seq[live], np.full((bucket - len(live),), -1, np.int64)])
-        self.rows = self.capacity = bucket
+        self.rows = self.max_batch = bucket
         self.smaller = tuple(b for b in self.smaller if b < bucket)
         return keep

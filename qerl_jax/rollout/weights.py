@@ -229,19 +229,16 @@ def use_dense_weights(
     backend: str,
     rows: int | tuple[int, ...],
     dense_bytes: int,
-    unroll_layers: bool,
     fits: bool,
 ) -> bool:
     """`generate`'s choice of bf16 copies of all packed linears (see its dense_weights).
 
     rows: the decode row bucket(s) of the call; by default copies are made where a bucket's
     per-step path would dequantize anyway (backend "xla", or at least DENSE_FROM_ROWS rows)."""
-    if requested and not unroll_layers:
-        raise ValueError("dense_weights=True needs unroll_layers=True (per-layer weight copies)")
     if requested is not None:
         return bool(requested) and dense_bytes > 0
     per_step_dequant = backend == "xla" or max(_rows_tuple(rows)) >= DENSE_FROM_ROWS
-    return unroll_layers and dense_bytes > 0 and per_step_dequant and fits
+    return dense_bytes > 0 and per_step_dequant and fits
 
 
 def dense_weight_names(
@@ -250,17 +247,16 @@ def dense_weight_names(
     *,
     backend: str,
     rows: int | tuple[int, ...],
-    unroll_layers: bool,
     fits: Callable[[int], bool],
 ) -> tuple[str, ...]:
     """The packed projections `generate` decodes from bf16 copies (empty: none); `fits(bytes)`
     says whether copies of that size fit the memory budget. See `generate`'s dense_weights."""
     all_bytes = dense_copy_bytes(params)
     if use_dense_weights(
-        requested, backend=backend, rows=rows, dense_bytes=all_bytes, unroll_layers=unroll_layers, fits=fits(all_bytes)
+        requested, backend=backend, rows=rows, dense_bytes=all_bytes, fits=fits(all_bytes)
     ):
         return packed_names(params)
-    if requested is None and backend == "pallas" and unroll_layers:
+    if requested is None and backend == "pallas":
         small = small_packed_names(params)
         if small and fits(dense_copy_bytes(params, small)):
             return small
@@ -281,7 +277,6 @@ def wgmma_weight_names(
     *,
     backend: str,
     rows: int | tuple[int, ...],
-    unroll_layers: bool,
     exclude: tuple[str, ...] = (),
     fits: Callable[[int], bool] = lambda extra: True,
     kernel_available: bool | None = None,
@@ -289,7 +284,7 @@ def wgmma_weight_names(
     """The packed projections `generate` repacks for the Hopper wgmma kernel (empty: none).
 
     rows: the decode row bucket(s) of the call. requested None (auto): on backend "pallas" with
-    unrolled layers, a bucket of at most WGMMA_MAX_ROWS rows, the kernel available
+    a bucket of at most WGMMA_MAX_ROWS rows, the kernel available
     (`wgmma_nvfp4.available()`, or `kernel_available`), as many copies as fit `fits(bytes)`;
     True: all of them, wherever the kernel runs, whatever the rows; False: never. Only NVFP4
     projections with N and K multiples of 64, not in `exclude` (small bf16 copies), except that a
@@ -300,7 +295,7 @@ def wgmma_weight_names(
     while they fit: decode is bandwidth-bound, so the time saved grows with the bytes moved to the
     faster kernel (a 32B policy on an 80 GB GPU keeps its MLP copies when q/k/v/o do not fit).
     """
-    if requested is False or backend != "pallas" or not unroll_layers:
+    if requested is False or backend != "pallas":
         return ()
     from pallas_kernels import wgmma_nvfp4
 
@@ -334,7 +329,6 @@ def decode_weight_names(
     *,
     backend: str,
     rows: int | tuple[int, ...],
-    unroll_layers: bool,
     fits: Callable[[int], bool] = lambda extra: True,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """`generate`'s choice of (projections with bf16 copies, projections repacked for the wgmma
@@ -346,7 +340,7 @@ def decode_weight_names(
     both reads the one for its rows (`split_layers`). Small bf16 copies are dropped for the
     projections the kernel runs (a small projection that completes a fused group goes to it)."""
     dense = dense_weight_names(
-        params, dense_weights, backend=backend, rows=rows, unroll_layers=unroll_layers, fits=fits
+        params, dense_weights, backend=backend, rows=rows, fits=fits
     )
     dense_bytes = dense_copy_bytes(params, dense)
     all_dense = bool(dense) and dense == packed_names(params)
@@ -355,7 +349,6 @@ def decode_weight_names(
         wgmma_weights,
         backend=backend,
         rows=rows,
-        unroll_layers=unroll_layers,
         exclude=() if all_dense else dense,
         fits=lambda extra: fits(dense_bytes + extra),
     )

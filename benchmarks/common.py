@@ -1,0 +1,375 @@
+"""What the benchmarks share: random Qwen2.5-shaped models, the transformers + PEFT peer of our
+train step with the FLOP count both are measured against, and the timing of a rollout's phases.
+
+Random models (`model_config`, `random_params`, `random_rl_batch`):
+
+    config = model_config("7B")                              # Qwen2.5-7B shapes
+    params = random_params(config, quant="nvfp4", seed=0)    # {"base", "norms"}, layer-stacked
+    batch = random_rl_batch(config, batch=8, seq_len=1024)   # a train-step batch (numpy)
+
+Each projection's [L, N, K] stack is produced by one jitted `lax.map` over layers: a layer's
+weight is drawn (N(0, 0.02^2), bfloat16) and, for a 4-bit format, quantized with
+`qerl_jax.quant.quantize` inside the same iteration, so only one layer's dense matrix exists at a
+time and a quantized model never holds all its bf16 weights. Embeddings / lm_head stay bf16
+(the model reads them dense), norms are ones, q/k/v biases small random values.
+
+The peer (`peer_model`, `peer_train_step`, `train_flops`):
+
+    model = peer_model(config)                              # torch bf16 Qwen2 + PEFT LoRA, random weights
+    stats = peer_train_step(model, optimizer, batch, ...)   # one GRPO/DAPO update, TRL-style
+
+The peer is the stack TRL trains LoRA with: `transformers.Qwen2ForCausalLM` in bf16 (SDPA
+attention), a PEFT LoRA adapter on the same projections, gradient checkpointing (non-reentrant),
+AdamW, and the loss computed from float32 log-softmax of the logits at the response positions;
+micro-batches accumulate gradients. The loss is the same token-level DAPO loss (clip-higher) as
+`qerl_jax.rl.losses`, written in torch here.
+
+`train_flops` counts one train step's matrix FLOPs by formula (stated in every benchmark's output):
+2 * N * K per token for each projection and the LM head, the causal attention products
+(QK^T and PV over half the square), LoRA's two products; a frozen-base LoRA step with per-layer
+checkpointing does three forward passes' worth (forward, recompute, input gradients) plus LoRA's
+weight gradients. Without recomputation (remat "proj"/"none") the work is smaller, but the
+formula stays the same, so TFLOP/s compare the same useful work.
+
+Rollout phases (`timed_generate`): the rollout engine keeps no timing hooks; a rollout's prefill
+is timed as the same call with every sequence limited to one token (the same programs: token limits are runtime arguments, so
+nothing new is compiled), and its decode as the rest of the full call's wall time.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
+from qerl_jax.rollout import (
+    RolloutOptions,
+    SamplingConfig,
+    generate,
+    new_tokens_bucket,
+    plan_rollout,
+    prompt_bucket,
+    weights,
+)
+
+# (vocab, hidden, intermediate, layers, heads, kv_heads, tied) from the public Qwen2.5 config.json files.
+QWEN25_SHAPES = {
+    "0.5B": (151936, 896, 4864, 24, 14, 2, True),
+    "1.5B": (151936, 1536, 8960, 28, 12, 2, True),
+    "3B": (151936, 2048, 11008, 36, 16, 2, True),
+    "7B": (152064, 3584, 18944, 28, 28, 4, False),
+    "14B": (152064, 5120, 13824, 48, 40, 8, False),
+    "32B": (152064, 5120, 27648, 64, 40, 8, False),
+    "72B": (152064, 8192, 29568, 80, 64, 8, False),
+}
+# A tiny stand-in with the same structure (CPU smoke tests); K is a multiple of every format's block.
+TINY_SHAPE = (512, 128, 256, 2, 4, 2, False)
+DENSE = (None, "bf16")
+
+
+def model_config(name: str) -> ModelConfig:
+    """ModelConfig of a Qwen2.5 size ("0.5B" ... "72B", case-insensitive) or "tiny"."""
+    key = {k.lower(): k for k in QWEN25_SHAPES}.get(name.lower())
+    if key is None and name.lower() != "tiny":
+        raise ValueError(f"unknown model size {name!r}; expected 'tiny' or one of {list(QWEN25_SHAPES)}")
+    v, d, i, layers, heads, kv, tied = TINY_SHAPE if key is None else QWEN25_SHAPES[key]
+    return ModelConfig(
+        vocab_size=v,
+        hidden_size=d,
+        intermediate_size=i,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=d // heads,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=tied,
+        attention_bias=True,
+        max_position_embeddings=32768,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "num_layers", "fmt", "std"))
+def _random_stack(key: jax.Array, *, shape: tuple[int, int], num_layers: int, fmt: str | None, std: float):
+    """[L, N, K] bf16 (fmt None) or a PackedWeight with leading L, one layer at a time."""
+
+    def one_layer(k):
+        w = jax.random.normal(k, shape, jnp.bfloat16) * jnp.bfloat16(std)
+        if fmt is None:
+            return w
+        from qerl_jax.quant import quantize  # noqa: PLC0415 (only needed for 4-bit bases)
+
+        return quantize(w, fmt)
+
+    return jax.lax.map(one_layer, jax.random.split(key, num_layers))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "std"))
+def _random_dense(key: jax.Array, *, shape: tuple[int, ...], std: float):
+    return jax.random.normal(key, shape, jnp.bfloat16) * jnp.bfloat16(std)
+
+
+def random_params(
+    config: ModelConfig, *, quant: str | None = "bf16", seed: int = 0, std: float = 0.02
+) -> dict[str, Any]:
+    """{"base", "norms"} of random weights on the default device (bf16 dense or `quant` 4-bit linears)."""
+    fmt = None if quant in DENSE else quant
+    key = jax.random.key(seed)
+    shapes = projection_shapes(config)
+    n_layers, d = config.num_hidden_layers, config.hidden_size
+    layers = {}
+    for i, proj in enumerate(PROJECTIONS):
+        w = _random_stack(jax.random.fold_in(key, i), shape=shapes[proj], num_layers=n_layers, fmt=fmt, std=std)
+        layers[proj] = {"w": jax.block_until_ready(w)}  # one projection's temporaries at a time
+        if config.attention_bias and proj in ("q_proj", "k_proj", "v_proj"):
+            layers[proj]["b"] = _random_dense(
+                jax.random.fold_in(key, 100 + i), shape=(n_layers, shapes[proj][0]), std=std
+            )
+    base = {
+        "embed": _random_dense(jax.random.fold_in(key, 200), shape=(config.vocab_size, d), std=std),
+        "layers": layers,
+    }
+    if not config.tie_word_embeddings:
+        base["lm_head"] = _random_dense(jax.random.fold_in(key, 201), shape=(config.vocab_size, d), std=std)
+    norms = {
+        "final_norm": jnp.ones((d,), jnp.bfloat16),
+        "layers": {
+            "input_layernorm": jnp.ones((n_layers, d), jnp.bfloat16),
+            "post_attention_layernorm": jnp.ones((n_layers, d), jnp.bfloat16),
+        },
+    }
+    return jax.block_until_ready({"base": base, "norms": norms})
+
+
+def tree_bytes(tree: Any) -> int:
+    """Total bytes of the arrays in a pytree (PackedWeight fields included)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def random_rl_batch(
+    config: ModelConfig, *, batch: int, seq_len: int, prompt_len: int | None = None, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """A train-step batch (numpy): prompts of ~prompt_len tokens (left-padded by a few tokens on
+    odd rows), responses up to seq_len (right-padded by a few on every third row), random
+    old_logp on response tokens and random advantages."""
+    prompt_len = prompt_len or seq_len // 4
+    if not 1 <= prompt_len < seq_len:
+        raise ValueError(f"need 1 <= prompt_len < seq_len; got prompt_len={prompt_len}, seq_len={seq_len}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, config.vocab_size, (batch, seq_len)).astype(np.int32)
+    attn = np.ones((batch, seq_len), np.int32)
+    resp = np.zeros((batch, seq_len), np.float32)
+    resp[:, prompt_len:] = 1
+    pad = min(8, prompt_len - 1)
+    attn[1::2, :pad] = 0
+    tail = min(8, seq_len - prompt_len - 1)
+    if tail > 0:
+        attn[::3, seq_len - tail :] = 0
+    resp *= attn
+    ids *= attn
+    old = np.where(resp > 0, rng.uniform(-4.0, -0.1, (batch, seq_len)), 0.0).astype(np.float32)
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "response_mask": resp,
+        "old_logp": old,
+        "advantages": rng.standard_normal(batch).astype(np.float32),
+    }
+
+
+# ----------------------------------------------------------------------------- the transformers peer
+
+# LoRA targets of both stacks: every projection.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def train_flops(config: ModelConfig, *, tokens: int, seq_len: int, lora_rank: int) -> dict[str, float]:
+    """FLOPs of one train step over `tokens` tokens in sequences of `seq_len` (see the module docstring).
+
+    Returns {"forward": one forward pass, "step": the step (3 forward passes + LoRA weight gradients),
+    "attention_share": the attention products' share of a forward pass}."""
+    shapes = projection_shapes(config)
+    layers, heads, hd = config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    proj = sum(2 * n * k for n, k in shapes.values())  # per token per layer
+    lora = sum(2 * lora_rank * (n + k) for n, k in shapes.values())
+    attention = 2 * 2 * heads * hd * seq_len / 2  # QK^T and PV, causal: half the square on average
+    head = 2 * config.hidden_size * config.vocab_size
+    forward = tokens * (layers * (proj + lora + attention) + head)
+    return {
+        "forward": forward,
+        "step": 3 * forward + 2 * tokens * layers * lora,
+        "attention_share": tokens * layers * attention / forward,
+    }
+
+
+def hf_model(config: ModelConfig, *, device: str, seed: int = 0, **hf_config: Any):
+    """A `transformers.Qwen2ForCausalLM` of `config`'s shapes with random bf16 weights, built on
+    `device` (the peer of our random-weight benchmarks); `hf_config` overrides Qwen2Config fields."""
+    import torch
+    import transformers
+
+    fields = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**fields, **hf_config}))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def peer_model(config: ModelConfig, *, lora_rank: int, device: str, seed: int = 0):
+    """A random bf16 `Qwen2ForCausalLM` of `config`'s shapes with a PEFT LoRA (alpha 2r) on TARGETS,
+    gradient checkpointing on (as TRL's `gradient_checkpointing=True`)."""
+    import peft
+
+    model = hf_model(config, device=device, seed=seed, use_cache=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(TARGETS), lora_dropout=0.0)
+    model = peft.get_peft_model(model, lora)
+    for p in model.parameters():  # adapters in float32, as ours (PEFT keeps the base's dtype otherwise)
+        if p.requires_grad:
+            p.data = p.data.float()
+    model.train()
+    return model
+
+
+def peer_train_step(
+    model,
+    optimizer,
+    batch: dict[str, np.ndarray],
+    *,
+    micro_batch_size: int,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    temperature: float = 1.0,
+) -> dict[str, float]:
+    """One DAPO update of `model` on a token-aligned batch (`random_rl_batch`'s format): micro-batches
+    accumulate the gradient of the token-level loss normalized by the whole batch's response tokens."""
+    import torch
+
+    device = next(model.parameters()).device
+    t = lambda x, dtype: torch.as_tensor(np.asarray(x), dtype=dtype, device=device)  # noqa: E731
+    ids, attn = t(batch["input_ids"], torch.long), t(batch["attention_mask"], torch.long)
+    resp, old = t(batch["response_mask"], torch.float32)[:, 1:], t(batch["old_logp"], torch.float32)[:, 1:]
+    adv = t(batch["advantages"], torch.float32)
+    tokens = resp.sum().clamp(min=1.0)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in range(0, ids.shape[0], micro_batch_size):
+        sl = slice(s, s + micro_batch_size)
+        logits = model(input_ids=ids[sl], attention_mask=attn[sl]).logits[:, :-1].float() / temperature
+        logp = torch.gather(logits.log_softmax(-1), -1, ids[sl, 1:, None])[..., 0]
+        ratio = torch.exp(logp - old[sl])
+        a = adv[sl, None]
+        per_token = -torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+        loss = (per_token * resp[sl]).sum() / tokens
+        loss.backward()
+        total += float(loss.detach())
+    optimizer.step()
+    return {"loss": total}
+
+
+def time_peer_train(
+    model, batch: dict[str, np.ndarray], *, micro_batch_size: int, steps: int, lr: float = 1e-5
+) -> dict[str, Any]:
+    """Times `peer_train_step` (one warm-up step, then the median of `steps`); peak device bytes."""
+    import torch
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99))
+    cuda = torch.cuda.is_available()
+    times, stats = [], {}
+    for i in range(steps + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = peer_train_step(model, optimizer, batch, micro_batch_size=micro_batch_size)
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return {
+        "step_s": float(np.median(times)),
+        "step_times_s": [round(x, 4) for x in times],
+        "loss": stats["loss"],
+        "peak_bytes_in_use": torch.cuda.max_memory_allocated() if cuda else None,
+    }
+
+
+# ----------------------------------------------------------------------------- rollout phases
+
+
+def timed_generate(
+    config,
+    params: dict[str, Any],
+    prompt_ids: np.ndarray,
+    prompt_mask: np.ndarray,
+    key: jax.Array,
+    sampling: SamplingConfig,
+    *,
+    group_size: int = 1,
+    lora_scale: float = 1.0,
+    max_batch: int | None = None,
+    max_new_tokens_per_seq: np.ndarray | int | None = None,
+    options: RolloutOptions = RolloutOptions(),
+):
+    """`generate` twice (one token per sequence, then the full call) -> (batch, timings).
+
+    max_new_tokens_per_seq: as `generate`'s, or an int for every sequence (e.g. a few steps timed
+    at the cache size of sampling.max_new_tokens). Timings: "prefill_s" (the one-token call:
+    weight copies, admissions, first tokens), "decode_s" (the full call's wall time less that),
+    "wall_s", "steps" (1 + the decode steps of every segment), "decode_steps", "rows" (the first
+    row bucket), "estimated_bytes" (the engine's memory estimate) and "wgmma_copy_bytes".
+    """
+    total = np.asarray(prompt_ids).shape[0] * group_size
+    limits = max_new_tokens_per_seq
+    if isinstance(limits, int):
+        limits = np.full((total,), limits, np.int32)
+    kw = dict(group_size=group_size, lora_scale=lora_scale, max_batch=max_batch, options=options)
+    t = time.perf_counter()
+    one = generate(config, params, prompt_ids, prompt_mask, key, sampling, max_new_tokens_per_seq=np.ones((total,), np.int32), **kw)  # fmt: skip
+    jax.block_until_ready(one.tokens)
+    prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    batch = generate(config, params, prompt_ids, prompt_mask, key, sampling, max_new_tokens_per_seq=limits, **kw)
+    jax.block_until_ready(batch.tokens)
+    wall_s = time.perf_counter() - t
+    plan = plan_rollout(
+        config,
+        params,
+        total,
+        prompt_bucket(int(np.asarray(prompt_mask).sum(axis=1).max())),
+        new_tokens_bucket(sampling.max_new_tokens),
+        group_size=group_size,
+        max_batch=max_batch,
+        options=options,
+    )
+    segments = np.asarray(batch.steps)
+    return batch, {
+        "prefill_s": prefill_s,
+        # a difference of two wall times: on a tiny CPU run it can come out <= 0 (noise)
+        "decode_s": max(wall_s - prefill_s, 1e-6),
+        "wall_s": wall_s,
+        "steps": int(segments.sum()),
+        "decode_steps": int(segments.sum() - len(segments)),
+        "rows": plan.rows,
+        "estimated_bytes": plan.memory.total,
+        "wgmma_copy_bytes": weights.wgmma_copy_bytes(params, plan.wgmma_names),
+    }
