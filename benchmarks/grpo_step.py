@@ -78,7 +78,7 @@ def run_case(args, fmt: str) -> dict:
 
     from benchmarks import common, train_step
     from qerl_jax import lora, optim, reward_pool
-    from qerl_jax.rl import losses
+    from qerl_jax.rl import losses, packing
     from qerl_jax.rl.step import init_train_state, make_train_step
     from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
@@ -155,8 +155,10 @@ def run_case(args, fmt: str) -> dict:
         row["reward_s"] = time.perf_counter() - t0
     scores = scores + rng.uniform(0, 1, scores.shape).astype(np.float32)  # varied rewards: every group trains
 
-    train_batch = to_train_batch(batch)
-    train_batch["advantages"] = losses.group_advantages(jnp.asarray(scores), args.group)
+    padded = {k: np.asarray(v) for k, v in to_train_batch(batch).items()}
+    padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), args.group))
+    # The training loop's layout: packed rows of prompt + new tokens (`rl.packing`).
+    train_batch = packing.pack_batch(padded, padded["input_ids"].shape[1], rows_multiple=micro_batch_size or 1)
     step = make_train_step(
         config,
         losses.LossConfig(kind="dapo"),
@@ -176,7 +178,7 @@ def run_case(args, fmt: str) -> dict:
     state, m = step(state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)
     jax.block_until_ready(m)
     row["train_s"] = time.perf_counter() - t0
-    row["train_tokens_per_s"] = float(np.asarray(train_batch["attention_mask"]).sum()) / row["train_s"]
+    row["train_tokens_per_s"] = float(padded["attention_mask"].sum()) / row["train_s"]
     _train_flops(row, config, args)
     row["step_s"] = row["rollout_s"] + row["reward_s"] + row["train_s"]
     row["loss_finite"] = bool(np.isfinite(float(m["loss"])))
