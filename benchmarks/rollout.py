@@ -4,6 +4,10 @@
     python -m benchmarks.rollout --tiny --out /tmp/rollout.json   # CPU smoke test
     python -m benchmarks.rollout --workload gsm8k --out $OUT/gsm8k.json         # GPU
     python -m benchmarks.rollout --workload gsm8k --tiny --out /tmp/gsm8k.json  # CPU smoke
+    python -m benchmarks.rollout --model 1.5B --lora-rank 16 --batches 1x1,2x8,8x8,16x16 --out $OUT/r15.json
+
+--model picks the Qwen2.5 shapes of the random model (default 7B); --prompts / --group / --max-new
+resize the gsm8k workload (e.g. the 1.5B claims experiment's 16 x 8 at 768 tokens).
 
 Two workloads. "decode" (default, below): decode-step time at fixed batches. "gsm8k": whole GRPO
 rollouts of the GSM8K recipe (`configs/gsm8k.py`): Qwen2.5-7B shapes, 32 prompts x 8 samples,
@@ -87,6 +91,20 @@ TINY = dict(
     head_dim=32,
     max_position_embeddings=2048,
 )
+
+
+def model_dict(args) -> dict:
+    """The ModelConfig fields of the run's model: TINY with --tiny, else the Qwen2.5 size --model."""
+    if args.tiny:
+        return dict(TINY)
+    import dataclasses as _dc  # noqa: PLC0415
+
+    from benchmarks.common import model_config  # noqa: PLC0415
+
+    fields = _dc.asdict(model_config(args.model))
+    return {k: fields[k] for k in QWEN25_7B}
+
+
 FULL_RUN = dict(prompt_len=256, new_tokens=512, batches=((1, 1), (8, 8), (32, 8)), steps=32)
 TINY_RUN = dict(prompt_len=16, new_tokens=32, batches=((1, 1), (2, 2), (4, 2)), steps=8)
 GSM8K_RUN = dict(prompts=32, group=8, prompt_len=256, max_new=2048, lora_rank=16, median=300, cap_fraction=0.05)
@@ -210,7 +228,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     from qerl_jax.models.qwen2 import ModelConfig
 
     run = run_config(args)
-    config = ModelConfig(**(TINY if args.tiny else QWEN25_7B))
+    config = ModelConfig(**model_dict(args))
     out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
     if backend == "pallas":
         try:
@@ -334,7 +352,7 @@ def torch_worker(args) -> dict:
     from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
 
     run = run_config(args)
-    cfg_dict = TINY if args.tiny else QWEN25_7B
+    cfg_dict = model_dict(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {
         "format": "transformers",
@@ -438,7 +456,10 @@ def gsm8k_inputs(args):
     import numpy as np  # noqa: PLC0415
 
     run = dict(TINY_GSM8K_RUN if args.tiny else GSM8K_RUN)
-    vocab = (TINY if args.tiny else QWEN25_7B)["vocab_size"]
+    for name in ("prompts", "group", "max_new"):
+        if getattr(args, name, None):
+            run[name] = getattr(args, name)
+    vocab = model_dict(args)["vocab_size"]
     ids = np.random.default_rng(1).integers(1, vocab, (run["prompts"], run["prompt_len"]), dtype=np.int32)
     n = run["prompts"] * run["group"]
     lengths = completion_lengths(n, median=run["median"], max_new=run["max_new"], cap_fraction=run["cap_fraction"])
@@ -460,7 +481,7 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
     from qerl_jax.models.qwen2 import ModelConfig
 
     run, ids, lengths = gsm8k_inputs(args)
-    config = ModelConfig(**(TINY if args.tiny else QWEN25_7B))
+    config = ModelConfig(**model_dict(args))
     out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
     compile_events = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -543,7 +564,7 @@ def gsm8k_torch_worker(args) -> dict:
     from qerl_jax.models.qwen2 import ModelConfig  # noqa: PLC0415
 
     run, ids_np, lengths = gsm8k_inputs(args)
-    cfg_dict = TINY if args.tiny else QWEN25_7B
+    cfg_dict = model_dict(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {"format": "transformers", "rows": [], "errors": [], "versions": {"transformers": transformers.__version__}}
     t = time.perf_counter()
@@ -680,7 +701,7 @@ def gsm8k_report(results: list[dict], args) -> dict:
         at_cap=float((lengths == run["max_new"]).mean()),
     )
     print(f"  lengths: {stats}")
-    return {"workload": "gsm8k", "run": {**run, "tiny": args.tiny}, "lengths": stats, "rows": rows,
+    return {"workload": "gsm8k", "run": {**run, "tiny": args.tiny, "model": args.model}, "lengths": stats, "rows": rows,
             "ratios": ratios, "table": table, "workers": results}  # fmt: skip
 
 
@@ -710,7 +731,7 @@ def physical_limit(cfg: dict, row: dict, weight_bytes: int, ceilings: dict, run:
 
 def report(results: list[dict], args) -> dict:
     run = run_config(args)
-    cfg = TINY if args.tiny else QWEN25_7B
+    cfg = model_dict(args)
     ceilings = next((r["device_ceilings"] for r in results if "device_ceilings" in r), None)
     rows = []
     weights = {r["format"]: r["weight_bytes"] for r in results if r.get("weight_bytes")}
@@ -811,6 +832,10 @@ def main(argv=None) -> None:
     parser.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--measure-device", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-sharing-row", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="7B", help="the Qwen2.5 size whose shapes the random model has (0.5B ... 72B)")
+    parser.add_argument("--prompts", type=int, default=0, help="gsm8k workload: prompts per rollout (default 32)")
+    parser.add_argument("--group", type=int, default=0, help="gsm8k workload: samples per prompt (default 8)")
+    parser.add_argument("--max-new", type=int, default=0, help="gsm8k workload: the token cap (default 2048)")
     parser.add_argument("--batches", default="", help="prompts x group list, e.g. 1x1,2x8 (default: the issue's)")
     parser.add_argument(
         "--compare-wgmma", action="store_true", help="also time NVFP4 rows without the wgmma kernel (Triton)"
@@ -892,6 +917,10 @@ def main(argv=None) -> None:
             cmd.append("--tiny")
         if args.batches:
             cmd += ["--batches", args.batches]
+        cmd += ["--model", args.model]
+        for name in ("prompts", "group", "max_new"):
+            if getattr(args, name):
+                cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         if args.compare_wgmma:
             cmd.append("--compare-wgmma")
         if args.compare_unfused:

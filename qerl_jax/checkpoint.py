@@ -185,8 +185,14 @@ def _drained_loops():
     loop, each printing "RuntimeError: Event loop is closed", and their coroutines print again when
     collected. Waiting for those tasks (their results are dropped: the first failure is raised)
     makes a failed save or restore one exception.
+
+    The hook is private to orbax: on a version without it nothing is patched (a failure may then
+    print more, but saves and restores work the same).
     """
-    original = asyncio_utils._run_sync_via_new_loop
+    original = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
+    if original is None:
+        yield
+        return
 
     def run_and_drain(coro):
         loop = asyncio.new_event_loop()
