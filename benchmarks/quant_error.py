@@ -6,7 +6,7 @@
    Gaussian, heavy-tailed (Student t, 3 dof) and outlier (Gaussian + 0.1% entries x50)
    matrices, and the storage cost in bits per weight (codes + scales + global scale).
 2. Model: mean KL(p_bf16 || p_quant) of next-token distributions of a tiny random Qwen2
-   checkpoint (qerl_jax.tiny) whose linear projections are quantized with quantize_params.
+   checkpoint (qerl_jax.model_io.tiny) whose linear projections are quantized with quantize_params.
 Prints a table and writes everything as JSON to --out.
 """
 
@@ -61,7 +61,7 @@ def _kl(logits_p: jax.Array, logits_q: jax.Array) -> float:
 def model_kl(seed: int) -> dict | None:
     try:
         import qerl_jax
-        from qerl_jax.tiny import build_tiny_checkpoint
+        from qerl_jax.model_io.tiny import build_tiny_checkpoint
 
         load_model, forward = qerl_jax.load_model, qerl_jax.forward
     except (ImportError, AttributeError):

@@ -467,7 +467,7 @@ def write_random_checkpoint(path: str, config, seed: int = 0) -> int:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from qerl_jax.loader import expected_shapes
+    from qerl_jax.model_io.loader import expected_shapes
 
     rng = np.random.default_rng(seed)
     tensors = {}

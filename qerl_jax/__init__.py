@@ -5,7 +5,7 @@ Public API:
   logits = qerl_jax.forward(config, params, input_ids, attention_mask)
 """
 
-from qerl_jax.loader import load_model, load_tokenizer
+from qerl_jax.model_io.loader import load_model, load_tokenizer
 from qerl_jax.models.qwen2 import ModelConfig, forward
 
 __all__ = ["ModelConfig", "forward", "load_model", "load_tokenizer"]

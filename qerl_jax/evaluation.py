@@ -26,9 +26,9 @@ from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_
 from qerl_jax.config_adapters import lora_config, optimizer_from_config
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.errors import UserFacingError
-from qerl_jax.loader import CheckpointError
 from qerl_jax.metrics import MetricWriter
-from qerl_jax.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
+from qerl_jax.model_io.loader import CheckpointError
+from qerl_jax.model_io.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl.step import init_train_state
 from qerl_jax.rollout.sampler import RolloutOptions, generate

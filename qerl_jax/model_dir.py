@@ -7,8 +7,8 @@ import re
 
 import ml_collections
 
-from qerl_jax import tiny
 from qerl_jax.errors import UserFacingError
+from qerl_jax.model_io import tiny
 
 
 def tiny_model_dir(cfg: ml_collections.ConfigDict) -> str:

@@ -11,8 +11,8 @@ import jax
 import ml_collections
 
 from qerl_jax.errors import UserFacingError
-from qerl_jax.loader import CheckpointError, load_model, load_tokenizer
 from qerl_jax.model_dir import resolve_model_dir
+from qerl_jax.model_io.loader import CheckpointError, load_model, load_tokenizer
 from qerl_jax.models.qwen2 import ModelConfig
 
 # ----------------------------------------------------------------------------- set-up

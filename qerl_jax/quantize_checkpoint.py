@@ -2,7 +2,7 @@
 
 The routine behind the `python -m qerl_jax.quantize` command (`qerl_jax.quantize`).
 The model directory may also be a llama.cpp GGUF file: it is first exported as a float32 HF checkpoint
-(qerl_jax.gguf.export_hf_checkpoint, in a temporary directory next to the output).
+(qerl_jax.model_io.gguf.export_hf_checkpoint, in a temporary directory next to the output).
 
 Every 2-D `model.layers.*.(self_attn|mlp).*_proj.weight` becomes `weight_packed`,
 `weight_scale` (+ `weight_global_scale` for nvfp4); all other tensors are copied unchanged.
@@ -108,7 +108,8 @@ def argument_problems(model_dir: str, out_dir: str, fmt: str, *, overwrite: bool
     """Every problem of the arguments, found before any work: the format, the input directory
     (config.json, and every safetensors header, the shard index and the tensor shapes against
     config.json, read without tensor data) and the output directory."""
-    from qerl_jax import loader, validate  # noqa: PLC0415 (keeps `--help` fast)
+    from qerl_jax import validate  # noqa: PLC0415 (keeps `--help` fast)
+    from qerl_jax.model_io import loader  # noqa: PLC0415
 
     problems = format_problems_of(fmt)
     config_path = os.path.join(model_dir, "config.json")
@@ -274,8 +275,8 @@ def quantize_checkpoint(
 
 
 def _gguf_file(model_dir: str) -> str | None:
-    from qerl_jax import gguf  # noqa: PLC0415
-    from qerl_jax.loader import CheckpointError  # noqa: PLC0415
+    from qerl_jax.model_io import gguf  # noqa: PLC0415
+    from qerl_jax.model_io.loader import CheckpointError  # noqa: PLC0415
 
     try:
         return gguf.find_gguf_file(model_dir)
@@ -287,8 +288,8 @@ def _quantize_gguf(path: str, out_dir: str, fmt: str, fuse_global_scale: bool, o
     """A GGUF file: exported (float32, next to out_dir, removed after) as a HF checkpoint, then quantized."""
     import tempfile  # noqa: PLC0415
 
-    from qerl_jax import gguf  # noqa: PLC0415
-    from qerl_jax.loader import CheckpointError  # noqa: PLC0415
+    from qerl_jax.model_io import gguf  # noqa: PLC0415
+    from qerl_jax.model_io.loader import CheckpointError  # noqa: PLC0415
 
     problems = out_dir_problems(out_dir, overwrite=overwrite)
     if problems:

@@ -36,7 +36,7 @@ from qerl_jax.config_adapters import aqn_config, lora_config, optimizer_from_con
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter, device_memory_stats
-from qerl_jax.peft_adapter import AdapterWriteError, export_peft_adapter
+from qerl_jax.model_io.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step

@@ -20,15 +20,16 @@ from typing import Any, Callable, Sequence
 import ml_collections
 from safetensors import SafetensorError, safe_open
 
-from qerl_jax import aqn, linear, loader, optim, rewards
+from qerl_jax import aqn, linear, optim, rewards
 from qerl_jax.checkpoint import saved_steps
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
+from qerl_jax.model_io import loader
+from qerl_jax.model_io.tiny import hf_config as tiny_hf_config
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
-from qerl_jax.tiny import hf_config as tiny_hf_config
 
 COMMANDS = ("train", "eval")
 BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
@@ -478,7 +479,7 @@ def _workdir_problems(f: dict[str, Any], command: str) -> list[str]:
 
 
 def _adapter_problems(path: str) -> list[str]:
-    from qerl_jax.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: PLC0415 (torch-free safetensors only)
+    from qerl_jax.model_io.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: PLC0415 (torch-free safetensors only)
 
     if os.path.exists(path) and not os.path.isdir(path):
         return [f"eval.checkpoint = {path!r}: is a file (expected a run's workdir or a PEFT adapter folder)"]

@@ -97,8 +97,8 @@ def load_config(name: str, arg: str | None = None):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """The tiny random Qwen2 checkpoint + tokenizer that configs/tiny.py builds (qerl_jax.tiny)."""
-    from qerl_jax import tiny
+    """The tiny random Qwen2 checkpoint + tokenizer that configs/tiny.py builds (qerl_jax.model_io.tiny)."""
+    from qerl_jax.model_io import tiny
 
     return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))
 

@@ -84,6 +84,27 @@ def test_the_model_never_imports_training_or_rollout():
     assert not bad, f"qerl_jax.models imports the layers above it: {bad}"
 
 
+# The checkpoint I/O layer (ARCHITECTURE.md) and the layers below it that it may import.
+MODEL_IO = "qerl_jax.model_io"
+BELOW_MODEL_IO = ("qerl_jax.models", "qerl_jax.quant", "qerl_jax.projections", "qerl_jax.lora", "pallas_kernels")
+MODEL_IO_EXCEPTIONS = {("qerl_jax.model_io.tiny", "qerl_jax.config")}  # the data directory
+
+
+def test_checkpoint_io_imports_only_the_layers_below():
+    graph = import_graph()
+    assert "qerl_jax.model_io.hf_layout" in graph["qerl_jax.model_io.gguf"]
+    bad = [
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith(MODEL_IO)
+        for d in deps
+        if not d.startswith((MODEL_IO, *BELOW_MODEL_IO)) and (m, d) not in MODEL_IO_EXCEPTIONS
+    ]
+    assert not bad, f"qerl_jax.model_io imports the layers above it: {bad}"
+    readers = ("qerl_jax.model_io.hf_layout", "qerl_jax.model_io.gguf")
+    assert not [r for r in readers if "qerl_jax.model_io.loader" in graph[r]], "a reader imports loader"
+
+
 def test_the_library_never_imports_experiments_or_benchmarks():
     bad = []
     for module, path in _modules().items():

@@ -8,10 +8,10 @@ import datasets
 import numpy as np
 import pytest
 
-from qerl_jax import tiny
 from qerl_jax.data import datasets as ds_mod
 from qerl_jax.data import load_math_dataset
 from qerl_jax.data import prompts as pr
+from qerl_jax.model_io import tiny
 
 DATA = tiny.default_data_dir()
 needs_data = pytest.mark.skipif(

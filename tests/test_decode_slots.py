@@ -1,4 +1,4 @@
-"""Decode-step attention over per-row cache slots (`qwen2.decode_attention`, `DecodeSlots`) against
+"""Decode-step attention over per-row cache slots (`qwen2.attend_decode_slots`, `DecodeSlots`) against
 the model's masked full-cache `attention` and a numpy softmax."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qerl_jax.models.qwen2 import DecoderLayer, DecodeSlots, ForwardOptions, ModelConfig, attention, decode_attention
+from qerl_jax.models.qwen2 import DecoderLayer, DecodeSlots, ForwardOptions, ModelConfig, attend_decode_slots, attention
 from qerl_jax.rollout import decode_attention_backend
 
 
@@ -52,7 +52,7 @@ def test_decode_attention_reads_only_each_rows_slots(kv_heads, groups, d, dtype,
     q, k, v = _case(b, s, kv_heads, groups, d, dtype)
     start = np.array([0, 5, 17, 39, 20, 12], np.int32)
     end = np.array([11, 40, 40, 40, 20, 13], np.int32)  # row 1, 2, 3 at the cache end; row 4 empty
-    out = decode_attention(q, k, v, jnp.asarray(start), jnp.asarray(end))
+    out = attend_decode_slots(q, k, v, jnp.asarray(start), jnp.asarray(end))
     assert out.shape == (b, kv_heads * groups, d) and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), _numpy_reference(q, k, v, start, end), atol=atol)
     assert not np.asarray(out[4], np.float32).any()  # end <= start: zeros
@@ -69,13 +69,13 @@ def test_decode_attention_reads_only_each_rows_slots(kv_heads, groups, d, dtype,
     outside = jnp.asarray(~mask)[:, :, None, None]
     k_junk = jnp.where(outside, 1e4, k.astype(jnp.float32)).astype(dtype)
     v_junk = jnp.where(outside, -1e4, v.astype(jnp.float32)).astype(dtype)
-    np.testing.assert_array_equal(np.asarray(decode_attention(q, k_junk, v_junk, start, end)), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(attend_decode_slots(q, k_junk, v_junk, start, end)), np.asarray(out))
 
 
 def test_decode_attention_backends():
     q, k, v = _case(2, 8, 2, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="unknown decode attention backend 'cuda'"):
-        decode_attention(q, k, v, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32), backend="cuda")
+        attend_decode_slots(q, k, v, jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32), backend="cuda")
     assert decode_attention_backend(None) == "xla"  # on CPU
     assert decode_attention_backend("pallas") == "pallas"
     with pytest.raises(ValueError, match="decode_attention must be one of"):

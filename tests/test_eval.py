@@ -71,8 +71,8 @@ def test_greedy_eval_is_deterministic_and_scores_match_rewards(tmp_path, tiny_mo
 
 def test_peft_adapter_is_applied(tmp_path, tiny_model_dir):
     """An adapter that changes the model changes the completions; a zero one does not."""
-    from qerl_jax.loader import load_model
-    from qerl_jax.peft_adapter import export_peft_adapter
+    from qerl_jax.model_io.loader import load_model
+    from qerl_jax.model_io.peft_adapter import export_peft_adapter
 
     config, params = load_model(tiny_model_dir)
     rng = np.random.default_rng(0)
@@ -117,7 +117,7 @@ def _eval_cli(tmp_path, model_dir, *overrides):
 
 
 def test_a_broken_or_foreign_adapter_and_all_prompts_too_long_are_one_line(tmp_path, tiny_model_dir):
-    from qerl_jax.peft_adapter import ADAPTER_WEIGHTS, export_peft_adapter
+    from qerl_jax.model_io.peft_adapter import ADAPTER_WEIGHTS, export_peft_adapter
 
     rng = np.random.default_rng(0)
     three = {"q_proj": {"a": rng.normal(size=(3, 4, 64)).astype(np.float32),

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 from experiments import models
-from qerl_jax.loader import CheckpointError
+from qerl_jax.model_io.loader import CheckpointError
 
 PAYLOAD = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, split unevenly below
 CUTS = (0, 4000, 8000, len(PAYLOAD))

@@ -15,9 +15,9 @@ from conftest import hf_logits, left_padded_batch, make_hf_model, save_hf_model
 
 import qerl_jax
 from experiments.models import smollm2_gguf_path
-from qerl_jax import gguf as qgguf
 from qerl_jax import quant
-from qerl_jax.loader import CheckpointError
+from qerl_jax.model_io import gguf as qgguf
+from qerl_jax.model_io.loader import CheckpointError
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import qerl_jax
-from qerl_jax.loader import CheckpointError
+from qerl_jax.model_io.loader import CheckpointError
 
 
 @pytest.fixture

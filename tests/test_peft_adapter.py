@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qerl_jax
-from qerl_jax.peft_adapter import export_peft_adapter
+from qerl_jax.model_io.peft_adapter import export_peft_adapter
 
 
 def _random_lora(config, params, rank, targets, seed=0):
@@ -56,7 +56,7 @@ def test_empty_lora_is_refused(tmp_path):
 
 
 def test_load_round_trip(tmp_path, tiny_qwen2_dir):
-    from qerl_jax.peft_adapter import load_peft_adapter
+    from qerl_jax.model_io.peft_adapter import load_peft_adapter
 
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="float32")
@@ -76,7 +76,7 @@ def test_trained_norms_export_as_modules_to_save_and_reload(tmp_path, tiny_qwen2
     from safetensors.numpy import load_file
 
     from qerl_jax.lora import init_trained_norms, with_lora
-    from qerl_jax.peft_adapter import load_peft_adapter, load_peft_norms
+    from qerl_jax.model_io.peft_adapter import load_peft_adapter, load_peft_norms
 
     path, model = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="float32")
@@ -114,7 +114,7 @@ def test_trained_norms_export_as_modules_to_save_and_reload(tmp_path, tiny_qwen2
 def test_export_is_atomic_and_a_failure_keeps_the_previous_adapter(tmp_path, monkeypatch):
     import errno
 
-    from qerl_jax import peft_adapter
+    from qerl_jax.model_io import peft_adapter
 
     lora = {"layers": {"q_proj": {"a": np.ones((2, 4, 8), np.float32), "b": np.zeros((2, 6, 4), np.float32)}}}
     out = tmp_path / "adapter"

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from qerl_jax import rewards as R
-from qerl_jax import tiny
+from qerl_jax.model_io import tiny
 
 CASES_PATH = pathlib.Path(__file__).with_name("reward_cases.jsonl")
 CASES = [json.loads(line) for line in CASES_PATH.read_text().splitlines() if line.strip()]

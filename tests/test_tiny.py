@@ -1,4 +1,4 @@
-"""Tests for qerl_jax.tiny: offline tokenizer and random HF Qwen2 checkpoint."""
+"""Tests for qerl_jax.model_io.tiny: offline tokenizer and random HF Qwen2 checkpoint."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import safetensors.numpy
 import torch
 import transformers
 
-from qerl_jax import tiny
+from qerl_jax.model_io import tiny
 
 
 @pytest.fixture(scope="module")

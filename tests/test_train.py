@@ -115,7 +115,7 @@ def test_tiny_run_logs_checkpoints_and_exports_peft(tmp_path, tiny_model_dir):
     # The exported adapter on the original (unquantized) base under transformers + peft
     # equals our forward with the trained LoRA on the same base.
     adapter_dir = os.path.join(cfg.workdir, "adapter")
-    from qerl_jax.peft_adapter import load_peft_adapter
+    from qerl_jax.model_io.peft_adapter import load_peft_adapter
 
     config, params = qerl_jax.load_model(tiny_model_dir, dtype="float32")
     trained, adapter_cfg = load_peft_adapter(adapter_dir, config.num_hidden_layers)

@@ -159,7 +159,7 @@ def test_eval_checks_its_checkpoint_and_datasets(tmp_path, tiny_model_dir):
 
 
 def _file_problems(model_dir):
-    from qerl_jax import loader
+    from qerl_jax.model_io import loader
 
     config, raw = loader.read_config(str(model_dir))
     return validate.checkpoint_file_problems(str(model_dir), config, raw)

@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python -m benchmarks.devtools.decode_attention_probe --interpret --tiny \
         --out /tmp/decode_attention.json                                     # CPU smoke test of this script
 
-check: the compiled kernel (default tuning and forced splits) against `decode_attention_reference`
+check: the compiled kernel (default tuning and forced splits) against `qwen2.decode_attention_reference`
 on float32 copies of the inputs, on fresh random inputs of several shapes (GQA 7 / 5 / 3 / 1,
 D 128 / 64, bf16 / f32, ragged rows with left padding, a row at the cache end, a row of length 1,
 an inactive row); then NaN in every slot outside [start, end) must leave the output unchanged
@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels as kb
+from qerl_jax.models import qwen2
 
 # The module: the package's `decode_attention` attribute is the function of the same name.
 da = importlib.import_module("pallas_kernels.decode_attention")
@@ -121,13 +122,11 @@ def kernel_op(interpret: bool, **tuning):
 
 
 def reference_op(q, k, v, start, end):
-    return da.decode_attention_reference(q, k, v, start, end)
+    return qwen2.decode_attention_reference(q, k, v, start, end)
 
 
 def model_op(q, k, v, start, end):
     """The model's attention on the full cache with the [start, end) mask (T = 1)."""
-    from qerl_jax.models import qwen2  # noqa: PLC0415
-
     slots = jnp.arange(k.shape[1], dtype=jnp.int32)
     mask_BxTxS = ((slots >= start[:, None]) & (slots < end[:, None]))[:, None, :]
     return qwen2.attention(q[:, None], k, v, mask_BxTxS)[:, 0]
@@ -165,9 +164,9 @@ def check(args) -> None:
             run = jax.jit(kernel_op(args.interpret, **tuning))
             out = run(q, k, v, start, end)
             f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-            ref = da.decode_attention_reference(*f32, start, end)
+            ref = qwen2.decode_attention_reference(*f32, start, end)
             row["rel_err_vs_f32_reference"] = kb.rel_err(out, ref)
-            row["rel_err_reference_vs_f32"] = kb.rel_err(da.decode_attention_reference(q, k, v, start, end), ref)
+            row["rel_err_reference_vs_f32"] = kb.rel_err(qwen2.decode_attention_reference(q, k, v, start, end), ref)
             inactive = np.asarray(end <= start)
             row["inactive_rows_zero"] = bool(np.all(np.asarray(out, np.float32)[inactive] == 0))
             slots = jnp.arange(s)

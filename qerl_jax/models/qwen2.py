@@ -89,7 +89,7 @@ class ForwardOptions:
     backend: str = "xla"  # linear backend: "xla" | "pallas"
     remat: str = "none"  # gradient checkpointing per layer: one of REMAT_MODES
     attention: str = "xla"  # full-sequence attention: one of ATTENTION_MODES
-    decode_attention: str = "xla"  # `decode_attention` backend of decode steps (`DecodeSlots`): "xla" | "pallas"
+    decode_attention: str = "xla"  # `attend_decode_slots` backend of decode steps (`DecodeSlots`): "xla" | "pallas"
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -183,7 +183,7 @@ def _attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
 DECODE_ATTENTION_BACKENDS = ("xla", "pallas")
 
 
-def decode_attention(
+def attend_decode_slots(
     q_BxHxD: jax.Array,
     k_BxSxKxD: jax.Array,
     v_BxSxKxD: jax.Array,
@@ -198,7 +198,7 @@ def decode_attention(
     q_BxHxD: H = KVH * G query heads, head h reads KV head h // G. k, v: the caches [B, S, KVH, D].
     start_B, end_B: int32, 0 <= start <= end <= S; a row with end <= start gives zeros. Scores
     and softmax are float32. backend "xla": `decode_attention_reference` (a masked softmax over
-    all S slots); "pallas": `pallas_kernels.decode_attention` (reads only each row's slots).
+    all S slots); "pallas": the kernel `pallas_kernels.decode_attention` (reads only each row's slots).
     """
     with jax.named_scope("attention"):
         if backend == "xla":
@@ -213,8 +213,8 @@ def decode_attention(
 
 
 def decode_attention_reference(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B) -> jax.Array:
-    """`decode_attention` in jnp: a masked softmax over every cache slot (the values of `attention`
-    with the mask start <= s < end).
+    """`pallas_kernels.decode_attention` in jnp, the XLA path and the kernel's reference: a masked
+    softmax over every cache slot (the values of `attention` with the mask start <= s < end).
 
     Written so that XLA keeps the caches in their [B, S, KVH, D] row-major layout: q.k as a
     multiply-reduce over D (the minor axis) and p.v as one batched matmul over the slots against
@@ -377,7 +377,7 @@ class DecoderLayer(nn.Module):
 
 
 def _decode_step_attention(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, cache_kv, slots: DecodeSlots, backend: str):
-    """Writes each row's new key/value at its slot write_B, then `decode_attention` over [start_B, end_B)."""
+    """Writes each row's new key/value at its slot write_B, then `attend_decode_slots` over [start_B, end_B)."""
     k_cache, v_cache = cache_kv
     if q_Bx1xHxD.shape[0] == 1:  # one row: a plain dynamic update (a scatter of one row lowers worse on GPU)
         at = (0, slots.write_B[0], 0, 0)
@@ -387,7 +387,7 @@ def _decode_step_attention(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, cache_kv, slots: Dec
         rows_B = jnp.arange(q_Bx1xHxD.shape[0])
         k_cache = k_cache.at[rows_B, slots.write_B].set(k_Bx1xKxD[:, 0].astype(k_cache.dtype))
         v_cache = v_cache.at[rows_B, slots.write_B].set(v_Bx1xKxD[:, 0].astype(v_cache.dtype))
-    out_BxHxD = decode_attention(q_Bx1xHxD[:, 0], k_cache, v_cache, slots.start_B, slots.end_B, backend=backend)
+    out_BxHxD = attend_decode_slots(q_Bx1xHxD[:, 0], k_cache, v_cache, slots.start_B, slots.end_B, backend=backend)
     return out_BxHxD[:, None], (k_cache, v_cache)
 
 

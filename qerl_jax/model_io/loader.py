@@ -18,12 +18,13 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from qerl_jax import gguf
-from qerl_jax.hf_layout import (  # noqa: F401 (part of this module's API)
+from qerl_jax.model_io import gguf
+from qerl_jax.model_io.hf_layout import (  # noqa: F401 (part of this module's API)
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
     expected_shapes,
     hf_linear_name,
+    parse_config,
 )
 from qerl_jax.models.qwen2 import ModelConfig
 from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
@@ -46,61 +47,6 @@ def read_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(f"{cfg_path} is missing: a Hugging Face checkpoint directory needs config.json")
     raw = read_json(cfg_path)
     return parse_config(raw, cfg_path), raw
-
-
-def parse_config(raw: Any, cfg_path: str) -> ModelConfig:
-    """A config.json's dict as a ModelConfig; problems name `cfg_path`."""
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{cfg_path}: model_type {model_type!r} is not supported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    archs = raw.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
-    if SUPPORTED_ARCHITECTURES[model_type] not in archs:
-        raise CheckpointError(
-            f"{cfg_path}: architectures {archs} is not supported; expected {SUPPORTED_ARCHITECTURES[model_type]!r}"
-        )
-    if raw.get("use_sliding_window"):
-        raise CheckpointError(f"{cfg_path}: use_sliding_window=true is not supported (Qwen2.5 checkpoints have it off)")
-    try:
-        heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        # transformers >= 5 writes rope_parameters (theta inside); older checkpoints rope_theta + rope_scaling.
-        rope_params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = raw.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
-        rope_params.pop("rope_theta", None)
-        if rope_params.get("rope_type", rope_params.get("type", "default")) == "default":
-            rope_params = {}
-        config = ModelConfig(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            model_type=model_type,
-            rope_scaling=tuple(sorted(rope_params.items())) if rope_params else None,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=tuple(eos if isinstance(eos, list) else [eos]) if eos is not None else (),
-            pad_token_id=raw.get("pad_token_id"),
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{cfg_path}: required field {e.args[0]!r} is missing") from None
-    if raw.get("mlp_bias"):
-        raise CheckpointError(f"{cfg_path}: mlp_bias=true is not supported")
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise CheckpointError(
-            f"{cfg_path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={config.num_key_value_heads}"
-        )
-    return config
 
 
 def read_json(path: str) -> Any:
@@ -208,7 +154,7 @@ def load_model(
 
     Args:
       path: directory with config.json and model.safetensors (or sharded + index), or a llama.cpp
-        GGUF file (or a directory holding one and no config.json): see `qerl_jax.gguf`.
+        GGUF file (or a directory holding one and no config.json): see `qerl_jax.model_io.gguf`.
       dtype: "bfloat16" | "float32" | "float16" for the dense tensors.
       quant: None/"bf16" to keep linears dense, or "nvfp4" | "mxfp4" | "nf4" to quantize every
         linear projection while loading. A compressed-tensors NVFP4 checkpoint is read as packed

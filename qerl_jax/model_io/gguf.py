@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from qerl_jax.hf_layout import SUPPORTED_ARCHITECTURES, CheckpointError, expected_shapes
+from qerl_jax.model_io.hf_layout import SUPPORTED_ARCHITECTURES, CheckpointError, expected_shapes, hf_config_dict
 from qerl_jax.models.qwen2 import ModelConfig
 
 GGUF_SUFFIX = ".gguf"
@@ -287,35 +287,6 @@ def fill_special_tokens(tokenizer, metadata: dict[str, Any]):
         if getattr(tokenizer, attr) is None and isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
             setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
     return tokenizer
-
-
-def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
-    """A transformers config.json for `config` (LlamaForCausalLM / Qwen2ForCausalLM)."""
-    out = {
-        "architectures": [SUPPORTED_ARCHITECTURES[config.model_type]],
-        "model_type": config.model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "max_position_embeddings": config.max_position_embeddings,
-        "hidden_act": "silu",
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(config.eos_token_id) or None,
-        "pad_token_id": config.pad_token_id,
-        "torch_dtype": "float32",
-    }
-    if config.model_type == "qwen2":
-        out["use_sliding_window"] = False
-    return out
 
 
 def export_hf_checkpoint(path: str, out_dir: str) -> str:

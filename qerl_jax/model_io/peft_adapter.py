@@ -19,8 +19,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from qerl_jax.loader import CheckpointError, hf_linear_name
 from qerl_jax.lora import TRAINED_NORMS
+from qerl_jax.model_io.hf_layout import CheckpointError, hf_linear_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
