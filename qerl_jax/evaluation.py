@@ -67,7 +67,8 @@ def load_adapter(
     try:
         state, meta = ckpt.restore(None, like=like)
     except CheckpointMismatchError as e:
-        raise validate.ConfigError([f"eval.checkpoint = {path!r}: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
+        message = mismatch_message(e, run_config.to_dict(cfg))
+        raise validate.ConfigError([f"eval.checkpoint = {path!r}: {message}"]) from None
     finally:
         ckpt.close()
     logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
