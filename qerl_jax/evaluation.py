@@ -35,9 +35,7 @@ from qerl_jax.rollout.sampling import SamplingConfig
 from qerl_jax.run_config import RunConfig, optimizer_from_config
 
 
-def load_adapter(
-    cfg: RunConfig, policy: Policy
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float]:
+def load_adapter(cfg: RunConfig, policy: Policy) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float]:
     """(LoRA pytree or None, trained norms or None, lora_scale) from eval.checkpoint (run dir, orbax dir
     or PEFT dir). Whether norms were trained is the checkpoint's own: its run config, or the
     adapter's modules_to_save."""
@@ -132,7 +130,9 @@ def _eval_prompts(cfg: RunConfig, policy: Policy, path: str):
     return dataset, tok
 
 
-def _evaluate_dataset(cfg: RunConfig, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str) -> dict[str, Any]:
+def _evaluate_dataset(
+    cfg: RunConfig, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str
+) -> dict[str, Any]:
     dataset, tok = _eval_prompts(cfg, policy, path)
     if tok.num_dropped:
         logging.warning(

@@ -290,7 +290,10 @@ def test_flags_are_spelt_as_the_other_commands_and_the_old_spellings_still_work(
     capsys.readouterr()
     for argv, line in (
         ([f"--out={tmp_path / 'x'}"], "qerl-quantize: error: --model is required, e.g. --model=DIR --out=DIR"),
-        (["--model", dirs["src"], "--out", str(tmp_path / "x"), "--fmt=mxfp4"], "error: Unknown command line flag 'fmt'"),
+        (
+            ["--model", dirs["src"], "--out", str(tmp_path / "x"), "--fmt=mxfp4"],
+            "error: Unknown command line flag 'fmt'",
+        ),
         (["--model", dirs["src"], "--out", str(tmp_path / "x"), "mxfp4"], "error: unexpected arguments: mxfp4"),
     ):
         assert main(argv) == 2

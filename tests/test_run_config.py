@@ -111,8 +111,7 @@ def test_a_cross_field_rule_is_reported_once(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError) as e:
         run_config.build(cfg)
     assert e.value.problems == [
-        "rl.micro_batch_size = 4: must divide the batch of rollout.prompts_per_step x rollout.group_size = 6 "
-        "sequences"
+        "rl.micro_batch_size = 4: must divide the batch of rollout.prompts_per_step x rollout.group_size = 6 sequences"
     ]
 
 
