@@ -175,7 +175,7 @@ def worker_base(exp: Experiment, args) -> None:
     import numpy as np  # noqa: PLC0415
 
     from qerl_jax import aqn, evaluation  # noqa: PLC0415
-    from qerl_jax.config_adapters import aqn_config, sampling_config  # noqa: PLC0415
+    from qerl_jax import run_config as typed  # noqa: PLC0415
     from qerl_jax.data import load_math_dataset, tokenize_prompts  # noqa: PLC0415
     from qerl_jax.policy import load_policy  # noqa: PLC0415
     from qerl_jax.rollout.sampler import RolloutOptions, generate  # noqa: PLC0415
@@ -188,7 +188,7 @@ def worker_base(exp: Experiment, args) -> None:
     samples = {}
     key = jax.random.key(1234)
     for name in BASE_MODELS:
-        cfg = run_config(exp, args, name, 0)
+        cfg = typed.from_config_dict(run_config(exp, args, name, 0))
         if name != "nvfp4_aqn":
             policy = load_policy(cfg)
             summary_file = os.path.join(out_dir, name, "summary.json")
@@ -206,14 +206,14 @@ def worker_base(exp: Experiment, args) -> None:
             )
             params = dict(policy.frozen)
         else:  # the step-0 sampler of an AQN run is noise-free (stage 0); this is stage 1's sigma_start
-            acfg = aqn_config(cfg, policy.quant)
+            acfg = cfg.aqn
             stage1_step = -(-acfg.total_steps // acfg.num_stages)
             params = {
                 **policy.frozen,
                 "norms": aqn.apply_aqn(acfg, policy.frozen["norms"], jax.random.key(7), stage1_step),
             }
             result["aqn_sigma"] = float(aqn.aqn_sigma(acfg, stage1_step))
-        sampling = sampling_config(cfg, policy)
+        sampling = typed.sampling_config(cfg, policy)
         batch = generate(
             policy.config,
             params,

@@ -21,9 +21,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from qerl_jax import compile_cache, lora, reward_pool, rewards, validate
+from qerl_jax import compile_cache, lora, reward_pool, rewards, run_config, validate
 from qerl_jax.checkpoint import Checkpointer, CheckpointMismatchError, mismatch_message
-from qerl_jax.config_adapters import lora_config, optimizer_from_config
 from qerl_jax.data import load_math_dataset, tokenize_prompts
 from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter
@@ -33,11 +32,10 @@ from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl.step import init_train_state
 from qerl_jax.rollout.sampler import RolloutOptions, generate
 from qerl_jax.rollout.sampling import SamplingConfig
+from qerl_jax.run_config import RunConfig, optimizer_from_config
 
 
-def load_adapter(
-    cfg: ml_collections.ConfigDict, policy: Policy
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float]:
+def load_adapter(cfg: RunConfig, policy: Policy) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float]:
     """(LoRA pytree or None, trained norms or None, lora_scale) from eval.checkpoint (run dir, orbax dir
     or PEFT dir). Whether norms were trained is the checkpoint's own: its run config, or the
     adapter's modules_to_save."""
@@ -59,7 +57,7 @@ def load_adapter(
     ckpt = Checkpointer(ckpt_dir)
     if ckpt.latest_step() is None:
         raise UserFacingError(f"eval.checkpoint {path!r} holds no orbax checkpoint and no {ADAPTER_CONFIG}")
-    lcfg = lora_config(cfg)
+    lcfg = cfg.lora
     optimizer, _ = optimizer_from_config(cfg)
     run_lora = ckpt.read_meta(ckpt.latest_step()).get("config", {}).get("lora", {})
     norms = lora.init_trained_norms(policy.frozen["norms"]) if run_lora.get("train_norms") else None
@@ -67,7 +65,8 @@ def load_adapter(
     try:
         state, meta = ckpt.restore(None, like=like)
     except CheckpointMismatchError as e:
-        raise validate.ConfigError([f"eval.checkpoint = {path!r}: {mismatch_message(e, cfg)}"]) from None
+        message = mismatch_message(e, run_config.to_dict(cfg))
+        raise validate.ConfigError([f"eval.checkpoint = {path!r}: {message}"]) from None
     finally:
         ckpt.close()
     logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
@@ -75,7 +74,7 @@ def load_adapter(
 
 
 def evaluate_params(
-    cfg: ml_collections.ConfigDict,
+    cfg: RunConfig,
     policy: Policy,
     params: dict[str, Any],
     *,
@@ -109,7 +108,7 @@ def evaluate_params(
     return summary
 
 
-def _eval_prompts(cfg, policy: Policy, path: str):
+def _eval_prompts(cfg: RunConfig, policy: Policy, path: str):
     """(dataset, tokenized prompts) of one eval dataset; a ConfigError when every prompt is too long."""
     dataset = load_math_dataset(path, max_bad_fraction=cfg.data.max_bad_fraction)
     if cfg.eval.num_examples:
@@ -131,7 +130,9 @@ def _eval_prompts(cfg, policy: Policy, path: str):
     return dataset, tok
 
 
-def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str) -> dict[str, Any]:
+def _evaluate_dataset(
+    cfg: RunConfig, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str
+) -> dict[str, Any]:
     dataset, tok = _eval_prompts(cfg, policy, path)
     if tok.num_dropped:
         logging.warning(
@@ -205,23 +206,23 @@ def _evaluate_dataset(cfg, policy: Policy, params, lora_scale: float, path: str,
 def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """The eval command: base model (+ adapter) in the config's quantization, on eval.datasets.
 
-    The config is checked first (`validate.validate_config`), before anything is loaded.
+    The config is checked and made the typed tree first (`run_config.build`), before anything is loaded.
     """
-    validate.validate_config(cfg, "eval")
-    if cfg.compile_cache:
-        compile_cache.enable_compilation_cache(cfg.workdir)
-    policy = load_policy(cfg)
-    adapter, norms, scale = load_adapter(cfg, policy)
-    for path in cfg.eval.datasets:  # refused before anything is generated or written
-        _eval_prompts(cfg, policy, path)
+    run = run_config.build(cfg, "eval")
+    if run.compile_cache:
+        compile_cache.enable_compilation_cache(run.workdir)
+    policy = load_policy(run)
+    adapter, norms, scale = load_adapter(run, policy)
+    for path in run.eval.datasets:  # refused before anything is generated or written
+        _eval_prompts(run, policy, path)
     params = lora.with_lora(policy.frozen, adapter, norms)
-    output_dir = cfg.eval.output_dir or os.path.join(cfg.workdir, "eval")
+    output_dir = run.eval.output_dir or os.path.join(run.workdir, "eval")
     writer = MetricWriter(os.path.join(output_dir, "tensorboard"))
     try:
-        summary = evaluate_params(cfg, policy, params, lora_scale=scale, output_dir=output_dir, writer=writer)
+        summary = evaluate_params(run, policy, params, lora_scale=scale, output_dir=output_dir, writer=writer)
     finally:
         writer.close()
-    summary["model"] = {"path": policy.model_dir, "quant": policy.quant, "adapter": cfg.eval.checkpoint or None}
+    summary["model"] = {"path": policy.model_dir, "quant": policy.quant, "adapter": run.eval.checkpoint or None}
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

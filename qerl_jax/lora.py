@@ -34,6 +34,7 @@ class LoraConfig:
     targets: tuple[str, ...] = PROJECTIONS
     rslora: bool = False
     dropout: float = 0.0
+    train_norms: bool = False  # also train the per-layer RMSNorm scales (PEFT modules_to_save)
 
     def __post_init__(self):
         if isinstance(self.targets, str):

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-
-import ml_collections
+from typing import Any
 
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_io import tiny
 
 
-def tiny_model_dir(cfg: ml_collections.ConfigDict) -> str:
-    """Where model.tiny builds its random checkpoint."""
+def tiny_model_dir(cfg: Any) -> str:
+    """Where model.tiny builds its random checkpoint (cfg: a run_config.RunConfig, or the ConfigDict being checked)."""
     return os.path.join(cfg.workdir, "tiny_model")
 
 
@@ -81,8 +80,10 @@ def hub_snapshot(repo_id: str, *, download: bool = True) -> str | None:
         ) from None
 
 
-def resolve_model_dir(cfg: ml_collections.ConfigDict, *, download: bool = True) -> str | None:
+def resolve_model_dir(cfg: Any, *, download: bool = True) -> str | None:
     """The local checkpoint directory (or GGUF file); with model.tiny, a random tiny model built on first use.
+
+    cfg: a run_config.RunConfig, or the ConfigDict being checked (`validate`); model.path, model.tiny, workdir are read.
 
     A hub id ("Qwen/Qwen2.5-7B-Instruct", not an existing path) resolves through the hub's cache,
     downloading when online (`hub_snapshot`); with download=False an id not cached yet gives None.

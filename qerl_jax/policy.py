@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import ml_collections
 
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir
 from qerl_jax.model_io.loader import CheckpointError, load_model, load_tokenizer
 from qerl_jax.models.qwen2 import ModelConfig
+
+if TYPE_CHECKING:
+    from qerl_jax.run_config import RunConfig
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -56,7 +58,7 @@ class Policy:
     model_dir: str
 
 
-def load_policy(cfg: ml_collections.ConfigDict) -> Policy:
+def load_policy(cfg: RunConfig) -> Policy:
     model_dir = resolve_model_dir(cfg)
     quant = cfg.model.quant
     try:

@@ -10,7 +10,6 @@ reproduces an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
@@ -23,7 +22,19 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from qerl_jax import aqn, compile_cache, evaluation, lora, memory, reward_pool, rewards, sharding, validate, workdir
+from qerl_jax import (
+    aqn,
+    compile_cache,
+    evaluation,
+    lora,
+    memory,
+    reward_pool,
+    rewards,
+    run_config,
+    sharding,
+    validate,
+    workdir,
+)
 from qerl_jax.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
@@ -32,7 +43,6 @@ from qerl_jax.checkpoint import (
     mismatch_message,
     saved_steps,
 )
-from qerl_jax.config_adapters import aqn_config, lora_config, optimizer_from_config, sampling_config
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import MetricWriter, device_memory_stats
@@ -41,6 +51,7 @@ from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
 from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate, to_train_batch
+from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config, sampling_config
 
 # ----------------------------------------------------------------------------- one step's data
 
@@ -60,7 +71,7 @@ class Experience:
 
 
 def collect_experience(
-    cfg,
+    cfg: RunConfig,
     policy: Policy,
     rollout_params,
     loader: PromptLoader,
@@ -100,7 +111,7 @@ def collect_experience(
             jax.random.fold_in(key, round_),
             sampling,
             group_size=g,
-            lora_scale=lora.lora_scale(lora_config(cfg)),
+            lora_scale=lora.lora_scale(cfg.lora),
             max_batch=cfg.rollout.max_batch or None,
             options=RolloutOptions(backend=policy.backend, batch_sharding=batch_sharding),
         )
@@ -215,7 +226,7 @@ def _concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
     )
 
 
-def make_train_batch(cfg, exp: Experience) -> dict[str, np.ndarray]:
+def make_train_batch(cfg: RunConfig, exp: Experience) -> dict[str, np.ndarray]:
     """Advantages + the train step's packed batch (`rl.packing`): every sequence's real tokens in rows
     of max_prompt_len + max_new_tokens slots, a multiple of the micro-batch of them; filler
     sequences (no tokens) keep the sequence count fixed."""
@@ -237,30 +248,30 @@ def make_train_batch(cfg, exp: Experience) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _checkpoint_meta(cfg, step: int, loader: PromptLoader) -> dict[str, Any]:
-    return {"step": step, "loader": loader.state(), "config": json.loads(cfg.to_json())}
+def _checkpoint_meta(cfg: RunConfig, step: int, loader: PromptLoader) -> dict[str, Any]:
+    return {"step": step, "loader": loader.state(), "config": run_config.to_dict(cfg)}
 
 
 def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Runs cfg.train.total_steps QeRL steps; returns the last step's metrics.
 
-    The config is checked first (`validate.validate_config`): nothing is loaded or written
-    before every problem of it is reported. The workdir is then held (`workdir.lock`) until the
-    run ends: a second run on it is refused.
+    The config is checked and made the run's typed tree first (`run_config.build`): nothing is
+    loaded or written before every problem of it is reported. The workdir is then held
+    (`workdir.lock`) until the run ends: a second run on it is refused.
     """
     t_start = time.perf_counter()
-    validate.validate_config(cfg, "train")
-    with workdir.lock(cfg.workdir):
-        return _train(cfg, t_start)
+    run = run_config.build(cfg, "train")
+    with workdir.lock(run.workdir):
+        return _train(run, t_start)
 
 
-def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
+def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
     os.makedirs(cfg.workdir, exist_ok=True)
     if cfg.compile_cache:
         compile_cache.enable_compilation_cache(cfg.workdir)
     sharding.maybe_initialize_distributed()
     policy = load_policy(cfg)
-    lcfg = lora_config(cfg)
+    lcfg = cfg.lora
     cfg = _check_memory(cfg, policy, lcfg)
     mesh = None
     if cfg.mesh.data > 1 and cfg.rl.micro_batch_size % cfg.mesh.data:
@@ -279,7 +290,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
             "data-parallel over 'data'"
         )
     batch_sharding = sharding.data_sharding(mesh) if mesh is not None and cfg.mesh.data > 1 else None
-    acfg = aqn_config(cfg, policy.quant)
+    acfg = cfg.aqn
     total = cfg.train.total_steps
     optimizer, lr_fn = optimizer_from_config(cfg)
     root_key = jax.random.key(cfg.seed)
@@ -289,16 +300,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
         init = sharding.shard_like_lora(init, mesh, "tp")
     norms = lora.init_trained_norms(policy.frozen["norms"]) if cfg.lora.train_norms else None
     state = rl_step.init_train_state(init, optimizer, norms)
-    loss_cfg = losses.LossConfig(
-        kind=cfg.rl.loss,
-        eps_low=cfg.rl.eps_low,
-        eps_high=cfg.rl.eps_high,
-        beta=cfg.rl.beta,
-        old_logp_source=cfg.rl.old_logp_source,
-        is_correction=cfg.rl.is_correction,
-        is_cap=cfg.rl.is_cap,
-        max_completion_len=cfg.rollout.max_new_tokens,
-    )
+    loss_cfg = loss_config(cfg)
     train_step = rl_step.make_train_step(
         policy.config,
         loss_cfg,
@@ -333,7 +335,7 @@ def _train(cfg: ml_collections.ConfigDict, t_start: float) -> dict[str, Any]:
         try:
             state, start = _resume(ckpt, state, loader)
         except CheckpointMismatchError as e:
-            raise validate.ConfigError([f"cannot resume: {mismatch_message(e, cfg)}"]) from None
+            raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
 
     writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"), purge_step=start if cfg.resume else None)
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
@@ -479,7 +481,7 @@ def _save(ckpt: Checkpointer, step: int, state: rl_step.TrainState, meta: dict[s
 
 
 def run_summary(
-    cfg: ml_collections.ConfigDict,
+    cfg: RunConfig,
     start: int,
     end: int,
     metrics: dict[str, Any],
@@ -509,7 +511,7 @@ def run_summary(
     return "\n".join(lines)
 
 
-def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.LoraConfig) -> ml_collections.ConfigDict:
+def _check_memory(cfg: RunConfig, policy: Policy, lcfg: lora.LoraConfig) -> RunConfig:
     """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
     rollout rows (rollout.max_batch) to it (or stops with the config value to lower)."""
     plan = memory.plan_memory(
@@ -542,14 +544,12 @@ def _check_memory(cfg: ml_collections.ConfigDict, policy: Policy, lcfg: lora.Lor
         if result.changed:
             tqdm.write(result.message)
     remat = result.remat if result is not None else ("full" if auto_remat else cfg.rl.remat)
-    cfg = cfg.copy_and_resolve_references()
-    with cfg.unlocked():
-        cfg.rl.remat = remat
-        if result is not None:
-            cfg.rl.micro_batch_size = result.micro_batch_size
-            if cfg.rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
-                cfg.rollout.max_batch = result.max_batch
-    return cfg
+    rl, rollout = dataclasses.replace(cfg.rl, remat=remat), cfg.rollout
+    if result is not None:
+        rl = dataclasses.replace(rl, micro_batch_size=result.micro_batch_size)
+        if rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
+            rollout = dataclasses.replace(rollout, max_batch=result.max_batch)
+    return dataclasses.replace(cfg, rl=rl, rollout=rollout)
 
 
 def _rollout_metrics(exp: Experience) -> dict[str, float]:
@@ -574,14 +574,14 @@ def _samples_markdown(exp: Experience, n: int = 2) -> str:
     return "\n\n---\n\n".join(out)
 
 
-def _periodic_eval(cfg, policy: Policy, state, writer: MetricWriter, step: int) -> dict[str, float]:
+def _periodic_eval(cfg: RunConfig, policy: Policy, state, writer: MetricWriter, step: int) -> dict[str, float]:
     params = lora.with_lora(policy.frozen, state.lora, state.norms)
     output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
     summary = evaluation.evaluate_params(
         cfg,
         policy,
         params,
-        lora_scale=lora.lora_scale(lora_config(cfg)),
+        lora_scale=lora.lora_scale(cfg.lora),
         output_dir=output_dir,
         writer=writer,
         step=step,

@@ -1,7 +1,8 @@
 """Checks a run's whole config before any work, and reports every problem at once.
 
 `validate_config(cfg, command)` runs before the model is loaded or anything is written to the
-workdir (`train.train` and `evaluation.evaluate` call it first). It checks each field's type
+workdir (`run_config.build`, which `train.train` and `evaluation.evaluate` call first, runs it and
+then turns the config into the run's typed tree). It checks each field's type
 and range, the rules that tie fields together (group size >= 2, the micro-batch divides the
 batch, prompt + completion within the model's context, AQN stages vs steps, the quantization
 block size vs the model's shapes), and the files the run will read: the model directory
@@ -321,7 +322,7 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
                 f"rollout.max_new_tokens ({f['rollout.max_new_tokens']})"
             )
     if train and has("aqn.enabled", "model.quant", "aqn.num_stages", "train.total_steps", "aqn.sigma_start"):
-        enabled = aqn.default_aqn_enabled(f["model.quant"]) if f["aqn.enabled"] is None else f["aqn.enabled"]
+        enabled = aqn_enabled(f["aqn.enabled"], f["model.quant"])
         if enabled and f["aqn.num_stages"] > f["train.total_steps"]:
             out.append(
                 f"aqn.num_stages = {f['aqn.num_stages']}: more noise stages than train.total_steps "
@@ -363,6 +364,11 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
                 "--config.resume=True to continue it, or a new --config.workdir to start over"
             )
     return out
+
+
+def aqn_enabled(enabled: bool | None, quant: str) -> bool:
+    """aqn.enabled as the run takes it: None is on iff the policy is quantized (`aqn.default_aqn_enabled`)."""
+    return aqn.default_aqn_enabled(quant) if enabled is None else bool(enabled)
 
 
 def _file_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any], command: str) -> list[str]:

@@ -278,6 +278,30 @@ def test_errors(dirs, tmp_path):
     assert main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o3"), "--quiet"]) == 2
 
 
+def test_flags_are_spelt_as_the_other_commands_and_the_old_spellings_still_work(dirs, tmp_path, capsys):
+    """absl flags (`--flag=value`, `--noflag`) as qerl_jax.main and qerl_jax.eval; argparse's spellings kept."""
+    out = str(tmp_path / "unfused")
+    args = [f"--model={dirs['src']}", f"--out={out}", "--format=nvfp4", "--quiet", "--nofuse_global_scale"]
+    assert main(args) == 0
+    for name, array in _read_dir(dirs["nvfp4_unfused"]).items():  # written with --no-fuse-global-scale
+        np.testing.assert_array_equal(_bits(_read_dir(out)[name]), _bits(array))
+    fused = _read_dir(dirs["nvfp4"])
+    assert any(not np.array_equal(_bits(fused[n]), _bits(a)) for n, a in _read_dir(out).items())  # the flag took
+    capsys.readouterr()
+    for argv, line in (
+        ([f"--out={tmp_path / 'x'}"], "qerl-quantize: error: --model is required, e.g. --model=DIR --out=DIR"),
+        (
+            ["--model", dirs["src"], "--out", str(tmp_path / "x"), "--fmt=mxfp4"],
+            "error: Unknown command line flag 'fmt'",
+        ),
+        (["--model", dirs["src"], "--out", str(tmp_path / "x"), "mxfp4"], "error: unexpected arguments: mxfp4"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].endswith(line), err
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_command_line_entry_point(dirs, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
     out = tmp_path / "cli_out"

@@ -2,6 +2,7 @@
 after a kill inside a save and over a corrupted checkpoint), faults (disk full, reward workers killed
 or hanging, non-finite steps), learning."""
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -17,7 +18,7 @@ import torch
 from conftest import faulty_json_save, load_config
 
 import qerl_jax
-from qerl_jax import train
+from qerl_jax import run_config, train
 from qerl_jax.checkpoint import Checkpointer
 from qerl_jax.errors import UserFacingError
 from qerl_jax.metrics import read_jsonl_scalars, read_scalars
@@ -75,6 +76,11 @@ def _config(workdir, model_dir, **overrides):
             node = node[p]
         node[leaf] = value
     return cfg
+
+
+def _run(workdir, model_dir, **overrides) -> run_config.RunConfig:
+    """The typed tree of `_config(...)` (for the loop's pieces, which take it)."""
+    return run_config.from_config_dict(_config(workdir, model_dir, **overrides))
 
 
 def _scalars_without_timing(logdir):
@@ -324,13 +330,13 @@ def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_di
 
 def _train_state_like(cfg):
     from qerl_jax import lora
-    from qerl_jax.config_adapters import lora_config, optimizer_from_config
     from qerl_jax.policy import load_policy
     from qerl_jax.rl.step import init_train_state
 
-    policy = load_policy(cfg)
-    optimizer, _ = optimizer_from_config(cfg)
-    return init_train_state(lora.init_lora(jax.random.key(0), policy.config, lora_config(cfg)), optimizer)
+    run = run_config.from_config_dict(cfg)
+    policy = load_policy(run)
+    optimizer, _ = run_config.optimizer_from_config(run)
+    return init_train_state(lora.init_lora(jax.random.key(0), policy.config, run.lora), optimizer)
 
 
 def test_grpo_loop_learns_a_reward_from_scratch(tmp_path, tiny_model_dir):
@@ -404,7 +410,7 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     from qerl_jax.data import PromptLoader, load_math_dataset
     from qerl_jax.policy import load_policy
 
-    cfg = _config(
+    cfg = _run(
         tmp_path,
         tiny_model_dir,
         **{
@@ -493,7 +499,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     from qerl_jax.policy import load_policy
     from qerl_jax.rl import losses
 
-    cfg = _config(
+    cfg = _run(
         tmp_path,
         tiny_model_dir,
         **{
@@ -517,7 +523,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     np.testing.assert_allclose(stats["reward/test_train_digit_reward_mean_sampled"], digits.mean(), rtol=1e-5)
     np.testing.assert_allclose(stats["reward/test_train_prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
     for scale in ("group", "batch", "none"):
-        cfg.rl.scale_rewards = scale
+        cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, scale_rewards=scale))
         got = np.asarray(train.make_train_batch(cfg, exp)["advantages"])[: len(exp.rewards)]
         np.testing.assert_allclose(got, np.asarray(losses.group_advantages(exp.rewards, 4, scale=scale)), rtol=1e-6)
     g = exp.rewards.reshape(-1, 4)
@@ -585,11 +591,11 @@ def test_trained_norms_run_resumes_exactly_and_exports_them(tmp_path, tiny_model
     resumed = _config(tmp_path / "resumed", tiny_model_dir, **run, **{"resume": True})
     train.train(resumed)
 
-    policy = load_policy(straight)
+    policy = load_policy(run_config.from_config_dict(straight))
     states = []
     for cfg in (straight, resumed):
         cfg.eval.checkpoint = cfg.workdir
-        lora_, norms, _ = evaluation.load_adapter(cfg, policy)
+        lora_, norms, _ = evaluation.load_adapter(run_config.from_config_dict(cfg), policy)
         states.append((lora_, norms))
     for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -600,9 +606,9 @@ def test_trained_norms_run_resumes_exactly_and_exports_them(tmp_path, tiny_model
     assert np.abs(np.asarray(trained["layers"]["input_layernorm"]) - initial).max() > 1e-4
 
     straight.eval.checkpoint = os.path.join(straight.workdir, "adapter")
-    _, adapter_norms, _ = evaluation.load_adapter(straight, policy)
+    _, adapter_norms, _ = evaluation.load_adapter(run_config.from_config_dict(straight), policy)
     for a, b in zip(jax.tree.leaves(adapter_norms), jax.tree.leaves(trained)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     plain = _config(tmp_path / "plain", tiny_model_dir, **{**run, "lora.train_norms": False})
     plain.eval.checkpoint = straight.workdir  # the run's own config decides, not the eval config's
-    assert evaluation.load_adapter(plain, policy)[1] is not None
+    assert evaluation.load_adapter(run_config.from_config_dict(plain), policy)[1] is not None
