@@ -11,9 +11,11 @@ Growth measures of the reward (the mean reward of the sampled rollouts), per run
 - relative growth: mean of the last 20% of steps / mean of the first 10% - 1;
 - steps to threshold: the first step where the trailing moving average (window common/20) reaches
   the threshold = mean over all runs of the first-10% reward + THRESHOLD_GAIN (one threshold for all).
-Verdicts: (b) b >= a: supported if mean slope difference >= 0, not supported if < -2 SE (Welch, over
-seeds), else inconclusive; (c) strictly more: supported if > 2 SE, not supported if <= 0; (d) the same
-rule as (b) on the final greedy GSM8K accuracy. With one seed in an arm: "inconclusive" (one seed).
+Verdicts: (b) and (c) compare growth step by step (`paired`: runs of one seed sample the same prompts
+at each step whatever the arm): the slope of the reward difference b - a per 100 steps, over every step
+both reached in every seed both ran; supported if its 95% interval is above 0, not supported if below 0,
+else inconclusive. (d): final greedy GSM8K accuracy b >= a over seeds: supported if the mean difference
+is >= 0, not supported if < -2 SE (Welch), else inconclusive; with one seed: "inconclusive" (one seed).
 (b) and (d) are judged against bf16 (equal lr) and bf16_lr5e-6 (the reference's lrs); the claim's
 verdict is "supported" if both are, "not supported" if either is not, else inconclusive.
 """
@@ -31,6 +33,15 @@ from experiments.fidelity.summarize import _jsonl_curves, _mean_std, _smooth, cl
 MODEL_NAME = "Qwen2.5-Coder-1.5B-Instruct"
 GSM8K, MATH500 = "gsm8k_test", "math500_test"
 THRESHOLD_GAIN = 0.05
+# (b, a) pairs of arms compared step by step: quantization, AQN with and without it, the learning rate.
+PAIRS = (
+    ("nvfp4", "bf16"),
+    ("nvfp4", "bf16_lr5e-6"),
+    ("nvfp4_aqn", "nvfp4"),
+    ("nvfp4_aqn", "bf16"),
+    ("bf16_aqn", "bf16"),
+    ("bf16", "bf16_lr5e-6"),
+)
 LABELS = {
     "bf16_lr5e-6": "bf16 LoRA, lr 5e-6",
     "bf16": "bf16 LoRA, lr 1e-5",
@@ -92,6 +103,65 @@ def growth(reward: np.ndarray, threshold: float, window: int) -> dict[str, float
     }
 
 
+def paired(runs: dict, b: str, a: str, key: str = "reward", start: int = 0) -> dict | None:
+    """Arm b minus arm a at the same step of the same seed: runs of one seed sample the same prompts
+    at each step whatever the arm, so the step's prompt difficulty cancels in the difference.
+
+    Over every seed both arms ran and every step from `start` that both reached: the mean difference
+    with its standard error (the steps as independent draws) and the difference's least-squares slope
+    per 100 steps (one intercept per seed) with its standard error: a growth difference. None if the
+    arms share no step."""
+    xs, ys, groups = [], [], []
+    for seed in sorted(set(runs.get(a, {})) & set(runs.get(b, {}))):
+        ca, cb = runs[a][seed]["curves"][key], runs[b][seed]["curves"][key]
+        n = min(len(ca), len(cb))
+        steps = np.arange(start, n)
+        d = cb[start:n] - ca[start:n]
+        ok = np.isfinite(d)
+        if ok.sum():
+            xs.append(steps[ok] - steps[ok].mean())
+            ys.append(d[ok])
+            groups.append((seed, int(ok.sum())))
+    if not ys:
+        return None
+    y = np.concatenate(ys)
+    out = {
+        "seeds": [g[0] for g in groups],
+        "steps_per_seed": [g[1] for g in groups],
+        "mean_diff": float(y.mean()),
+        "se": float(y.std(ddof=1) / math.sqrt(len(y))) if len(y) > 1 else float("nan"),
+    }
+    x = np.concatenate(xs)
+    yc = np.concatenate([v - v.mean() for v in ys])
+    dof = len(y) - len(ys) - 1
+    if dof > 0 and (x * x).sum() > 0:
+        slope = float((x * yc).sum() / (x * x).sum())
+        resid = yc - slope * x
+        out["slope_per_100"] = 100 * slope
+        out["slope_se"] = 100 * float(math.sqrt((resid * resid).sum() / dof / (x * x).sum()))
+    else:
+        out["slope_per_100"] = out["slope_se"] = float("nan")
+    return out
+
+
+def judge_paired(name_b: str, name_a: str, p: dict | None, *, what: str) -> dict:
+    """A paired growth comparison's verdict from the 95% interval of the slope difference:
+    supported above 0, not supported below 0, else inconclusive."""
+    if p is None:
+        return {"verdict": "not measured", "text": f"{name_b} and {name_a} share no seed"}
+    lo, hi = p["slope_per_100"] - 2 * p["slope_se"], p["slope_per_100"] + 2 * p["slope_se"]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        verdict = "inconclusive"
+    else:
+        verdict = "supported" if lo > 0 else ("not supported" if hi < 0 else "inconclusive")
+    text = (
+        f"{what}, {name_b} minus {name_a} at the same steps (seeds {p['seeds']}, "
+        f"{p['steps_per_seed']} steps): slope {p['slope_per_100']:+.3f} per 100 steps "
+        f"(95% interval {lo:+.3f} .. {hi:+.3f}); level {p['mean_diff']:+.4f} (SE {p['se']:.4f})"
+    )
+    return {"verdict": verdict, "text": text, **p}
+
+
 def _finite(values) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
@@ -131,23 +201,27 @@ def _claim(parts: dict[str, dict]) -> dict:
 
 
 def plot(runs, before: dict[str, float | None], steps: int, n_common: int, path: str) -> None:
+    """Reward and sampled-token entropy (each arm over the steps all its seeds reached), greedy
+    accuracy before / after, and each arm's reward minus bf16's at the same step (`paired`)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    w = max(1, n_common // 20)
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
     specs = _arm_specs()
+    longest = max(r["steps"] for arm_runs in runs.values() for r in arm_runs.values())
+    w = max(1, longest // 10)
     for i, (arm, arm_runs) in enumerate(runs.items()):
         color = f"C{i}"
-        label = f"{LABELS.get(arm, arm)} ({len(arm_runs)} seeds)"
+        n_arm = min(r["steps"] for r in arm_runs.values())
+        label = f"{LABELS.get(arm, arm)} ({len(arm_runs)} seeds, {n_arm} steps)"
         for ax, key in ((axes[0], "reward"), (axes[1], "entropy_sampler")):
-            ys = np.stack([_smooth(r["curves"][key][:n_common], w) for r in arm_runs.values()])
+            ys = np.stack([_smooth(r["curves"][key][:n_arm], w) for r in arm_runs.values()])
             if np.isfinite(ys).any():
                 mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
-                ax.plot(np.arange(n_common), mean, color=color, label=label)
-                ax.fill_between(np.arange(n_common), mean - std, mean + std, color=color, alpha=0.2)
+                ax.plot(np.arange(n_arm), mean, color=color, label=label)
+                ax.fill_between(np.arange(n_arm), mean - std, mean + std, color=color, alpha=0.2)
         b = before.get(specs[arm]["quant"])
         after = _finite(r["after"].get(GSM8K, {}).get("pass_at_1") for r in arm_runs.values())
         xs, ys, es = ([0], [b], [0.0]) if b is not None else ([], [], [])
@@ -155,12 +229,23 @@ def plot(runs, before: dict[str, float | None], steps: int, n_common: int, path:
             xs, ys, es = [*xs, steps], [*ys, float(np.mean(after))], [*es, float(np.std(after))]
         if xs:
             axes[2].errorbar(xs, ys, yerr=es, color=color, marker="o", capsize=4, label=label)
+        if arm != "bf16" and "bf16" in runs:
+            diffs = np.full((len(arm_runs), longest), np.nan)
+            for j, (seed, r) in enumerate(arm_runs.items()):
+                ref = runs["bf16"].get(seed)
+                if ref is not None:
+                    n = min(r["steps"], ref["steps"])
+                    diffs[j, :n] = r["curves"]["reward"][:n] - ref["curves"]["reward"][:n]
+            if np.isfinite(diffs).any():
+                axes[3].plot(np.arange(longest), _smooth(np.nanmean(diffs, 0), 2 * w), color=color, label=label)
+    axes[3].axhline(0.0, color="k", lw=0.8)
     for ax, label in zip(
         axes,
         (
             "reward (mean of the sampled rollouts)",
             "entropy of the sampled tokens (nats, -log p)",
             "greedy pass@1, GSM8K test (1319)",
+            "reward minus bf16's (same seed, same step; 2x the window)",
         ),
     ):
         ax.set_xlabel("step")
@@ -168,8 +253,7 @@ def plot(runs, before: dict[str, float | None], steps: int, n_common: int, path:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        f"{MODEL_NAME}, GSM8K, DAPO + LoRA: mean ± std over seeds (moving average of {w} steps; "
-        f"{n_common} common steps of {steps})"
+        f"{MODEL_NAME}, GSM8K, DAPO + LoRA ({steps}-step schedule): mean ± std over seeds, moving average of {w} steps"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -229,11 +313,17 @@ def summarize(out: str, results: str) -> dict:
             if a in values and b_arm in values
         }
 
-    slope_what = f"reward slope per 100 steps over the first {n_common} steps"
+    def growth_parts(b_arm: str, refs: tuple[str, ...]) -> dict:
+        return {
+            f"{b_arm}_vs_{a}": judge_paired(b_arm, a, paired(runs, b_arm, a), what="reward")
+            for a in refs
+            if a in runs and b_arm in runs
+        }
+
     claims = {
         "a": claim_a(entropy),
-        "b": _claim(parts("nvfp4", ("bf16", "bf16_lr5e-6"), slopes, slope_what, strict=False)),
-        "c": _claim(parts("nvfp4_aqn", ("nvfp4",), slopes, slope_what, strict=True)),
+        "b": _claim(growth_parts("nvfp4", ("bf16", "bf16_lr5e-6"))),
+        "c": _claim(growth_parts("nvfp4_aqn", ("nvfp4",))),
         "d": _claim(
             parts("nvfp4_aqn", ("bf16", "bf16_lr5e-6"), final, "final greedy GSM8K pass@1", strict=False)
         ),
@@ -282,6 +372,25 @@ def summarize(out: str, results: str) -> dict:
             f"| {_fmt(arms_out[arm]['eval_after']['math500_test'])} |"
         )
 
+    paired_table = {
+        f"{b}_minus_{a}": {key: paired(runs, b, a, key) for key in ("reward", "entropy_sampler")}
+        for b, a in PAIRS
+        if a in runs and b in runs
+    }
+    paired_lines = [
+        "| b minus a (same seed, same step) | seeds (steps) | reward level | reward slope / 100 steps "
+        "| sampled-token entropy level |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, d in paired_table.items():
+        r, e = d["reward"], d["entropy_sampler"]
+        if r is None:
+            continue
+        paired_lines.append(
+            f"| {name.replace('_minus_', ' - ')} | {r['seeds']} ({r['steps_per_seed']}) "
+            f"| {r['mean_diff']:+.4f} ± {r['se']:.4f} | {r['slope_per_100']:+.3f} ± {r['slope_se']:.3f} "
+            f"| {e['mean_diff']:+.4f} ± {e['se']:.4f} |"
+        )
     gpu_minutes = _gpu_minutes(out)
     summary = {
         "model": {"name": MODEL_NAME, "sha256": exp.get("sha256"), "gguf": exp.get("gguf")},
@@ -290,6 +399,7 @@ def summarize(out: str, results: str) -> dict:
         "claims": claims,
         "gpu_minutes": gpu_minutes,
         "common_steps": n_common,
+        "paired": paired_table,
         "threshold": {"reward": threshold, "gain": THRESHOLD_GAIN, "window": window},
     }
     plot(runs, before, steps, n_common, os.path.join(results, "qwen_gsm8k.png"))
@@ -319,6 +429,14 @@ def summarize(out: str, results: str) -> dict:
         "",
         f"Threshold: the mean first-10% reward over all runs + {THRESHOLD_GAIN} = {threshold:.3f}, reached by the "
         f"trailing moving average of {window} steps. Relative growth: last-20% mean / first-10% mean - 1.",
+        "",
+        "## Paired differences",
+        "",
+        "Runs of one seed sample the same prompts at each step whatever the arm; each row uses every "
+        "step both arms reached in each seed they share (± one standard error; slopes with one intercept "
+        "per seed).",
+        "",
+        *paired_lines,
         "",
         "## Claims",
         "",
