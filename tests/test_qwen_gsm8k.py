@@ -108,17 +108,18 @@ def test_growth_measures_against_numpy():
 @pytest.mark.parametrize(
     "slopes,finals,entropy_diff,want",
     [
-        (  # NVFP4 slower and worse, AQN no better, lower entropy
-            {"bf16_lr5e-6": 0.4, "bf16": 0.4, "nvfp4": 0.1, "nvfp4_aqn": 0.05},
+        (  # NVFP4 slower and worse, AQN slower still, lower entropy
+            {"bf16_lr5e-6": 0.4, "bf16": 0.4, "nvfp4": -0.3, "nvfp4_aqn": -0.9},
             {"bf16_lr5e-6": 0.7, "bf16": 0.7, "nvfp4": 0.6, "nvfp4_aqn": 0.6},
             (-0.2, 0.05),
             {"a": "not supported", "b": "not supported", "c": "not supported", "d": "not supported"},
         ),
-        (  # b: faster than bf16 at equal lr but much slower than the reference's bf16 -> not supported overall
-            {"bf16_lr5e-6": 0.8, "bf16": 0.1, "nvfp4": 0.3, "nvfp4_aqn": 0.3},
+        (  # b: faster than bf16 at equal lr but much slower than the reference's bf16 -> not supported overall;
+            # c: AQN exactly as fast (its interval holds 0)
+            {"bf16_lr5e-6": 1.5, "bf16": -0.2, "nvfp4": 0.5, "nvfp4_aqn": 0.5},
             {"bf16_lr5e-6": 0.6, "bf16": 0.6, "nvfp4": 0.6, "nvfp4_aqn": 0.6},
             (0.005, 0.01),
-            {"a": "not supported", "b": "not supported", "c": "not supported"},
+            {"a": "not supported", "b": "not supported", "c": "inconclusive"},
         ),
         (  # nothing clearly separated: within 2 SE
             {"bf16_lr5e-6": 0.3, "bf16": 0.3, "nvfp4": 0.26, "nvfp4_aqn": 0.32},
@@ -185,3 +186,24 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
         launcher.main(EXPERIMENT, "", ["--gguf", str(gguf), "--out", str(out), "--base-from", str(tmp_path / "no")])
     assert e.value.code == 2 and "--base-from" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_paired_differences_against_numpy():
+    # two seeds; the arms share step prompts, so a per-step offset common to both arms cancels
+    steps = np.arange(12)
+    common = np.sin(steps)  # the step's prompt difficulty
+    curves = lambda r: {"curves": {"reward": r}}  # noqa: E731
+    runs = {
+        "bf16": {0: curves(0.5 + common), 1: curves(0.4 + common[:10])},
+        "nvfp4": {0: curves(0.45 + common + 0.002 * steps), 1: curves(0.38 + common[:10] + 0.004 * steps[:10])},
+    }
+    p = summarize.paired(runs, "nvfp4", "bf16")
+    assert p["seeds"] == [0, 1] and p["steps_per_seed"] == [12, 10]
+    np.testing.assert_allclose(p["slope_per_seed"], [0.2, 0.4], atol=1e-9)
+    np.testing.assert_allclose(p["level_per_seed"], [-0.05 + 0.002 * 5.5, -0.02 + 0.004 * 4.5], atol=1e-9)
+    assert p["slope_per_100"] == pytest.approx(0.3) and p["slope_se"] == pytest.approx(np.std([0.2, 0.4], ddof=1) / np.sqrt(2))
+    verdict = summarize.judge_paired("nvfp4", "bf16", p, what="reward")
+    # t(1) = 12.706: 0.3 +- 12.706 * 0.1 holds 0
+    assert verdict["verdict"] == "inconclusive" and "-0.971 .. +1.571" in verdict["text"]
+    one = summarize.judge_paired("nvfp4", "bf16", summarize.paired({k: {0: v[0]} for k, v in runs.items()}, "nvfp4", "bf16"), what="reward")
+    assert one["verdict"] == "inconclusive" and one["reason"] == "one seed"

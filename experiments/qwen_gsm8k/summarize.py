@@ -12,9 +12,10 @@ Growth measures of the reward (the mean reward of the sampled rollouts), per run
 - steps to threshold: the first step where the trailing moving average (window common/20) reaches
   the threshold = mean over all runs of the first-10% reward + THRESHOLD_GAIN (one threshold for all).
 Verdicts: (b) and (c) compare growth step by step (`paired`: runs of one seed sample the same prompts
-at each step whatever the arm): the slope of the reward difference b - a per 100 steps, over every step
-both reached in every seed both ran; supported if its 95% interval is above 0, not supported if below 0,
-else inconclusive. (d): final greedy GSM8K accuracy b >= a over seeds: supported if the mean difference
+at each step whatever the arm): per seed, the slope of the reward difference b - a per 100 steps over
+the steps both reached; over seeds, its mean with a Student's t 95% interval from the spread between
+seeds; supported if the interval is above 0, not supported if below 0, else inconclusive (one seed:
+inconclusive). (d): final greedy GSM8K accuracy b >= a over seeds: supported if the mean difference
 is >= 0, not supported if < -2 SE (Welch), else inconclusive; with one seed: "inconclusive" (one seed).
 (b) and (d) are judged against bf16 (equal lr) and bf16_lr5e-6 (the reference's lrs); the claim's
 verdict is "supported" if both are, "not supported" if either is not, else inconclusive.
@@ -103,62 +104,64 @@ def growth(reward: np.ndarray, threshold: float, window: int) -> dict[str, float
     }
 
 
+# Two-sided 95% quantiles of Student's t for 1..10 degrees of freedom (more: 2.0).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
 def paired(runs: dict, b: str, a: str, key: str = "reward", start: int = 0) -> dict | None:
     """Arm b minus arm a at the same step of the same seed: runs of one seed sample the same prompts
     at each step whatever the arm, so the step's prompt difficulty cancels in the difference.
 
-    Over every seed both arms ran and every step from `start` that both reached: the mean difference
-    with its standard error (the steps as independent draws) and the difference's least-squares slope
-    per 100 steps (one intercept per seed) with its standard error: a growth difference. None if the
-    arms share no step."""
-    xs, ys, groups = [], [], []
+    Per seed both arms ran, over the steps from `start` both reached: the difference's mean (level)
+    and least-squares slope per 100 steps (growth). Over seeds: their means and standard errors from
+    the spread between seeds (a run's trajectory is autocorrelated, so its steps are not independent
+    draws; with one seed the errors are unknown, NaN). None if the arms share no seed."""
+    levels, slopes, seeds, counts = [], [], [], []
     for seed in sorted(set(runs.get(a, {})) & set(runs.get(b, {}))):
         ca, cb = runs[a][seed]["curves"][key], runs[b][seed]["curves"][key]
         n = min(len(ca), len(cb))
-        steps = np.arange(start, n)
         d = cb[start:n] - ca[start:n]
-        ok = np.isfinite(d)
-        if ok.sum():
-            xs.append(steps[ok] - steps[ok].mean())
-            ys.append(d[ok])
-            groups.append((seed, int(ok.sum())))
-    if not ys:
+        steps = np.arange(start, n)[np.isfinite(d)]
+        d = d[np.isfinite(d)]
+        if len(d) < 2:
+            continue
+        levels.append(float(d.mean()))
+        slopes.append(float(np.polyfit(steps, d, 1)[0] * 100))
+        seeds.append(seed)
+        counts.append(len(d))
+    if not seeds:
         return None
-    y = np.concatenate(ys)
-    out = {
-        "seeds": [g[0] for g in groups],
-        "steps_per_seed": [g[1] for g in groups],
-        "mean_diff": float(y.mean()),
-        "se": float(y.std(ddof=1) / math.sqrt(len(y))) if len(y) > 1 else float("nan"),
+    se = lambda v: float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")  # noqa: E731
+    return {
+        "seeds": seeds,
+        "steps_per_seed": counts,
+        "level_per_seed": levels,
+        "slope_per_seed": slopes,
+        "mean_diff": float(np.mean(levels)),
+        "se": se(levels),
+        "slope_per_100": float(np.mean(slopes)),
+        "slope_se": se(slopes),
     }
-    x = np.concatenate(xs)
-    yc = np.concatenate([v - v.mean() for v in ys])
-    dof = len(y) - len(ys) - 1
-    if dof > 0 and (x * x).sum() > 0:
-        slope = float((x * yc).sum() / (x * x).sum())
-        resid = yc - slope * x
-        out["slope_per_100"] = 100 * slope
-        out["slope_se"] = 100 * float(math.sqrt((resid * resid).sum() / dof / (x * x).sum()))
-    else:
-        out["slope_per_100"] = out["slope_se"] = float("nan")
-    return out
 
 
 def judge_paired(name_b: str, name_a: str, p: dict | None, *, what: str) -> dict:
-    """A paired growth comparison's verdict from the 95% interval of the slope difference:
-    supported above 0, not supported below 0, else inconclusive."""
+    """A paired growth comparison's verdict from the 95% interval (Student's t over seeds) of the mean
+    per-seed slope difference: supported above 0, not supported below 0, else inconclusive; one
+    seed: inconclusive."""
     if p is None:
         return {"verdict": "not measured", "text": f"{name_b} and {name_a} share no seed"}
-    lo, hi = p["slope_per_100"] - 2 * p["slope_se"], p["slope_per_100"] + 2 * p["slope_se"]
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        verdict = "inconclusive"
-    else:
-        verdict = "supported" if lo > 0 else ("not supported" if hi < 0 else "inconclusive")
-    text = (
-        f"{what}, {name_b} minus {name_a} at the same steps (seeds {p['seeds']}, "
-        f"{p['steps_per_seed']} steps): slope {p['slope_per_100']:+.3f} per 100 steps "
-        f"(95% interval {lo:+.3f} .. {hi:+.3f}); level {p['mean_diff']:+.4f} (SE {p['se']:.4f})"
+    n = len(p["seeds"])
+    head = (
+        f"{what}, {name_b} minus {name_a} at the same steps of the same seed (seeds {p['seeds']}, "
+        f"{p['steps_per_seed']} steps): slope per 100 steps by seed "
+        f"{', '.join(f'{v:+.3f}' for v in p['slope_per_seed'])}, mean {p['slope_per_100']:+.3f}"
     )
+    if n < 2:
+        return {"verdict": "inconclusive", "reason": "one seed", "text": head, **p}
+    t = T975[n - 2] if n - 1 <= len(T975) else 2.0
+    lo, hi = p["slope_per_100"] - t * p["slope_se"], p["slope_per_100"] + t * p["slope_se"]
+    verdict = "supported" if lo > 0 else ("not supported" if hi < 0 else "inconclusive")
+    text = f"{head} (95% interval {lo:+.3f} .. {hi:+.3f}); level {p['mean_diff']:+.4f} (SE {p['se']:.4f})"
     return {"verdict": verdict, "text": text, **p}
 
 
@@ -279,6 +282,10 @@ def _finite_or_none(x):
     return x
 
 
+def _pm(mean: float, se: float, digits: int) -> str:
+    return f"{mean:+.{digits}f} ± " + (f"{se:.{digits}f}" if math.isfinite(se) else "n/a")
+
+
 def _fmt(values, digits: int = 3) -> str:
     m, s = _mean_std(_finite(values))
     return "n/a" if not math.isfinite(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
@@ -388,8 +395,8 @@ def summarize(out: str, results: str) -> dict:
             continue
         paired_lines.append(
             f"| {name.replace('_minus_', ' - ')} | {r['seeds']} ({r['steps_per_seed']}) "
-            f"| {r['mean_diff']:+.4f} ± {r['se']:.4f} | {r['slope_per_100']:+.3f} ± {r['slope_se']:.3f} "
-            f"| {e['mean_diff']:+.4f} ± {e['se']:.4f} |"
+            f"| {_pm(r['mean_diff'], r['se'], 4)} | {_pm(r['slope_per_100'], r['slope_se'], 3)} "
+            f"| {_pm(e['mean_diff'], e['se'], 4)} |"
         )
     gpu_minutes = _gpu_minutes(out)
     summary = {
@@ -432,9 +439,9 @@ def summarize(out: str, results: str) -> dict:
         "",
         "## Paired differences",
         "",
-        "Runs of one seed sample the same prompts at each step whatever the arm; each row uses every "
-        "step both arms reached in each seed they share (± one standard error; slopes with one intercept "
-        "per seed).",
+        "Runs of one seed sample the same prompts at each step whatever the arm. Per seed both arms ran: "
+        "the difference's mean and slope over the steps both reached; here their means over seeds "
+        "± the standard error from the spread between seeds (n/a with one seed).",
         "",
         *paired_lines,
         "",
