@@ -80,6 +80,7 @@ def run_config(exp: Experiment, args, arm: str, seed: int):
     cfg.workdir = os.path.join(args.out, "runs", arm, f"seed{seed}")
     cfg.resume = os.path.isdir(os.path.join(cfg.workdir, "checkpoints"))  # continue a run that has begun
     cfg.train.total_steps = args.steps
+    cfg.compile_cache_dir = os.path.join(args.out, "jax_cache")  # shared by the experiment's processes
     if args.tiny:
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 2, 4, 16
         cfg.rl.micro_batch_size, cfg.rl.reward_workers = 8, 1
@@ -371,7 +372,6 @@ def launch(exp: Experiment, args) -> int:
     env = {
         **os.environ,
         "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{fraction:.4f}",
-        "JAX_COMPILATION_CACHE_DIR": os.path.join(args.out, "jax_cache"),
         "PYTHONUNBUFFERED": "1",
     }
     log_dir = os.path.join(args.out, "logs")

@@ -1,9 +1,12 @@
-"""JAX's persistent compilation cache in a run's workdir, switched on by the training and eval
-entry points (never at import time of the library).
+"""JAX's persistent compilation cache, shared by every run and command of a user, switched on by the
+training and eval entry points (never at import time of the library).
 
-The compiled programs (the rollout's admission and decode programs take 30-120 s each at 7B-32B)
-and XLA's GPU autotuning results are written to <workdir>/jax_cache, so a resumed run, an eval
-after training and a second run of the same config load them instead of compiling again.
+The compiled programs (the rollout's admission and decode programs take 30-120 s each at 7B-32B;
+NVFP4's Pallas kernels double the 1.5B's compile time) and XLA's GPU autotuning results are written
+to one directory, by default `$XDG_CACHE_HOME/qerl_jax/jax_cache` (`~/.cache/...`), so a resumed
+run, an eval after training and a second run of the same config in a new workdir load them instead
+of compiling again. The directory is bounded (least recently used entries go first) and written
+under a file lock, so runs side by side can share it.
 """
 
 from __future__ import annotations
@@ -12,17 +15,31 @@ import os
 
 import jax
 
-CACHE_SUBDIR = "jax_cache"
+# Bound of the shared directory: the programs of a few model sizes and batch shapes.
+MAX_BYTES = 8 * 2**30
 
 
-def enable_compilation_cache(workdir: str, min_compile_seconds: float = 1.0) -> str:
-    """Points JAX's persistent compilation cache at <workdir>/jax_cache (created); returns the path.
+def default_cache_dir() -> str:
+    """`$XDG_CACHE_HOME/qerl_jax/jax_cache`, `~/.cache/qerl_jax/jax_cache` without it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qerl_jax", "jax_cache")
 
-    Programs that took at least `min_compile_seconds` to compile are stored. Call it before the
-    process compiles anything: JAX settles whether the cache is used at its first compilation.
+
+def cache_dir(configured: str) -> str:
+    """The cache directory of a config's `compile_cache_dir` ("" = `default_cache_dir()`), absolute."""
+    return os.path.abspath(os.path.expanduser(configured) if configured else default_cache_dir())
+
+
+def enable_compilation_cache(directory: str, min_compile_seconds: float = 1.0, max_bytes: int = MAX_BYTES) -> str:
+    """Points JAX's persistent compilation cache at `directory` (created); returns its absolute path.
+
+    Programs that took at least `min_compile_seconds` to compile are stored; past `max_bytes` the
+    least recently used entries are evicted. Call it before the process compiles anything: JAX
+    settles whether the cache is used at its first compilation.
     """
-    path = os.path.join(os.path.abspath(workdir), CACHE_SUBDIR)
+    path = os.path.abspath(directory)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     return path

@@ -26,7 +26,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.workdir = "runs/default"
     c.resume = False  # continue from the latest checkpoint in workdir
-    c.compile_cache = True  # JAX's persistent compilation cache in <workdir>/jax_cache (qerl_jax.compile_cache)
+    c.compile_cache = True  # JAX's persistent compilation cache (qerl_jax.compile_cache)
+    c.compile_cache_dir = ""  # its directory; "" = shared by every run: $XDG_CACHE_HOME/qerl_jax/jax_cache (~/.cache)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # local HF checkpoint directory

@@ -210,7 +210,7 @@ def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """
     run = run_config.build(cfg, "eval")
     if run.compile_cache:
-        compile_cache.enable_compilation_cache(run.workdir)
+        compile_cache.enable_compilation_cache(compile_cache.cache_dir(run.compile_cache_dir))
     policy = load_policy(run)
     adapter, norms, scale = load_adapter(run, policy)
     for path in run.eval.datasets:  # refused before anything is generated or written

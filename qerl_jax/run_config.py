@@ -134,6 +134,7 @@ class RunConfig:
     workdir: str
     resume: bool
     compile_cache: bool
+    compile_cache_dir: str
     model: ModelSection
     data: DataSection
     rollout: RolloutSection
@@ -169,6 +170,7 @@ def from_config_dict(cfg: ml_collections.ConfigDict, command: str = "train") -> 
         workdir=cfg.workdir,
         resume=cfg.resume,
         compile_cache=cfg.compile_cache,
+        compile_cache_dir=cfg.compile_cache_dir,
         model=section(ModelSection, "model"),
         data=section(DataSection, "data"),
         rollout=section(RolloutSection, "rollout"),

@@ -268,7 +268,7 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
     os.makedirs(cfg.workdir, exist_ok=True)
     if cfg.compile_cache:
-        compile_cache.enable_compilation_cache(cfg.workdir)
+        compile_cache.enable_compilation_cache(compile_cache.cache_dir(cfg.compile_cache_dir))
     sharding.maybe_initialize_distributed()
     policy = load_policy(cfg)
     lcfg = cfg.lora

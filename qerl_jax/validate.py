@@ -168,6 +168,7 @@ FIELDS: dict[str, Check] = {
     "workdir": text(nonempty=True),
     "resume": boolean(),
     "compile_cache": boolean(),
+    "compile_cache_dir": text(),
     "model.path": text(),
     "model.tiny": boolean(),
     "model.dtype": choice(DTYPES),

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Runs share JAX's compilation cache under $XDG_CACHE_HOME: the tests (and the commands they start)
+# keep theirs in a directory of their own, not the user's.
+os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.mkdtemp(prefix="qerl-tests-"), "cache")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

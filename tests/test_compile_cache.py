@@ -1,4 +1,5 @@
-"""qerl_jax.compile_cache: a second process loads the first one's compiled programs from the workdir."""
+"""qerl_jax.compile_cache: a second process loads the first one's compiled programs; runs share one
+directory by default, so a second run of a config in a new workdir starts warm."""
 
 import json
 import os
@@ -6,6 +7,8 @@ import subprocess
 import sys
 
 from conftest import REPO
+
+from qerl_jax import compile_cache
 
 SCRIPT = """
 import json, sys
@@ -20,16 +23,27 @@ print(json.dumps({"path": path, "hits": len(hits)}))
 """
 
 
-def _run(workdir):
+def _run(directory):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, workdir], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, directory], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_second_process_loads_the_compiled_program_from_the_workdir(tmp_path):
-    first = _run(str(tmp_path / "run"))
-    assert first["path"] == str(tmp_path / "run" / "jax_cache") and first["hits"] == 0
-    assert os.listdir(first["path"])  # the compiled program was written
-    second = _run(str(tmp_path / "run"))
+def test_second_process_loads_the_compiled_program(tmp_path):
+    first = _run(str(tmp_path / "cache"))
+    assert first["path"] == str(tmp_path / "cache") and first["hits"] == 0
+    assert any(not name.startswith(".") for name in os.listdir(first["path"]))  # the program was written
+    second = _run(str(tmp_path / "cache"))
     assert second["hits"] >= 1  # and read back instead of compiled
+
+
+def test_runs_share_the_user_cache_unless_the_config_names_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    shared = str(tmp_path / "xdg" / "qerl_jax" / "jax_cache")
+    assert compile_cache.default_cache_dir() == shared
+    assert compile_cache.cache_dir("") == shared  # the default config: every workdir the same directory
+    assert compile_cache.cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache.default_cache_dir() == str(tmp_path / "home" / ".cache" / "qerl_jax" / "jax_cache")
