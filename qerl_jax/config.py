@@ -77,9 +77,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.rl.mask_truncated = True  # truncated completions do not count in the loss
     c.rl.overlong_cache = 0  # DAPO soft overlong penalty window (tokens); 0 = off
     c.rl.overlong_penalty = 1.0
-    c.rl.micro_batch_size = 8
+    # Packed rows per forward/backward of the train step; 0 = auto: the largest that fits the device's
+    # free memory (`memory.fit`; 8 on a device of unknown size). A positive value is lowered only if
+    # it does not fit.
+    c.rl.micro_batch_size = 0
     c.rl.ppo_epochs = 1
-    c.rl.logprob_chunk = 256
+    # Positions per chunk of the LM-head log-probs; 0 = auto: the largest that fits beside the
+    # micro-batch (256 on a device of unknown size).
+    c.rl.logprob_chunk = 0
     # per-layer checkpointing: auto | full | proj | none. auto: "proj" (projection outputs kept, no
     # matmul recompute) where the memory plan fits it, else "full"; "full" on a device of unknown size.
     c.rl.remat = "auto"

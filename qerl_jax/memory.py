@@ -14,8 +14,9 @@ alone (no arrays are built). A step has two phases that never overlap in time, s
 Every term is documented on the function that computes it. The weight, LoRA, optimizer and KV
 cache terms are exact array sizes; the activation terms are estimates of what XLA keeps live
 (checked against measured peaks by `benchmarks/scale.py`). `fit` chooses the training
-micro-batch and the rollout rows (max_batch) for a device and, when nothing fits, names the config value
-to lower.
+micro-batch and the rollout rows (max_batch) for a device (with rl.micro_batch_size = 0 and
+rl.logprob_chunk = 0, the largest micro-batch and log-prob chunk that fit) and, when nothing fits,
+names the config value to lower.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ FIELD_REMAT = "rl.remat"
 # `fit(remat_fallback=True)` keeps the "proj" remat (projection outputs saved) down to micro-batches
 # of this many tokens before it falls back to "full" (smaller matmuls lose more than the recompute).
 PROJ_REMAT_MIN_TOKENS = 2048
+# What rl.micro_batch_size = 0 and rl.logprob_chunk = 0 (auto) resolve to where the device reports no
+# memory size (CPU): the sizes the training step was tuned with.
+DEFAULT_MICRO_BATCH = 8
+DEFAULT_LOGPROB_CHUNK = 256
+# Auto micro-batches stop at this many tokens (rows x row slots): past it the matmuls are large
+# enough to keep the device busy, and a larger micro-batch only adds empty rows (a step pads its
+# packed rows up to a multiple of the micro-batch).
+AUTO_MICRO_BATCH_TOKENS = 32768
 GIB = 1024**3
 
 
@@ -451,7 +460,7 @@ class DoesNotFitError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class FitResult:
-    """What `fit` settled on: the (possibly lowered) sizes and the plan built with them."""
+    """What `fit` settled on: the (possibly lowered or auto-chosen) sizes and the plan built with them."""
 
     micro_batch_size: int
     max_batch: int
@@ -459,10 +468,41 @@ class FitResult:
     plan: MemoryPlan
     changed: tuple[str, ...]  # config fields that were lowered
     message: str
+    logprob_chunk: int = DEFAULT_LOGPROB_CHUNK  # positions per LM-head chunk the plan was built with
 
 
 def _divisors_desc(n: int, at_most: int) -> list[int]:
     return [k for k in range(min(n, at_most), 0, -1) if n % k == 0]
+
+
+def micro_batch_candidates(rollout_batch: int, train_seq_len: int, multiple: int = 1) -> list[int]:
+    """The micro-batches rl.micro_batch_size = 0 (auto) chooses from, largest first.
+
+    Divisors of the rollout batch (a step packs at most one row per sequence, so it never needs
+    more rows; a divisor leaves no empty rows when every sequence fills a row of its own) that are
+    multiples of `multiple` (mesh.data: each micro-batch is split over the data devices), of at most
+    AUTO_MICRO_BATCH_TOKENS tokens (rows x train_seq_len slots).
+    """
+    cap = max(multiple, AUTO_MICRO_BATCH_TOKENS // train_seq_len)
+    return [k for k in _divisors_desc(rollout_batch, cap) if k % multiple == 0]
+
+
+def default_micro_batch(rollout_batch: int, multiple: int = 1) -> int:
+    """What auto resolves to on a device of unknown size: the largest divisor of the rollout batch of
+    at most DEFAULT_MICRO_BATCH rows that is a multiple of `multiple` (DEFAULT_MICRO_BATCH if none)."""
+    fitting = [k for k in _divisors_desc(rollout_batch, max(DEFAULT_MICRO_BATCH, multiple)) if k % multiple == 0]
+    return fitting[0] if fitting else DEFAULT_MICRO_BATCH
+
+
+def logprob_chunk_candidates(train_seq_len: int) -> list[int]:
+    """The log-prob chunks rl.logprob_chunk = 0 (auto) chooses from, largest first: powers of two
+    below the T - 1 predicted positions of a row (a chunk of all of them takes the unchunked path,
+    whose logits stay alive for the backward: not what the plan's chunk term counts)."""
+    out, c = [], 1
+    while c < train_seq_len - 1:
+        out.append(c)
+        c *= 2
+    return out[::-1] or [1]
 
 
 def _gib(x: int) -> str:
@@ -476,12 +516,21 @@ def fit(
     adjust: bool = True,
     margin: float = 0.05,
     remat_fallback: bool = False,
+    auto_micro_batch: bool = False,
+    auto_logprob_chunk: bool = False,
+    micro_batch_multiple: int = 1,
 ) -> FitResult:
     """Picks (adjust=True) or validates (adjust=False) the micro-batch and the rollout rows (max_batch).
 
     remat_fallback: with a "proj" plan, the training phase keeps "proj" at the largest micro-batch
     of at least PROJ_REMAT_MIN_TOKENS tokens that fits, else takes "full" (and its largest fitting
     micro-batch); the choice is `FitResult.remat`.
+    auto_micro_batch: the micro-batch is the largest of `micro_batch_candidates` that fits (with
+      adjust=True), not at most the planned one (rl.micro_batch_size = 0).
+    auto_logprob_chunk: with the micro-batch chosen at the planned chunk, the chunk is then the
+      largest of `logprob_chunk_candidates` that fits beside it (smaller than the planned one only
+      where no micro-batch fits with it) (rl.logprob_chunk = 0).
+    micro_batch_multiple: every micro-batch chosen is a multiple of it (mesh.data).
 
     The budget is `device_bytes * (1 - margin)` (the margin covers XLA workspace and
     fragmentation); `device_bytes` defaults to `plan.device_bytes`, then to the first JAX
@@ -500,10 +549,11 @@ def fit(
         raise ValueError("the device memory size is unknown (no bytes_limit in memory_stats); pass device_bytes")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1); got {margin}")
+    _positive("micro_batch_multiple", micro_batch_multiple)
     budget = int(device_bytes * (1 - margin))
     inputs = dict(plan.inputs)
 
-    def replan(mb: int, chunk: int, remat: str | None = None) -> MemoryPlan:
+    def replan(mb: int, chunk: int, remat: str | None = None, logprob_chunk: int | None = None) -> MemoryPlan:
         return plan_memory(
             plan.config,
             **{
@@ -512,10 +562,11 @@ def fit(
                 "max_batch": chunk,
                 "device_bytes": device_bytes,
                 "remat": remat or inputs["remat"],
+                "logprob_chunk": logprob_chunk or inputs["logprob_chunk"],
             },
         )
 
-    mb0, chunk0 = inputs["micro_batch_size"], inputs["max_batch"]
+    mb0, chunk0, lp0 = inputs["micro_batch_size"], inputs["max_batch"], inputs["logprob_chunk"]
     where = f"{_gib(device_bytes)} device ({_gib(budget)} usable with a {margin:.0%} margin)"
 
     if plan.persistent > budget:
@@ -539,16 +590,43 @@ def fit(
     def train_peak(k: int) -> int:
         return replan(k, chunk0).train_peak  # nor the training phase on the rollout rows
 
-    batch = inputs["rollout_batch"]
-    mb_candidates = _divisors_desc(batch, mb0) if adjust else [mb0]
+    def multiples(ks: list[int]) -> list[int]:
+        return [k for k in ks if k % micro_batch_multiple == 0]
+
+    batch, tokens = inputs["rollout_batch"], inputs["train_seq_len"]
+    if not adjust:
+        mb_candidates = [mb0]
+    elif auto_micro_batch:
+        mb_candidates = micro_batch_candidates(batch, tokens, micro_batch_multiple)
+    else:
+        mb_candidates = multiples(_divisors_desc(batch, mb0))
     chunk = first_fitting(_divisors_desc(batch, chunk0) if adjust else [chunk0], rollout_peak)
-    mb = first_fitting(mb_candidates, train_peak)
-    if remat_fallback and inputs["remat"] == "proj":
-        tokens = inputs["train_seq_len"]
-        mb = first_fitting([k for k in mb_candidates if k * tokens >= PROJ_REMAT_MIN_TOKENS], train_peak)
-        if mb is None:  # the projection outputs fit no efficient micro-batch
-            inputs["remat"] = "full"  # `replan` reads it
-            mb = first_fitting(mb_candidates, train_peak)
+
+    def choose_train(lp: int) -> tuple[int | None, str]:
+        """(largest fitting micro-batch or None, remat) with log-prob chunks of lp."""
+        remat = plan.inputs["remat"]
+        peak = lambda k, r: replan(k, chunk0, r, lp).train_peak  # noqa: E731
+        if remat_fallback and remat == "proj":
+            efficient = [k for k in mb_candidates if k * tokens >= PROJ_REMAT_MIN_TOKENS]
+            mb = first_fitting(efficient, lambda k: peak(k, "proj"))
+            if mb is not None:
+                return mb, "proj"
+            remat = "full"  # the projection outputs fit no efficient micro-batch
+        return first_fitting(mb_candidates, lambda k: peak(k, remat)), remat
+
+    mb, remat = choose_train(lp0)
+    lp = lp0
+    if auto_logprob_chunk and adjust:
+        if mb is None:  # smaller chunks, until some micro-batch fits beside them
+            for c in (c for c in logprob_chunk_candidates(tokens) if c < lp0):
+                mb, remat = choose_train(c)
+                if mb is not None:
+                    lp = c
+                    break
+        else:
+            larger = [c for c in logprob_chunk_candidates(tokens) if c > lp0]
+            lp = first_fitting(larger, lambda c: replan(mb, chunk0, remat, c).train_peak) or lp0
+    inputs["remat"], inputs["logprob_chunk"] = remat, lp  # `replan` reads them
     problems = []
     if chunk is None:
         best = None if adjust else first_fitting(_divisors_desc(batch, chunk0), rollout_peak)
@@ -571,7 +649,7 @@ def fit(
                     f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}) or the prompt length"
                 )
     if mb is None:
-        best = None if adjust else first_fitting(_divisors_desc(batch, mb0), train_peak)
+        best = None if adjust else first_fitting(multiples(_divisors_desc(batch, mb0)), train_peak)
         if best is not None:
             problems.append(
                 f"the training phase needs {_gib(train_peak(mb0))}: lower {FIELD_MICRO_BATCH} from {mb0} to {best}"
@@ -594,7 +672,7 @@ def fit(
     final = replan(mb, chunk)
     changed = []
     notes = []
-    if mb != mb0:
+    if mb != mb0 and not auto_micro_batch:
         changed.append(FIELD_MICRO_BATCH)
         notes.append(f"{FIELD_MICRO_BATCH} {mb0} -> {mb}")
     if chunk != chunk0:
@@ -603,6 +681,10 @@ def fit(
     message = f"fits: peak {_gib(final.total)} of {_gib(device_bytes)}"
     if notes:
         message += "; lowered " + ", ".join(notes)
+    chosen = [f"{FIELD_MICRO_BATCH} = {mb}"] if auto_micro_batch else []
+    chosen += [f"{FIELD_LOGPROB_CHUNK} = {lp}"] if auto_logprob_chunk else []
+    if chosen:
+        message += "; auto " + ", ".join(chosen)
     if inputs["remat"] != plan.inputs["remat"]:
         changed.append(FIELD_REMAT)
         message += f"; {FIELD_REMAT} {plan.inputs['remat']} -> {inputs['remat']} (projection outputs do not fit)"
@@ -613,4 +695,5 @@ def fit(
         plan=final,
         changed=tuple(changed),
         message=message,
+        logprob_chunk=lp,
     )

@@ -513,42 +513,62 @@ def run_summary(
 
 def _check_memory(cfg: RunConfig, policy: Policy, lcfg: lora.LoraConfig) -> RunConfig:
     """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
-    rollout rows (rollout.max_batch) to it (or stops with the config value to lower)."""
+    rollout rows (rollout.max_batch) to it (or stops with the config value to lower). Auto (0)
+    rl.micro_batch_size and rl.logprob_chunk become the largest that fit (`memory.fit`), or on a
+    device of unknown size memory.DEFAULT_MICRO_BATCH / DEFAULT_LOGPROB_CHUNK."""
+    rollout_batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    data = cfg.mesh.data if cfg.mesh.data > 0 else max(1, jax.device_count() // max(cfg.mesh.model, 1))
+    auto_mb, auto_chunk = cfg.rl.micro_batch_size == 0, cfg.rl.logprob_chunk == 0
     plan = memory.plan_memory(
         policy.config,
         quant=policy.quant,
         lora_rank=lcfg.rank,
         lora_targets=lcfg.targets,
-        rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        rollout_batch=rollout_batch,
         max_batch=cfg.rollout.max_batch or None,
         group_size=cfg.rollout.group_size,
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        micro_batch_size=cfg.rl.micro_batch_size,
+        micro_batch_size=cfg.rl.micro_batch_size or memory.default_micro_batch(rollout_batch, data),
         remat="proj" if cfg.rl.remat == "auto" else cfg.rl.remat,
         attention=cfg.rl.attention,
-        logprob_chunk=cfg.rl.logprob_chunk or None,
+        logprob_chunk=cfg.rl.logprob_chunk or memory.DEFAULT_LOGPROB_CHUNK,
         quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
         backend=policy.backend,
         train_norms=cfg.lora.train_norms,
     )
-    tqdm.write(plan.table())
     auto_remat = cfg.rl.remat == "auto"
     device_bytes = memory.device_memory_bytes()
     result = None
     if device_bytes is not None:
         try:
-            result = memory.fit(plan, device_bytes, remat_fallback=auto_remat)
+            result = memory.fit(
+                plan,
+                device_bytes,
+                remat_fallback=auto_remat,
+                auto_micro_batch=auto_mb,
+                auto_logprob_chunk=auto_chunk,
+                micro_batch_multiple=data,
+            )
         except memory.DoesNotFitError as e:
+            tqdm.write(plan.table())
             raise UserFacingError(str(e)) from None
-        if result.changed:
+        tqdm.write(result.plan.table())
+        if result.changed or auto_mb or auto_chunk:
             tqdm.write(result.message)
+    else:
+        tqdm.write(plan.table())
     remat = result.remat if result is not None else ("full" if auto_remat else cfg.rl.remat)
-    rl, rollout = dataclasses.replace(cfg.rl, remat=remat), cfg.rollout
-    if result is not None:
-        rl = dataclasses.replace(rl, micro_batch_size=result.micro_batch_size)
-        if rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
-            rollout = dataclasses.replace(rollout, max_batch=result.max_batch)
+    fitted = result.plan if result is not None else plan
+    rl = dataclasses.replace(
+        cfg.rl,
+        remat=remat,
+        micro_batch_size=fitted.inputs["micro_batch_size"],
+        logprob_chunk=cfg.rl.logprob_chunk or fitted.inputs["logprob_chunk"],
+    )
+    rollout = cfg.rollout
+    if result is not None and rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
+        rollout = dataclasses.replace(rollout, max_batch=result.max_batch)
     return dataclasses.replace(cfg, rl=rl, rollout=rollout)
 
 

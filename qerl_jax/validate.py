@@ -205,9 +205,9 @@ FIELDS: dict[str, Check] = {
     "rl.mask_truncated": boolean(),
     "rl.overlong_cache": integer(0),
     "rl.overlong_penalty": number(0.0),
-    "rl.micro_batch_size": integer(1),
+    "rl.micro_batch_size": integer(0, " (0: auto, the largest that fits)"),
     "rl.ppo_epochs": integer(1),
-    "rl.logprob_chunk": integer(0),
+    "rl.logprob_chunk": integer(0, " (0: auto, the largest that fits)"),
     "rl.remat": choice(("auto", *REMAT_MODES)),
     "rl.attention": choice(ATTENTION_MODES),
     "lora.rank": integer(1),
@@ -296,13 +296,13 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
     out = []
     if train and has("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size"):
         batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
-        if batch % f["rl.micro_batch_size"]:
+        if f["rl.micro_batch_size"] and batch % f["rl.micro_batch_size"]:  # 0: auto chooses a divisor
             out.append(
                 f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
                 f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
             )
     if train and has("rl.micro_batch_size", "mesh.data") and f["mesh.data"] > 1:
-        if f["rl.micro_batch_size"] % f["mesh.data"]:
+        if f["rl.micro_batch_size"] % f["mesh.data"]:  # 0 (auto) chooses a multiple
             out.append(
                 f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
                 f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"

@@ -408,3 +408,110 @@ def test_trained_norms_add_their_masters_moments_and_grads():
     assert sum(x.size * x.dtype.itemsize for x in moments) == on.optimizer_state
     assert on.lora_grads - off.lora_grads == 2 * _tree_bytes(norms)
     assert "trained norms" in on.table() and "trained norms" not in off.table()
+
+
+# Qwen2.5-1.5B (public config.json) and a GRPO step of 16 prompts x 8 samples in rows of 256 + 768 slots.
+QWEN_15B = qwen(1536, 8960, 28, 12, 2, vocab=151936, tied=True)
+STEP_15B = dict(
+    quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=768, attention="flash"
+)
+
+
+def _train_peak(mb: int, chunk: int, remat: str = "proj") -> int:
+    plan = memory.plan_memory(QWEN_15B, **STEP_15B, micro_batch_size=mb, logprob_chunk=chunk, remat=remat)
+    return plan.train_peak
+
+
+@pytest.mark.parametrize("device_gib", [60, 105.75, 141])
+def test_auto_micro_batch_and_chunk_are_the_largest_that_fit_a_large_device(device_gib):
+    device = int(device_gib * GIB)
+    budget = 0.95 * device
+    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj")  # micro-batch 8, chunk 256 planned
+    result = memory.fit(plan, device, remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
+    mb, chunk = result.micro_batch_size, result.logprob_chunk
+    assert mb > 8 and result.remat == "proj" and 128 % mb == 0 and mb * 1024 <= memory.AUTO_MICRO_BATCH_TOKENS
+    assert result.plan.inputs["micro_batch_size"] == mb and result.plan.inputs["logprob_chunk"] == chunk
+    assert result.plan.train_peak <= budget and result.changed == ()
+    assert f"auto rl.micro_batch_size = {mb}, rl.logprob_chunk = {chunk}" in result.message
+    # Maximal: the next divisor of 128 up is past the token cap or does not fit (at the planned chunk).
+    assert 2 * mb * 1024 > memory.AUTO_MICRO_BATCH_TOKENS or _train_peak(2 * mb, 256) > budget
+    # The chunk then grows beside that micro-batch: a power of two below the 1023 predicted
+    # positions (1024 would take the unchunked path), the next one up not fitting or unchunked.
+    assert chunk >= 256 and chunk & (chunk - 1) == 0 and chunk < 1023
+    assert 2 * chunk >= 1023 or _train_peak(mb, 2 * chunk) > budget
+
+
+def test_auto_micro_batch_shrinks_on_a_small_device_with_smaller_chunks_if_needed():
+    device = 16 * GIB
+    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj")
+    result = memory.fit(plan, device, remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
+    assert result.micro_batch_size < 8 and result.plan.train_peak <= 0.95 * device
+    assert _train_peak(8, 256, result.remat) > 0.95 * device
+    # So small that the planned chunk of 256 leaves no micro-batch room: auto lowers the chunk.
+    tight = memory.plan_memory(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full")
+    one_row = memory.plan_memory(
+        QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full", micro_batch_size=1
+    )
+    device = int((one_row.train_peak - one_row.train_logits // 4) / 0.95)  # a chunk of 64 fits, 256 does not
+    with pytest.raises(memory.DoesNotFitError, match="training on even 1 sequence"):
+        memory.fit(tight, device, auto_micro_batch=True)
+    low = memory.fit(tight, device, auto_micro_batch=True, auto_logprob_chunk=True)
+    assert low.micro_batch_size == 1 and low.logprob_chunk < 256 and low.plan.train_peak <= 0.95 * device
+
+
+def test_auto_micro_batch_is_a_multiple_of_the_data_axis():
+    kw = {**STEP_15B, "rollout_batch": 96}
+    plan = memory.plan_memory(QWEN_15B, **kw, remat="full")
+    for multiple in (1, 3, 4):
+        result = memory.fit(plan, 141 * GIB, auto_micro_batch=True, micro_batch_multiple=multiple)
+        assert result.micro_batch_size % multiple == 0 and 96 % result.micro_batch_size == 0
+        assert result.micro_batch_size == memory.micro_batch_candidates(96, 1024, multiple)[0]
+    assert memory.micro_batch_candidates(96, 1024, 3) == [24, 12, 6, 3]
+    assert memory.micro_batch_candidates(128, 1024) == [32, 16, 8, 4, 2, 1]
+
+
+def test_explicit_sizes_are_kept_where_they_fit():
+    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj", micro_batch_size=4, logprob_chunk=128)
+    result = memory.fit(plan, 141 * GIB, remat_fallback=True)
+    assert (result.micro_batch_size, result.logprob_chunk, result.changed) == (4, 128, ())
+    assert "auto" not in result.message and "lowered" not in result.message
+    # Auto chunk beside an explicit micro-batch: the micro-batch stays, the chunk grows.
+    chunk_only = memory.fit(plan, 141 * GIB, remat_fallback=True, auto_logprob_chunk=True)
+    assert chunk_only.micro_batch_size == 4 and chunk_only.logprob_chunk == 512
+
+
+def test_auto_on_a_device_of_unknown_size_is_the_default():
+    assert (memory.DEFAULT_MICRO_BATCH, memory.DEFAULT_LOGPROB_CHUNK) == (8, 256)
+    assert memory.default_micro_batch(128) == memory.default_micro_batch(16, 2) == 8
+    assert memory.default_micro_batch(12) == 6 and memory.default_micro_batch(96, 3) == 6
+    assert memory.logprob_chunk_candidates(1024) == [512, 256, 128, 64, 32, 16, 8, 4, 2, 1]
+
+
+def _check_memory(monkeypatch, device_bytes, **rl):
+    import types
+
+    from qerl_jax import config as config_lib
+    from qerl_jax import run_config, train
+
+    cfg = config_lib.default_config()
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 16, 8
+    cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 256, 768
+    for k, v in rl.items():
+        cfg.rl[k] = v
+    run = run_config.from_config_dict(cfg)
+    policy = types.SimpleNamespace(config=QWEN_15B, quant="nvfp4", backend="xla")
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: device_bytes)
+    return train._check_memory(run, policy, run.lora).rl
+
+
+def test_the_run_resolves_auto_to_the_plan_and_prints_it(monkeypatch, capsys):
+    cpu = _check_memory(monkeypatch, None)
+    assert (cpu.micro_batch_size, cpu.logprob_chunk, cpu.remat) == (8, 256, "full")
+    assert "micro-batch=8" in capsys.readouterr().out
+    big = _check_memory(monkeypatch, 141 * GIB)
+    out = capsys.readouterr().out
+    assert big.micro_batch_size > 8 and big.logprob_chunk > 256
+    assert f"auto rl.micro_batch_size = {big.micro_batch_size}, rl.logprob_chunk = {big.logprob_chunk}" in out
+    assert f"micro-batch={big.micro_batch_size}" in out  # the table is the fitted plan's
+    explicit = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64)
+    assert (explicit.micro_batch_size, explicit.logprob_chunk) == (4, 64)

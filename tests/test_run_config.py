@@ -121,7 +121,7 @@ def test_the_tree_is_frozen_and_changed_by_replace():
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, field, getattr(obj, field))
     fitted = dataclasses.replace(run, rl=dataclasses.replace(run.rl, micro_batch_size=2))
-    assert fitted.rl.micro_batch_size == 2 and run.rl.micro_batch_size == 8
+    assert fitted.rl.micro_batch_size == 2 and run.rl.micro_batch_size == 0  # 0: auto
     assert run_config.to_dict(fitted)["rl"]["micro_batch_size"] == 2
 
 

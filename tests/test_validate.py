@@ -103,6 +103,16 @@ def test_types_and_missing_fields(tmp_path, tiny_model_dir):
     assert any(p.startswith("train.max_nonfinite: missing") for p in problems)
 
 
+def test_micro_batch_and_logprob_chunk_of_zero_are_auto(tmp_path, tiny_model_dir):
+    auto = {"rl.micro_batch_size": 0, "rl.logprob_chunk": 0, "rollout.prompts_per_step": 3, "mesh.data": 2}
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **auto)) == []  # 0 divides nothing: no rule applies
+    problems = config_problems(_tiny(tmp_path, tiny_model_dir, **{"rl.micro_batch_size": -1, "rl.logprob_chunk": -2}))
+    assert problems == [
+        "rl.micro_batch_size = -1: must be >= 0 (0: auto, the largest that fits)",
+        "rl.logprob_chunk = -2: must be >= 0 (0: auto, the largest that fits)",
+    ]
+
+
 def test_context_length_and_block_size_come_from_config_json(tmp_path, tiny_model_dir):
     # The tiny model's context is 2048 tokens, its hidden size 64.
     cfg = _tiny(tmp_path, tiny_model_dir, **{"data.max_prompt_len": 2000, "rollout.max_new_tokens": 64})
