@@ -153,7 +153,7 @@ def test_one_seed_is_inconclusive_and_incomplete_runs_use_common_steps(tmp_path)
     assert "(25/40, 0 evaluated)" in open(tmp_path / "res" / "results.md").read()
 
 
-def test_run_config_sets_only_path_seed_workdir_and_steps(tmp_path):
+def test_run_config_sets_only_path_seed_workdir_steps_and_cache(tmp_path):
     from configs import gsm8k_claims
 
     args = argparse.Namespace(gguf="/m/q.gguf", out=str(tmp_path), steps=150, tiny=False)
@@ -164,7 +164,9 @@ def test_run_config_sets_only_path_seed_workdir_and_steps(tmp_path):
         assert cfg.workdir == os.path.join(str(tmp_path), "runs", arm, "seed2")
         os.makedirs(os.path.join(cfg.workdir, "checkpoints"))
         assert launcher.run_config(EXPERIMENT, args, arm, 2).resume  # a begun run continues
-        for field in ("model.path", "seed", "workdir", "resume"):
+        # the experiment's processes share one compilation cache in its directory
+        assert cfg.compile_cache_dir == os.path.join(str(tmp_path), "jax_cache")
+        for field in ("model.path", "seed", "workdir", "resume", "compile_cache_dir"):
             section, _, name = field.rpartition(".")
             (ref[section] if section else ref)[name] = (cfg[section] if section else cfg)[name]
         assert cfg.to_dict() == ref.to_dict()  # everything else is the arm's config
