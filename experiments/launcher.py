@@ -33,6 +33,8 @@ from collections.abc import Callable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_MODELS = ("bf16", "nvfp4", "nvfp4_aqn")  # nvfp4_aqn reuses the NVFP4 policy with noisy norms
 KILL_MARGIN_S = 20.0
+# The longest a run waits for the first run of its base format to compile (`staggered`).
+STAGGER_MAX_MINUTES = 8.0
 LIGHT_SKIP = {"checkpoints", "adapter", "jax_cache", "tiny_model"}
 
 
@@ -376,8 +378,8 @@ def launch(exp: Experiment, args) -> int:
     }
     log_dir = os.path.join(args.out, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    procs = []
-    for stage, arm, seed in jobs:
+    def launch(job):
+        stage, arm, seed = job
         name = "base" if stage == "base" else f"{arm}_seed{seed}"
         cmd = [sys.executable, "-m", exp.module, "--worker", stage, "--gguf", args.gguf, "--out", args.out]
         cmd += ["--steps", str(args.steps), "--deadline", str(deadline), "--eval-minutes", str(args.eval_minutes)]
@@ -385,10 +387,29 @@ def launch(exp: Experiment, args) -> int:
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--arm", arm, "--seed", str(seed)] if stage == "train" else []
         log = open(os.path.join(log_dir, f"{name}.log"), "a")
-        procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log))
-    print(f"launched {len(procs)} processes (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:.3f}); logs in {log_dir}")
-    while any(p.poll() is None for _, p, _ in procs) and time.time() < deadline + KILL_MARGIN_S / 2:
+        started[job] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
+
+    started: dict = {}
+    leaders, followers = staggered(exp, jobs)
+    for job in leaders:
+        launch(job)
+    at_launch = {job: _progress(args, job[1], job[2]) for job in leaders if job[0] == "train"}
+    print(
+        f"launched {len(leaders)} of {len(jobs)} processes (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:.3f}); "
+        f"logs in {log_dir}" + (f"; the other {len(followers)} start when their format's first run has compiled" if followers else "")
+    )
+    stagger_until = time.time() + 60 * STAGGER_MAX_MINUTES
+    while time.time() < deadline + KILL_MARGIN_S / 2:
+        for job, leader in list(followers.items()):
+            compiled = _progress(args, leader[1], leader[2]) > at_launch[leader]
+            if compiled or started[leader][1].poll() is not None or time.time() > stagger_until:
+                launch(job)
+                del followers[job]
+        if not followers and all(p.poll() is not None for _, p, _ in started.values()):
+            break
         time.sleep(5)
+    procs = [started[job] for job in jobs if job in started]
+    jobs = [job for job in jobs if job in started]
     for name, p, log in procs:
         if p.poll() is None:
             print(f"{name}: still running at the deadline; terminated (its scalars are flushed every step)")
@@ -411,6 +432,28 @@ def launch(exp: Experiment, args) -> int:
     if args.copy_to:
         copy_light_outputs(args.out, args.copy_to)
     return 1 if failed else 0
+
+
+def staggered(exp: Experiment, jobs: list[tuple]) -> tuple[list[tuple], dict[tuple, tuple]]:
+    """(jobs to start now, {job: the job it waits for}): the first train job of each base format
+    starts at once with the base stage; the others of its format wait until it has logged a step
+    in this call (or ended, or STAGGER_MAX_MINUTES passed). Runs of one format compile the same
+    programs, so the later ones load them from the experiment's shared compilation cache instead of
+    compiling them side by side with it."""
+    config = importlib.import_module(exp.config_module)
+    leaders, followers, first = [], {}, {}
+    for job in jobs:
+        stage, arm, _ = job
+        if stage != "train":
+            leaders.append(job)
+            continue
+        quant = config.get_config(arm).model.quant
+        if quant in first:
+            followers[job] = first[quant]
+        else:
+            first[quant] = job
+            leaders.append(job)
+    return leaders, followers
 
 
 def copy_light_outputs(out: str, dest: str) -> None:

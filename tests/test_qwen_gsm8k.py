@@ -209,3 +209,17 @@ def test_paired_differences_against_numpy():
     assert verdict["verdict"] == "inconclusive" and "-0.971 .. +1.571" in verdict["text"]
     one = summarize.judge_paired("nvfp4", "bf16", summarize.paired({k: {0: v[0]} for k, v in runs.items()}, "nvfp4", "bf16"), what="reward")
     assert one["verdict"] == "inconclusive" and one["reason"] == "one seed"
+
+
+def test_runs_of_a_format_start_after_its_first_run():
+    jobs = [("base", None, None)] + [("train", arm, seed) for arm in ("bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn") for seed in (0, 1)]
+    leaders, followers = launcher.staggered(EXPERIMENT, jobs)
+    assert leaders == [("base", None, None), ("train", "bf16", 0), ("train", "nvfp4", 0)]
+    assert followers == {
+        ("train", "bf16", 1): ("train", "bf16", 0),
+        ("train", "nvfp4", 1): ("train", "nvfp4", 0),
+        ("train", "nvfp4_aqn", 0): ("train", "nvfp4", 0),
+        ("train", "nvfp4_aqn", 1): ("train", "nvfp4", 0),
+        ("train", "bf16_aqn", 0): ("train", "bf16", 0),
+        ("train", "bf16_aqn", 1): ("train", "bf16", 0),
+    }
