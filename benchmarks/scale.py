@@ -478,21 +478,9 @@ def write_random_checkpoint(path: str, config, seed: int = 0) -> int:
             x = rng.standard_normal(shape, np.float32) * 0.02
         tensors[name] = x.astype(ml_dtypes.bfloat16)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    raw = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "torch_dtype": "bfloat16",
-    }
+    from qerl_jax.model_io.hf_layout import hf_config_dict  # noqa: PLC0415 (imports jax)
+
+    raw = {**hf_config_dict(config), "torch_dtype": "bfloat16"}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
     return int(sum(t.nbytes for t in tensors.values()))
