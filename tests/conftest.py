@@ -93,6 +93,26 @@ def tiny_qwen2_dir(tmp_path_factory):
     return path, model
 
 
+def set_fields(cfg, overrides: dict):
+    """cfg with each dotted field of `overrides` ("rl.loss": "grpo") set; returns cfg."""
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def tiny_config(tmp_path, model_dir, **overrides):
+    """configs/tiny.py on the checkpoint `model_dir`, its workdir under tmp_path, with `overrides`."""
+    cfg = load_config("tiny")
+    cfg.workdir = str(tmp_path / "run")
+    cfg.model.tiny = False
+    cfg.model.path = model_dir
+    return set_fields(cfg, overrides)
+
+
 def load_config(name: str, arg: str | None = None):
     """configs/<name>.py's get_config(arg), as `--config=configs/<name>.py[:arg]` would give."""
     module = importlib.import_module(f"configs.{name}")

@@ -8,26 +8,14 @@ import os
 import ml_collections
 import numpy as np
 import pytest
-from conftest import REPO, load_config
+from conftest import REPO, load_config, tiny_config
 
 from qerl_jax import aqn, lora, optim, run_config
 from qerl_jax.checkpoint import CheckpointMismatchError, mismatch_message
 from qerl_jax.config import default_config
 from qerl_jax.validate import ConfigError
 
-
-def _tiny(tmp_path, model_dir, **overrides):
-    cfg = load_config("tiny")
-    cfg.workdir = str(tmp_path / "run")
-    cfg.model.tiny = False
-    cfg.model.path = model_dir
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+_tiny = tiny_config
 
 
 def _leaves(node: ml_collections.ConfigDict, prefix: str = ""):

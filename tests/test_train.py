@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
-from conftest import faulty_json_save, load_config
+from conftest import faulty_json_save, load_config, set_fields
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -69,13 +69,7 @@ def _config(workdir, model_dir, **overrides):
     cfg.model.tiny = False
     cfg.model.path = model_dir
     cfg.eval.num_examples = 0
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+    return set_fields(cfg, overrides)
 
 
 def _run(workdir, model_dir, **overrides) -> run_config.RunConfig:

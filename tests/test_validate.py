@@ -8,24 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, load_config
+from conftest import REPO, load_config, tiny_config
 
 from qerl_jax import validate
 from qerl_jax.validate import ConfigError, config_problems
 
-
-def _tiny(tmp_path, model_dir, **overrides):
-    cfg = load_config("tiny")
-    cfg.workdir = str(tmp_path / "run")
-    cfg.model.tiny = False
-    cfg.model.path = model_dir
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+_tiny = tiny_config
 
 
 def _paths(problems):
