@@ -244,15 +244,22 @@ def plot(curves_by_arm: dict[str, list[dict]], path: str, n_common: int) -> None
     plt.close(fig)
 
 
-def summarize(out: str, results: str) -> dict:
+def read_experiment(out: str, results: str, load_runs) -> tuple[dict, dict, dict | None]:
+    """(experiment.json, its runs by `load_runs(out, steps)`, base/entropy.json or None) of an
+    experiment directory; creates `results`. SystemExit when no run has scalars."""
     exp = json.load(open(os.path.join(out, "experiment.json")))
-    steps = exp["steps"]
-    runs = load_runs(out, steps)
+    runs = load_runs(out, exp["steps"])
     if not runs:
         raise SystemExit(f"{out}/runs holds no run with scalars.jsonl: nothing to summarize")
     os.makedirs(results, exist_ok=True)
     entropy_file = os.path.join(out, "base", "entropy.json")
     entropy = json.load(open(entropy_file)) if os.path.isfile(entropy_file) else None
+    return exp, runs, entropy
+
+
+def summarize(out: str, results: str) -> dict:
+    exp, runs, entropy = read_experiment(out, results, load_runs)
+    steps = exp["steps"]
     before = {q: _pass_at_1(os.path.join(out, "base", q, "summary.json")) for q in ("bf16", "nvfp4")}
     n_common = min(r["steps"] for arm_runs in runs.values() for r in arm_runs.values())
 

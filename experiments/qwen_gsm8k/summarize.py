@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from experiments.fidelity.summarize import _jsonl_curves, _mean_std, _smooth, claim_a, compare
+from experiments.fidelity.summarize import _jsonl_curves, _mean_std, _smooth, claim_a, compare, read_experiment
 
 MODEL_NAME = "Qwen2.5-Coder-1.5B-Instruct"
 GSM8K, MATH500 = "gsm8k_test", "math500_test"
@@ -169,8 +169,8 @@ def _finite(values) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
-def judge(name_a: str, a: list[float], name_b: str, b: list[float], *, what: str, strict: bool) -> dict:
-    """b against a over seeds: b >= a (strict=False) or b > a (strict=True), Welch standard error."""
+def judge(name_a: str, a: list[float], name_b: str, b: list[float], *, what: str) -> dict:
+    """b >= a over seeds: supported if the mean difference is >= 0, not supported if < -2 SE (Welch)."""
     a, b = _finite(a), _finite(b)
     ma, sa = _mean_std(a)
     mb, sb = _mean_std(b)
@@ -179,10 +179,7 @@ def judge(name_a: str, a: list[float], name_b: str, b: list[float], *, what: str
         return {"verdict": "inconclusive", "reason": "one seed" if min(len(a), len(b)) == 1 else "no runs", "text": text}
     c = compare(a, b)
     diff, se = c["diff"], c["se"]
-    if strict:
-        verdict = "supported" if diff > 2 * se else ("not supported" if diff <= 0 else "inconclusive")
-    else:
-        verdict = "supported" if diff >= 0 else ("not supported" if diff < -2 * se else "inconclusive")
+    verdict = "supported" if diff >= 0 else ("not supported" if diff < -2 * se else "inconclusive")
     return {"verdict": verdict, "diff": diff, "se": se, "text": f"{text}; difference {diff:+.4f} (SE {se:.4f})"}
 
 
@@ -292,14 +289,8 @@ def _fmt(values, digits: int = 3) -> str:
 
 
 def summarize(out: str, results: str) -> dict:
-    exp = json.load(open(os.path.join(out, "experiment.json")))
+    exp, runs, entropy = read_experiment(out, results, load_runs)
     steps = exp["steps"]
-    runs = load_runs(out, steps)
-    if not runs:
-        raise SystemExit(f"{out}/runs holds no run with scalars.jsonl: nothing to summarize")
-    os.makedirs(results, exist_ok=True)
-    entropy_file = os.path.join(out, "base", "entropy.json")
-    entropy = json.load(open(entropy_file)) if os.path.isfile(entropy_file) else None
     base_evals = {q: _eval(os.path.join(out, "base", q, "summary.json")) for q in ("bf16", "nvfp4")}
     before = {q: e.get(GSM8K, {}).get("pass_at_1") for q, e in base_evals.items()}
     n_common = min(r["steps"] for arm_runs in runs.values() for r in arm_runs.values())
@@ -313,9 +304,9 @@ def summarize(out: str, results: str) -> dict:
     slopes = {arm: [s["slope_per_100"] for s in v.values()] for arm, v in stats.items()}
     final = {arm: [r["after"].get(GSM8K, {}).get("pass_at_1") for r in v.values()] for arm, v in runs.items()}
 
-    def parts(b_arm: str, refs: tuple[str, ...], values: dict, what: str, strict: bool) -> dict:
+    def parts(b_arm: str, refs: tuple[str, ...], values: dict, what: str) -> dict:
         return {
-            f"{b_arm}_vs_{a}": judge(a, values[a], b_arm, values[b_arm], what=what, strict=strict)
+            f"{b_arm}_vs_{a}": judge(a, values[a], b_arm, values[b_arm], what=what)
             for a in refs
             if a in values and b_arm in values
         }
@@ -332,7 +323,7 @@ def summarize(out: str, results: str) -> dict:
         "b": _claim(growth_parts("nvfp4", ("bf16", "bf16_lr5e-6"))),
         "c": _claim(growth_parts("nvfp4_aqn", ("nvfp4",))),
         "d": _claim(
-            parts("nvfp4_aqn", ("bf16", "bf16_lr5e-6"), final, "final greedy GSM8K pass@1", strict=False)
+            parts("nvfp4_aqn", ("bf16", "bf16_lr5e-6"), final, "final greedy GSM8K pass@1")
         ),
     }
 
