@@ -400,9 +400,14 @@ def launch(exp: Experiment, args) -> int:
     )
     stagger_until = time.time() + 60 * STAGGER_MAX_MINUTES
     while time.time() < deadline + KILL_MARGIN_S / 2:
+        ready = {
+            leader: _progress(args, leader[1], leader[2]) > at_launch[leader]
+            or started[leader][1].poll() is not None
+            or time.time() > stagger_until
+            for leader in set(followers.values())
+        }
         for job, leader in list(followers.items()):
-            compiled = _progress(args, leader[1], leader[2]) > at_launch[leader]
-            if compiled or started[leader][1].poll() is not None or time.time() > stagger_until:
+            if ready[leader]:
                 launch(job)
                 del followers[job]
         if not followers and all(p.poll() is not None for _, p, _ in started.values()):
