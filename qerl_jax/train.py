@@ -271,19 +271,20 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
         compile_cache.enable_compilation_cache(compile_cache.cache_dir(cfg.compile_cache_dir))
     sharding.maybe_initialize_distributed()
     policy = load_policy(cfg)
-    lcfg = cfg.lora
-    cfg = _check_memory(cfg, policy, lcfg)
     mesh = None
-    if cfg.mesh.data > 1 and cfg.rl.micro_batch_size % cfg.mesh.data:
-        raise UserFacingError(
-            f"rl.micro_batch_size ({cfg.rl.micro_batch_size}) must be a multiple of mesh.data ({cfg.mesh.data}): "
-            "each micro-batch is split over the data-parallel devices"
-        )
     if cfg.mesh.data * cfg.mesh.model != 1:
         try:
             mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
         except ValueError as e:
             raise UserFacingError(f"config.mesh: {e}") from None
+    cfg = _check_memory(cfg, policy, data_devices=mesh.shape["data"] if mesh is not None else 1)
+    lcfg = cfg.lora
+    if cfg.mesh.data > 1 and cfg.rl.micro_batch_size % cfg.mesh.data:
+        raise UserFacingError(
+            f"rl.micro_batch_size ({cfg.rl.micro_batch_size}) must be a multiple of mesh.data ({cfg.mesh.data}): "
+            "each micro-batch is split over the data-parallel devices"
+        )
+    if mesh is not None:
         policy.frozen = sharding.shard_params(policy.frozen, mesh, "tp")
         tqdm.write(
             f"mesh {dict(mesh.shape)}: base weights tensor-parallel over 'model', rollouts and training batches "
@@ -511,25 +512,25 @@ def run_summary(
     return "\n".join(lines)
 
 
-def _check_memory(cfg: RunConfig, policy: Policy, lcfg: lora.LoraConfig) -> RunConfig:
+def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> RunConfig:
     """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
     rollout rows (rollout.max_batch) to it (or stops with the config value to lower). Auto (0)
     rl.micro_batch_size and rl.logprob_chunk become the largest that fit (`memory.fit`), or on a
-    device of unknown size memory.DEFAULT_MICRO_BATCH / DEFAULT_LOGPROB_CHUNK."""
+    device of unknown size memory.DEFAULT_MICRO_BATCH / DEFAULT_LOGPROB_CHUNK. data_devices: the
+    mesh's "data" size (a micro-batch is split over it, so auto picks multiples of it)."""
     rollout_batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    data = cfg.mesh.data if cfg.mesh.data > 0 else max(1, jax.device_count() // max(cfg.mesh.model, 1))
     auto_mb, auto_chunk = cfg.rl.micro_batch_size == 0, cfg.rl.logprob_chunk == 0
     plan = memory.plan_memory(
         policy.config,
         quant=policy.quant,
-        lora_rank=lcfg.rank,
-        lora_targets=lcfg.targets,
+        lora_rank=cfg.lora.rank,
+        lora_targets=cfg.lora.targets,
         rollout_batch=rollout_batch,
         max_batch=cfg.rollout.max_batch or None,
         group_size=cfg.rollout.group_size,
         prompt_len=cfg.data.max_prompt_len,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        micro_batch_size=cfg.rl.micro_batch_size or memory.default_micro_batch(rollout_batch, data),
+        micro_batch_size=cfg.rl.micro_batch_size or memory.default_micro_batch(rollout_batch, data_devices),
         remat="proj" if cfg.rl.remat == "auto" else cfg.rl.remat,
         attention=cfg.rl.attention,
         logprob_chunk=cfg.rl.logprob_chunk or memory.DEFAULT_LOGPROB_CHUNK,
@@ -548,7 +549,7 @@ def _check_memory(cfg: RunConfig, policy: Policy, lcfg: lora.LoraConfig) -> RunC
                 remat_fallback=auto_remat,
                 auto_micro_batch=auto_mb,
                 auto_logprob_chunk=auto_chunk,
-                micro_batch_multiple=data,
+                micro_batch_multiple=data_devices,
             )
         except memory.DoesNotFitError as e:
             tqdm.write(plan.table())

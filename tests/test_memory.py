@@ -501,7 +501,7 @@ def _check_memory(monkeypatch, device_bytes, **rl):
     run = run_config.from_config_dict(cfg)
     policy = types.SimpleNamespace(config=QWEN_15B, quant="nvfp4", backend="xla")
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: device_bytes)
-    return train._check_memory(run, policy, run.lora).rl
+    return train._check_memory(run, policy).rl
 
 
 def test_the_run_resolves_auto_to_the_plan_and_prints_it(monkeypatch, capsys):
