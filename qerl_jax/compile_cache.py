@@ -12,6 +12,7 @@ under a file lock, so runs side by side can share it.
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -30,15 +31,25 @@ def cache_dir(configured: str) -> str:
     return os.path.abspath(os.path.expanduser(configured) if configured else default_cache_dir())
 
 
-def enable_compilation_cache(directory: str, min_compile_seconds: float = 1.0, max_bytes: int = MAX_BYTES) -> str:
+def enable_compilation_cache(
+    directory: str, min_compile_seconds: float = 1.0, max_bytes: int = MAX_BYTES
+) -> str | None:
     """Points JAX's persistent compilation cache at `directory` (created); returns its absolute path.
 
     Programs that took at least `min_compile_seconds` to compile are stored; past `max_bytes` the
     least recently used entries are evicted. Call it before the process compiles anything: JAX
-    settles whether the cache is used at its first compilation.
+    settles whether the cache is used at its first compilation. A directory that cannot be made or
+    written (a file, no permission) leaves the cache off with one line on stderr: it only saves
+    time. Returns None then.
     """
     path = os.path.abspath(directory)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"not writable: {path}")
+    except OSError as e:
+        print(f"compilation cache off: cannot use {path} ({e.strerror or e})", file=sys.stderr)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))

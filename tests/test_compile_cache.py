@@ -47,3 +47,13 @@ def test_runs_share_the_user_cache_unless_the_config_names_one(tmp_path, monkeyp
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compile_cache.default_cache_dir() == str(tmp_path / "home" / ".cache" / "qerl_jax" / "jax_cache")
+
+
+def test_a_directory_that_cannot_be_used_leaves_the_cache_off_with_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    before = compile_cache.jax.config.jax_compilation_cache_dir
+    assert compile_cache.enable_compilation_cache(str(blocker / "cache")) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compilation cache off: cannot use ") and "a_file" in err[0]
+    assert compile_cache.jax.config.jax_compilation_cache_dir == before  # nothing switched on
