@@ -224,7 +224,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     import numpy as np
 
     import qerl_jax.rollout as rollout
-    from benchmarks.common import timed_generate
+    from benchmarks.common import decode_step_seconds, timed_generate
     from qerl_jax.models.qwen2 import ModelConfig
 
     run = run_config(args)
@@ -286,7 +286,7 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                 reps.append(tm)
             best = min(reps, key=lambda tm: tm["prefill_s"] + tm["decode_s"])
             steps = best["steps"]
-            step_s = min(tm["decode_s"] for tm in reps) / max(steps - 1, 1)
+            step_s = decode_step_seconds(reps, steps)
             # Time to first token: the per-layer weight copies + prefill + first sample.
             ttft = min(tm["prefill_s"] for tm in reps)
             # generate's default plan (its weight copies and memory estimate, no memory limit)

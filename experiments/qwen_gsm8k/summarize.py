@@ -174,7 +174,10 @@ def judge(name_a: str, a: list[float], name_b: str, b: list[float], *, what: str
     a, b = _finite(a), _finite(b)
     ma, sa = _mean_std(a)
     mb, sb = _mean_std(b)
-    text = f"{what} (mean ± std over seeds): {name_b} {mb:+.4f} ± {sb:.4f} (n={len(b)}), {name_a} {ma:+.4f} ± {sa:.4f} (n={len(a)})"
+    def side(name: str, values: list[float], m: float, s: float) -> str:
+        return f"{name} {m:+.4f} ± {s:.4f} (n={len(values)})" if values else f"{name} not measured (n=0)"
+
+    text = f"{what} (mean ± std over seeds): {side(name_b, b, mb, sb)}, {side(name_a, a, ma, sa)}"
     if min(len(a), len(b)) < 2:
         return {"verdict": "inconclusive", "reason": "one seed" if min(len(a), len(b)) == 1 else "no runs", "text": text}
     c = compare(a, b)
@@ -419,7 +422,7 @@ def summarize(out: str, results: str) -> dict:
         "",
         f"`configs/gsm8k_claims.py`, {steps} steps per run, model {exp.get('gguf')} (sha256 {exp.get('sha256')}). "
         f"Per-step numbers use the first {n_common} steps, which every run reached. GPU minutes: {gpu_minutes:.1f} "
-        "(the launcher's wall time, all calls).",
+        "(`calls.jsonl`: the launcher's calls and the device time noted beside them).",
         "",
         "![curves](qwen_gsm8k.png)",
         "",
