@@ -40,8 +40,8 @@ class _Counter(logging.Handler):
 
 def main() -> None:
     enable = compile_cache.enable_compilation_cache
-    compile_cache.enable_compilation_cache = lambda d, min_compile_seconds=1.0, max_bytes=compile_cache.MAX_BYTES: enable(
-        d, 0.0, max_bytes
+    compile_cache.enable_compilation_cache = lambda d, min_compile_seconds=1.0, max_bytes=compile_cache.MAX_BYTES: (
+        enable(d, 0.0, max_bytes)
     )
     counter = _Counter()
     log = logging.getLogger("jax._src.compiler")
