@@ -20,10 +20,15 @@ import jax
 MAX_BYTES = 8 * 2**30
 
 
+def user_cache_dir(name: str) -> str:
+    """`$XDG_CACHE_HOME/qerl_jax/<name>`, `~/.cache/qerl_jax/<name>` without it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qerl_jax", name)
+
+
 def default_cache_dir() -> str:
     """`$XDG_CACHE_HOME/qerl_jax/jax_cache`, `~/.cache/qerl_jax/jax_cache` without it."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "qerl_jax", "jax_cache")
+    return user_cache_dir("jax_cache")
 
 
 def cache_dir(configured: str) -> str:
