@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from qerl_jax import compile_cache
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir
 from qerl_jax.model_io import load_cache
@@ -68,7 +69,7 @@ def load_policy(cfg: RunConfig) -> Policy:
             dtype=cfg.model.dtype,
             quant=quant,
             quant_skip=tuple(cfg.model.quant_skip),
-            root=load_cache.cache_dir(cfg.model.cache_dir),
+            root=compile_cache.cache_dir(cfg.model.cache_dir, load_cache.CACHE_NAME),
         )
     except CheckpointError as e:
         raise UserFacingError(str(e)) from None

@@ -15,6 +15,7 @@ from conftest import make_hf_model
 from test_gguf import TINY_LLAMA, write_gguf
 
 from experiments.models import smollm2_gguf_path
+from qerl_jax import compile_cache
 from qerl_jax.model_io import load_cache, loader
 from qerl_jax.policy import stop_token_ids
 
@@ -212,5 +213,24 @@ def test_an_entry_larger_than_the_bound_is_not_stored(tmp_path, tiny_gguf, capsy
 
 def test_runs_share_the_user_cache_unless_the_config_names_one(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert load_cache.cache_dir("") == str(tmp_path / "xdg" / "qerl_jax" / "models")
-    assert load_cache.cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    root = compile_cache.cache_dir("", load_cache.CACHE_NAME)
+    assert root == str(tmp_path / "xdg" / "qerl_jax" / "models")
+    assert os.path.dirname(root) == os.path.dirname(compile_cache.cache_dir(""))  # next to JAX's cache
+    assert compile_cache.cache_dir(str(tmp_path / "mine"), load_cache.CACHE_NAME) == str(tmp_path / "mine")
+
+
+def test_load_policy_reads_a_gguf_model_through_the_cache_of_model_cache_dir(tmp_path, tiny_gguf, monkeypatch, capsys):
+    from conftest import tiny_config
+
+    from qerl_jax import policy, run_config
+
+    root = tmp_path / "models"
+    run = run_config.from_config_dict(tiny_config(tmp_path, tiny_gguf, **{"model.cache_dir": str(root)}))
+    first = policy.load_policy(run)
+    (key,) = _entries(root)
+    monkeypatch.setattr(load_cache, "convert", _no_conversion)
+    capsys.readouterr()
+    second = policy.load_policy(run)
+    assert f"from the cache {root / key} (" in capsys.readouterr().out
+    _assert_same_params(second.frozen, first.frozen)
+    assert (second.config, second.stop_ids, second.pad_id) == (first.config, first.stop_ids, first.pad_id)

@@ -39,13 +39,15 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from qerl_jax import compile_cache
 from qerl_jax.model_io import gguf, loader
 from qerl_jax.model_io.hf_layout import hf_config_dict, parse_config
 from qerl_jax.models.qwen2 import ModelConfig
 from qerl_jax.quant.formats import DENSE
 from qerl_jax.quant.packed import PackedWeight
 
+# The root's name under the user's cache directory: `$XDG_CACHE_HOME/qerl_jax/models` (`~/.cache/...`),
+# next to JAX's compilation cache (`compile_cache.cache_dir(cfg.model.cache_dir, CACHE_NAME)`).
+CACHE_NAME = "models"
 # Bumped whenever the stored form or what the converter produces changes: old entries then miss.
 FORMAT_VERSION = 1
 # Bound of the root: a few converted models (a 1.5B NVFP4 entry is ~1.3 GiB, a 7B ~5 GiB).
@@ -60,16 +62,6 @@ _NODE_TYPES = {"PackedWeight": PackedWeight}
 _NATIVE = {
     np.dtype(t) for t in "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64".split()
 }
-
-
-def default_cache_dir() -> str:
-    """`$XDG_CACHE_HOME/qerl_jax/models`, `~/.cache/qerl_jax/models` without it."""
-    return compile_cache.user_cache_dir("models")
-
-
-def cache_dir(configured: str) -> str:
-    """The root of a config's `model.cache_dir` ("" = `default_cache_dir()`), absolute."""
-    return os.path.abspath(os.path.expanduser(configured) if configured else default_cache_dir())
 
 
 def cache_key(gguf_file: str, dtype: str, quant: str | None, quant_skip: tuple[str, ...]) -> str:
