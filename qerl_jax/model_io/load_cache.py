@@ -111,7 +111,8 @@ def load_or_convert(
         start = time.perf_counter()
         hit = _read_entry(root, entry)
         if hit is not None:
-            os.utime(entry)  # least recently used goes first
+            with contextlib.suppress(OSError):  # evicted meanwhile: the arrays are read already
+                os.utime(entry)  # least recently used goes first
             print(
                 f"model: loaded the converted {os.path.basename(file)} from the cache {entry} "
                 f"({time.perf_counter() - start:.1f} s)",
