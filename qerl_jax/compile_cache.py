@@ -20,15 +20,21 @@ import jax
 MAX_BYTES = 8 * 2**30
 
 
+def user_cache_dir(name: str) -> str:
+    """`$XDG_CACHE_HOME/qerl_jax/<name>`, `~/.cache/qerl_jax/<name>` without it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qerl_jax", name)
+
+
 def default_cache_dir() -> str:
     """`$XDG_CACHE_HOME/qerl_jax/jax_cache`, `~/.cache/qerl_jax/jax_cache` without it."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "qerl_jax", "jax_cache")
+    return user_cache_dir("jax_cache")
 
 
-def cache_dir(configured: str) -> str:
-    """The cache directory of a config's `compile_cache_dir` ("" = `default_cache_dir()`), absolute."""
-    return os.path.abspath(os.path.expanduser(configured) if configured else default_cache_dir())
+def cache_dir(configured: str, name: str = "jax_cache") -> str:
+    """The directory a config's cache field names ("" = `user_cache_dir(name)`), absolute: `compile_cache_dir`
+    (JAX's programs, "jax_cache") or `model.cache_dir` (converted GGUF models, `model_io.load_cache.CACHE_NAME`)."""
+    return os.path.abspath(os.path.expanduser(configured) if configured else user_cache_dir(name))
 
 
 def enable_compilation_cache(

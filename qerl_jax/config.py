@@ -36,6 +36,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.quant = "nvfp4"  # bf16 | nvfp4 | mxfp4 | nf4
     c.model.quant_skip = ()  # projections kept bf16 (embeddings, lm_head and norms always are)
     c.model.backend = "auto"  # linear backend: auto (pallas on GPU, xla on CPU) | pallas | xla
+    c.model.cache_dir = ""  # converted GGUF models (qerl_jax.model_io.load_cache); "" = $XDG_CACHE_HOME/qerl_jax/models
 
     c.data = ml_collections.ConfigDict()
     c.data.train = data_path("gsm8k/train.jsonl")  # a file, a known dataset name, or "arithmetic:train" (generated)

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from qerl_jax import compile_cache
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir
-from qerl_jax.model_io.loader import CheckpointError, load_model, load_tokenizer
+from qerl_jax.model_io import load_cache
+from qerl_jax.model_io.loader import CheckpointError
 from qerl_jax.models.qwen2 import ModelConfig
 
 if TYPE_CHECKING:
@@ -62,13 +64,13 @@ def load_policy(cfg: RunConfig) -> Policy:
     model_dir = resolve_model_dir(cfg)
     quant = cfg.model.quant
     try:
-        config, params = load_model(
+        config, params, tokenizer = load_cache.load_or_convert(
             model_dir,
             dtype=cfg.model.dtype,
             quant=quant,
             quant_skip=tuple(cfg.model.quant_skip),
+            root=compile_cache.cache_dir(cfg.model.cache_dir, load_cache.CACHE_NAME),
         )
-        tokenizer = load_tokenizer(model_dir)
     except CheckpointError as e:
         raise UserFacingError(str(e)) from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (config.pad_token_id or 0)

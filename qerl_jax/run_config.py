@@ -35,6 +35,7 @@ class ModelSection:
     quant: str
     quant_skip: tuple[str, ...]
     backend: str
+    cache_dir: str
 
 
 @_frozen

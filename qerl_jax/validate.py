@@ -175,6 +175,7 @@ FIELDS: dict[str, Check] = {
     "model.quant": choice(CONFIG_FORMATS),
     "model.quant_skip": names(PROJECTIONS, nonempty=False),
     "model.backend": choice(BACKENDS),
+    "model.cache_dir": text(),
     "data.train": text(nonempty=True),
     "data.eval": text(),
     "data.system_prompt": text(optional=True),
