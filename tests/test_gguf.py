@@ -257,6 +257,19 @@ def test_directory_with_one_gguf_file(tmp_path, llama_model):
     assert config.num_hidden_layers == 2
 
 
+def test_a_file_is_parsed_once_per_process_until_it_changes(tmp_path, llama_model, monkeypatch):
+    file = write_gguf(tmp_path / "m.gguf", llama_model)
+    parses = []
+    reader_cls = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parses.append(a) or reader_cls(*a, **k))
+    first = qgguf.open_gguf(file)
+    assert qgguf.open_gguf(file) is first and qgguf.open_gguf(str(tmp_path)) is first
+    assert len(parses) == 1
+    st = os.stat(file)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the file changed
+    assert qgguf.open_gguf(file) is not first and len(parses) == 2
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -19,6 +19,7 @@ read and nothing is half-loaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -206,12 +207,21 @@ def open_gguf(path: str) -> GGUFModel:
     with open(file, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise CheckpointError(f"{file} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    st = os.stat(file)
+    return _open_checked(file, st.st_size, st.st_mtime_ns)
+
+
+# One parse per file and process: the checks, the weights and the tokenizer each open the file, and
+# gguf-py's metadata parse takes ~12 s for a Qwen2.5 vocabulary. Size and mtime in the key: a
+# changed file is parsed again.
+@functools.lru_cache(maxsize=2)
+def _open_checked(file: str, size: int, mtime_ns: int) -> GGUFModel:
+    del mtime_ns  # part of the cache key only
     gguf = _gguf_lib()
     try:
         reader = gguf.GGUFReader(file)
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise CheckpointError(f"{file}: cannot read the GGUF file (truncated or corrupt?): {e}") from None
-    size = os.path.getsize(file)
     for t in reader.tensors:  # the reader maps lazily; a file cut at a tensor boundary passes it
         if t.data_offset + t.n_bytes > size:
             raise CheckpointError(

@@ -106,22 +106,26 @@ def load_or_convert(
         return convert(model_dir, dtype=dtype, quant=quant, quant_skip=quant_skip)
     key = cache_key(file, dtype, quant, quant_skip)
     entry = os.path.join(root, key)
-    # One conversion per key at a time: runs started together from one file wait for the first one's.
-    with _locked(_key_lock(root, key)):
-        start = time.perf_counter()
-        hit = _read_entry(root, entry)
-        if hit is not None:
-            with contextlib.suppress(OSError):  # evicted meanwhile: the arrays are read already
-                os.utime(entry)  # least recently used goes first
-            print(
-                f"model: loaded the converted {os.path.basename(file)} from the cache {entry} "
-                f"({time.perf_counter() - start:.1f} s)",
-                flush=True,
-            )
-            return hit
-        config, params, tokenizer = convert(model_dir, dtype=dtype, quant=quant, quant_skip=quant_skip)
-        _store(root, key, file, config, params, tokenizer, max_bytes)
-    return config, params, tokenizer
+    start = time.perf_counter()
+    # Entries appear by an atomic rename, so a stored one is read without a lock (runs side by side
+    # read it at once); a miss takes the key's lock: runs started together from one file wait for
+    # the first one's conversion and then read it.
+    hit = _read_entry(root, entry)
+    if hit is None:
+        with _locked(_key_lock(root, key)):
+            hit = _read_entry(root, entry)
+            if hit is None:
+                config, params, tokenizer = convert(model_dir, dtype=dtype, quant=quant, quant_skip=quant_skip)
+                _store(root, key, file, config, params, tokenizer, max_bytes)
+                return config, params, tokenizer
+    with contextlib.suppress(OSError):  # evicted meanwhile: the arrays are read already
+        os.utime(entry)  # least recently used goes first
+    print(
+        f"model: loaded the converted {os.path.basename(file)} from the cache {entry} "
+        f"({time.perf_counter() - start:.1f} s)",
+        flush=True,
+    )
+    return hit
 
 
 # ----------------------------------------------------------------------------- the directory
