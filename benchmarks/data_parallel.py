@@ -30,6 +30,7 @@ from benchmarks import common
 from qerl_jax import sharding  # noqa: E402
 from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: E402
 from qerl_jax.optim import make_optimizer  # noqa: E402
+from qerl_jax.rl import packing  # noqa: E402
 from qerl_jax.rl import step as rl_step  # noqa: E402
 from qerl_jax.rl.losses import LossConfig  # noqa: E402
 from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate  # noqa: E402
@@ -63,7 +64,13 @@ def run(args) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.decode_steps, ignore_eos=True)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=100)
     t_total = args.prompt_len + args.max_new_tokens
-    batch = common.random_rl_batch(config, batch=rows, seq_len=t_total, prompt_len=args.prompt_len)
+    # The training loop's layout (`rl.packing`), one sequence per row: every row is full length.
+    batch = packing.pack_batch(
+        common.random_rl_batch(config, batch=rows, seq_len=t_total, prompt_len=args.prompt_len),
+        t_total,
+        rows_multiple=args.micro_batch_size,
+        rows=[[i] for i in range(rows)],
+    )
     mesh = sharding.make_mesh(n, 1)
     report = {
         "devices": [str(d) for d in devices],

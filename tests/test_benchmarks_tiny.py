@@ -1,0 +1,34 @@
+"""Every benchmark's CPU smoke mode (`--tiny`) runs through and writes its JSON: the library's
+interfaces move under the benchmarks, which only run on a GPU otherwise (two of them had stopped
+working after the train step began taking packed batches only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+CASES = {
+    "grpo_step": [],
+    "train_step": [],
+    "scale": [],
+    "data_parallel": [],  # two CPU devices, below
+    "devtools.decode_profile": [],
+    "devtools.train_profile": [],
+}
+
+
+@pytest.mark.parametrize("module", sorted(CASES))
+def test_tiny_mode_runs(module, tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if module == "data_parallel":
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", "--tiny", "--out", str(out), *CASES[module]]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert json.loads(out.read_text())
