@@ -7,6 +7,13 @@
 #   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
 #   QG_ARGS="--arms nvfp4 bf16 --seeds 0 1 --max-minutes 8" bash experiments/qwen_gsm8k/device.sh train
 #                                                 # the experiment's launcher (run.py); again on a warm machine resumes
+# Runs longer than one call (the machine stays while calls follow each other):
+#   QG_ARGS="--arms bf16 nvfp4 nvfp4_aqn --seeds 0 1 --max-minutes 20 --mem-fraction 0.13" bash experiments/qwen_gsm8k/device.sh start
+#                                                 # the launcher in the background; first unpacks /tmp/carry_parts
+#                                                 # (a carried experiment, experiments/carry.py) into /tmp/qg if there is no /tmp/qg
+#   SLEEP=500 bash experiments/qwen_gsm8k/device.sh status   # after SLEEP s: each run's steps and step times
+#   BATCH=k bash experiments/qwen_gsm8k/device.sh pack       # once the launcher ended: batch k of the carry
+#                                                 # parts into $OUT (batch 0 also $OUT/light.tgz, the light copies)
 # Everything it writes is tarred into $OUT/<pass>.tgz.
 set -u
 PASS=$1
@@ -16,7 +23,45 @@ mkdir -p "$OUT" $W
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 QERL_DATA_DIR=$PWD/.gpu/data
 GGUF=/tmp/q15.gguf
-[ $PASS = bench ] || python3 -m experiments.models qwen2.5-coder-1.5b --parts /tmp/parts --out $GGUF || exit 2
+case $PASS in
+  bench|status|pack) ;;
+  *) python3 -m experiments.models qwen2.5-coder-1.5b --parts /tmp/parts --out $GGUF || exit 2 ;;
+esac
+running() { ps aux | grep -c "[e]xperiments.qwen_gsm8k.run"; }
+case $PASS in
+  start)
+    if [ ! -d /tmp/qg ] && [ -d /tmp/carry_parts ]; then
+      python3 -m experiments.carry unpack --parts /tmp/carry_parts --dest /tmp/qg || exit 2
+    fi
+    [ "$(running)" = 0 ] || { echo "the launcher is already running"; exit 2; }
+    rm -rf /tmp/qdata; cp -r .gpu/data /tmp/qdata  # the carried copy is replaced by the next call's tree
+    QERL_DATA_DIR=/tmp/qdata setsid nohup python3 -m experiments.qwen_gsm8k.run --gguf $GGUF --out /tmp/qg \
+      --copy-to $W/qg --stages train ${QG_ARGS:-} > $W/launcher.log 2>&1 < /dev/null &
+    sleep 60; cat $W/launcher.log; nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    exit 0 ;;
+  status)
+    sleep ${SLEEP:-0}
+    for f in /tmp/qg/runs/*/seed*/tensorboard/scalars.jsonl; do
+      [ -f "$f" ] && python3 - "$f" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+later = rows[1:] or rows
+median = lambda k: round(statistics.median(r[k] for r in later), 1) if later and k in later[0] else None
+run = "/".join(sys.argv[1].split("/")[4:6])
+print(f"{run}: {len(rows)} steps, first {rows[0].get('time/step_s', 0):.1f} s, then step {median('time/step_s')} s "
+      f"(rollout {median('time/rollout_s')}, train {median('time/train_s')}), reward {rows[-1].get('reward/mean_sampled', 0):.3f}")
+PY
+    done
+    tail -n 4 $W/launcher.log; echo "launcher processes: $(running)"
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    exit 0 ;;
+  pack)
+    [ "$(running)" = 0 ] || { echo "the launcher is still running: pack after it ends"; tail -n 4 $W/launcher.log; exit 3; }
+    python3 -m experiments.carry pack --src /tmp/qg --dest "$OUT" --batch ${BATCH:-0} || exit 2
+    [ "${BATCH:-0}" = 0 ] && (cd $W && tar czf "$OUT/light.tgz" qg launcher.log)
+    ls -la "$OUT"
+    exit 0 ;;
+esac
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 T0=$(date +%s)
 case $PASS in
