@@ -12,9 +12,10 @@ under a file lock, so runs side by side can share it.
 from __future__ import annotations
 
 import os
-import sys
 
 import jax
+
+from qerl_jax.model_io.load_cache import usable_cache_dir
 
 # Bound of the shared directory: the programs of a few model sizes and batch shapes.
 MAX_BYTES = 8 * 2**30
@@ -48,13 +49,8 @@ def enable_compilation_cache(
     written (a file, no permission) leaves the cache off with one line on stderr: it only saves
     time. Returns None then.
     """
-    path = os.path.abspath(directory)
-    try:
-        os.makedirs(path, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(f"not writable: {path}")
-    except OSError as e:
-        print(f"compilation cache off: cannot use {path} ({e.strerror or e})", file=sys.stderr)
+    path = usable_cache_dir(directory, "compilation cache")
+    if path is None:
         return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))

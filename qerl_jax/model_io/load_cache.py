@@ -101,7 +101,7 @@ def load_or_convert(
     params = {"base", "norms"} on the default device, as `loader.load_model` returns them.
     """
     file = gguf.find_gguf_file(model_dir)
-    root = _usable_root(root) if file is not None else None
+    root = usable_cache_dir(root, "model cache") if file is not None else None
     if root is None:
         return convert(model_dir, dtype=dtype, quant=quant, quant_skip=quant_skip)
     key = cache_key(file, dtype, quant, quant_skip)
@@ -131,15 +131,17 @@ def load_or_convert(
 # ----------------------------------------------------------------------------- the directory
 
 
-def _usable_root(root: str) -> str | None:
-    """`root` (created) when it can be written; else None, with one line."""
-    path = os.path.abspath(root)
+def usable_cache_dir(directory: str, name: str) -> str | None:
+    """`directory` as an absolute path (created) when it can be written; else None, with one line
+    on stderr saying the cache `name` is off (a cache only saves time). This cache's root and JAX's
+    compilation cache (`compile_cache.enable_compilation_cache`) are checked by it."""
+    path = os.path.abspath(directory)
     try:
         os.makedirs(path, exist_ok=True)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"not writable: {path}")
     except OSError as e:
-        print(f"model cache off: cannot use {path} ({e.strerror or e})", file=sys.stderr)
+        print(f"{name} off: cannot use {path} ({e.strerror or e})", file=sys.stderr)
         return None
     return path
 
