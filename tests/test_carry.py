@@ -113,7 +113,8 @@ def test_pack_unpack_round_trip_keeps_only_the_latest_step(out, tmp_path):
         assert open(os.path.join(dest, run, "tensorboard", "scalars.jsonl")).read() == '{"step": 9, "aqn/sigma": 0}\n'
         assert os.path.isfile(os.path.join(dest, run, "eval", "step_10", "summary.json"))
         assert not os.path.exists(os.path.join(dest, run, "adapter"))
-    assert sorted(os.listdir(dest)) == ["calls.jsonl", "commands.txt", "experiment.json", "logs", "runs"]
+    assert open(os.path.join(dest, "jax_cache", "blob"), "rb").read() == b"\1" * 5000  # compiles saved
+    assert sorted(os.listdir(dest)) == ["calls.jsonl", "commands.txt", "experiment.json", "jax_cache", "logs", "runs"]
 
 
 def test_the_cached_tar_is_reused_and_rebuilt_when_the_source_changes(out, tmp_path):

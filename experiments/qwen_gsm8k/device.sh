@@ -14,6 +14,8 @@
 #   SLEEP=500 bash experiments/qwen_gsm8k/device.sh status   # after SLEEP s: each run's steps and step times
 #   BATCH=k bash experiments/qwen_gsm8k/device.sh pack       # once the launcher ended: batch k of the carry
 #                                                 # parts into $OUT (batch 0 also $OUT/light.tgz, the light copies)
+#   On the next machine the parts go in 3 a call (4 parts of 15 MiB and the tree exceed the 64 MiB a call
+#   sends): `mkdir -p /tmp/carry_parts && mv .gpu/carry/carry.* /tmp/carry_parts/`, the manifest with the first.
 # Everything it writes is tarred into $OUT/<pass>.tgz.
 set -u
 PASS=$1
