@@ -172,7 +172,7 @@ def _evaluate_dataset(
                 group_size=k,
                 lora_scale=lora_scale,
                 max_batch=cfg.rollout.max_batch or None,
-                options=RolloutOptions(backend=policy.backend),
+                options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
             )
             tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
             completions += policy.tokenizer.batch_decode(

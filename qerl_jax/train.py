@@ -113,7 +113,9 @@ def collect_experience(
             group_size=g,
             lora_scale=lora.lora_scale(cfg.lora),
             max_batch=cfg.rollout.max_batch or None,
-            options=RolloutOptions(backend=policy.backend, batch_sharding=batch_sharding),
+            options=RolloutOptions(
+                backend=policy.backend, batch_sharding=batch_sharding, min_prompt_len=cfg.data.max_prompt_len
+            ),
         )
         jax.block_until_ready(batch.tokens)
         timing["rollout"] += time.perf_counter() - t0

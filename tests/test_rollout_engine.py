@@ -153,6 +153,25 @@ def test_compiled_programs_are_few(f32_model):
     assert total["prefill"] == 1 and total["decode"] <= 3 and total["compact"] <= 2, total
 
 
+def test_min_prompt_len_fixes_the_prompt_bucket(f32_model):
+    """With min_prompt_len a batch of short prompts runs the programs of the long ones (no compile
+    mid-run) and samples what it samples in its own smaller bucket."""
+    config, params = f32_model
+    long_ids, long_mask = _prompts(config.vocab_size, width=20)  # bucket 32
+    short_ids, short_mask = _prompts(config.vocab_size, width=12, seed=1)  # bucket 16 by its longest prompt
+    kw = dict(group_size=2, max_batch=8)
+    fixed = _options(smaller_rows=(4,), min_prompt_len=20)
+    generate(config, params, long_ids, long_mask, jax.random.key(5), _sampling(), **kw, options=fixed)
+    before = _compiled()
+    padded = generate(config, params, short_ids, short_mask, jax.random.key(6), _sampling(), **kw, options=fixed)
+    assert _compiled() == before  # the bucket-32 programs served the short batch
+    own = generate(
+        config, params, short_ids, short_mask, jax.random.key(6), _sampling(), **kw, options=_options(smaller_rows=(4,))
+    )
+    assert _compiled()["prefill"] == before["prefill"] + 1  # by default: a bucket-16 admission compiled
+    _assert_same(padded, own, "min_prompt_len")
+
+
 # ----------------------------------------------------------------------------- scheduler
 
 
