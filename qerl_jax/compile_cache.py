@@ -19,6 +19,11 @@ from qerl_jax.model_io.load_cache import usable_cache_dir
 
 # Bound of the shared directory: the programs of a few model sizes and batch shapes.
 MAX_BYTES = 8 * 2**30
+# What source paths in compiled programs lose: everything before the package (or site-packages)
+# directory. JAX strips debug locations from a program before hashing it into a cache key, but not
+# from the Triton kernels Pallas embeds in it (their IR names each op's file), so without this an
+# NVFP4 program's key would change with the checkout's absolute path, e.g. on every GPU machine.
+SOURCE_PREFIX_REGEX = r".*/(?=(qerl_jax|pallas_kernels|benchmarks|experiments|configs)/)|.*/site-packages/"
 
 
 def user_cache_dir(name: str) -> str:
@@ -44,7 +49,8 @@ def enable_compilation_cache(
     """Points JAX's persistent compilation cache at `directory` (created); returns its absolute path.
 
     Programs that took at least `min_compile_seconds` to compile are stored; past `max_bytes` the
-    least recently used entries are evicted. Call it before the process compiles anything: JAX
+    least recently used entries are evicted; source paths in programs are made relative
+    (`SOURCE_PREFIX_REGEX`), so keys do not depend on where the checkout lies. Call it before the process compiles anything: JAX
     settles whether the cache is used at its first compilation. A directory that cannot be made or
     written (a file, no permission) leaves the cache off with one line on stderr: it only saves
     time. Returns None then.
@@ -55,4 +61,6 @@ def enable_compilation_cache(
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+    if jax.config.jax_hlo_source_file_canonicalization_regex is None:  # a user's own setting stays
+        jax.config.update("jax_hlo_source_file_canonicalization_regex", SOURCE_PREFIX_REGEX)
     return path

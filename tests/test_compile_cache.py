@@ -57,3 +57,35 @@ def test_a_directory_that_cannot_be_used_leaves_the_cache_off_with_one_line(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("compilation cache off: cannot use ") and "a_file" in err[0]
     assert compile_cache.jax.config.jax_compilation_cache_dir == before  # nothing switched on
+
+
+LOWER_NVFP4 = """
+import json, sys
+import jax, jax.numpy as jnp
+from qerl_jax.compile_cache import enable_compilation_cache
+from qerl_jax.quant import quantize
+import pallas_kernels
+from pallas_kernels.quant_matmul import nvfp4_matmul
+if sys.argv[2] == "cache":
+    enable_compilation_cache(sys.argv[1])
+w = quantize(jnp.ones((256, 512), jnp.bfloat16), "nvfp4")
+f = jax.jit(lambda x, w: nvfp4_matmul(x, w, interpret=False))
+text = f.trace(jnp.ones((16, 512), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+print(json.dumps({"absolute": pallas_kernels.__file__.rsplit("/", 1)[0] in text,
+                  "relative": "pallas_kernels/quant_matmul.py" in text}))
+"""
+
+
+def test_kernel_programs_do_not_name_the_checkout_path(tmp_path):
+    """The Triton kernel inside an NVFP4 program (lowered for the GPU, here on the CPU) names its source
+    file; with the cache on that name is relative, so the program's cache key is the same wherever
+    the checkout lies (without it the key changed with the absolute path)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    seen = {}
+    for mode in ("plain", "cache"):
+        cmd = [sys.executable, "-c", LOWER_NVFP4, str(tmp_path / "cache"), mode]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["plain"]["absolute"]  # what JAX's own cache key would hash
+    assert seen["cache"] == {"absolute": False, "relative": True}
