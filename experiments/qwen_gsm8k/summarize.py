@@ -233,14 +233,12 @@ def plot(runs, before: dict[str, float | None], steps: int, n_common: int, path:
         if xs:
             axes[2].errorbar(xs, ys, yerr=es, color=color, marker="o", capsize=4, label=label)
         if arm != "bf16" and "bf16" in runs:
-            diffs = np.full((len(arm_runs), longest), np.nan)
-            for j, (seed, r) in enumerate(arm_runs.items()):
-                ref = runs["bf16"].get(seed)
-                if ref is not None:
-                    n = min(r["steps"], ref["steps"])
-                    diffs[j, :n] = r["curves"]["reward"][:n] - ref["curves"]["reward"][:n]
-            if np.isfinite(diffs).any():
-                axes[3].plot(np.arange(longest), _smooth(np.nanmean(diffs, 0), 2 * w), color=color, label=label)
+            # over the steps every paired seed reached, like the per-arm curves (no tail of one seed)
+            pairs = [(r, runs["bf16"][seed]) for seed, r in arm_runs.items() if seed in runs["bf16"]]
+            n = min((min(r["steps"], ref["steps"]) for r, ref in pairs), default=0)
+            if n:
+                diffs = np.stack([r["curves"]["reward"][:n] - ref["curves"]["reward"][:n] for r, ref in pairs])
+                axes[3].plot(np.arange(n), _smooth(np.nanmean(diffs, 0), 2 * w), color=color, label=label)
     axes[3].axhline(0.0, color="k", lw=0.8)
     for ax, label in zip(
         axes,
