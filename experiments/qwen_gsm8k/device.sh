@@ -5,6 +5,9 @@
 #   bash experiments/qwen_gsm8k/device.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
 #   bash experiments/qwen_gsm8k/device.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
 #   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
+#   bash experiments/qwen_gsm8k/device.sh startup # the 1.5B's first steps (configs/gsm8k.py, NVFP4) with
+#                                                 # benchmarks.devtools.cache_probe: cold, then warm from a copy
+#                                                 # of the checkout at another path (same compile and model caches)
 #   QG_ARGS="--arms nvfp4 bf16 --seeds 0 1 --max-minutes 8" bash experiments/qwen_gsm8k/device.sh train
 #                                                 # the experiment's launcher (run.py); again on a warm machine resumes
 # Runs longer than one call (the machine stays while calls follow each other):
@@ -83,6 +86,17 @@ case $PASS in
       --out $W/grpo_gsm8k.json > $W/grpo_gsm8k.log 2>&1
     echo "grpo gsm8k rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 $W/grpo_gsm8k.log
     ;;
+  startup)
+    rm -rf /tmp/su && mkdir -p /tmp/su && cp -r "$PWD" /tmp/su/repo2
+    for run in cold warm; do
+      dir=$PWD; [ $run = warm ] && dir=/tmp/su/repo2
+      (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 280 python3 -m benchmarks.devtools.cache_probe --config=configs/gsm8k.py \
+        --config.model.path=$GGUF --config.workdir=/tmp/su/w_$run --config.compile_cache_dir=/tmp/su/cc \
+        --config.model.cache_dir=/tmp/su/mc --config.rollout.max_new_tokens=1024 --config.train.stop_after_steps=2 \
+        --config.train.checkpoint_every=1000 2>&1 | while IFS= read -r line; do echo "$(date +%s) $line"; done > $W/startup_$run.log)
+      echo "$run done after $(( $(date +%s) - T0 )) s"; grep "persistent cache:" $W/startup_$run.log
+      cp /tmp/su/w_$run/tensorboard/scalars.jsonl $W/startup_$run.scalars.jsonl 2>/dev/null
+    done ;;
   step)
     for q in nvfp4 bf16; do
       timeout 270 python3 -m qerl_jax.main --config=configs/gsm8k.py --config.model.path=$GGUF --config.model.quant=$q \
