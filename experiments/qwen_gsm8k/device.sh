@@ -13,7 +13,8 @@
 # Runs longer than one call (the machine stays while calls follow each other):
 #   QG_ARGS="--arms bf16 nvfp4 nvfp4_aqn --seeds 0 1 --max-minutes 20 --mem-fraction 0.13" bash experiments/qwen_gsm8k/device.sh start
 #                                                 # the launcher in the background; first unpacks /tmp/carry_parts
-#                                                 # (a carried experiment, experiments/carry.py) into /tmp/qg if there is no /tmp/qg
+#                                                 # (a carried experiment, experiments/carry.py) into /tmp/qg if there is no /tmp/qg;
+#                                                 # MPS=1 starts NVIDIA's MPS daemon first (processes share the GPU concurrently)
 #   SLEEP=500 bash experiments/qwen_gsm8k/device.sh status   # after SLEEP s: each run's steps and step times
 #   BATCH=k bash experiments/qwen_gsm8k/device.sh pack       # once the launcher ended: batch k of the carry
 #                                                 # parts into $OUT (batch 0 also $OUT/light.tgz, the light copies)
@@ -40,6 +41,15 @@ case $PASS in
     fi
     [ "$(running)" = 0 ] || { echo "the launcher is already running"; exit 2; }
     rm -rf /tmp/qdata; cp -r .gpu/data /tmp/qdata  # the carried copy is replaced by the next call's tree
+    if [ "${MPS:-0}" = 1 ]; then  # MPS=1: the runs' kernels may overlap instead of time-slicing (not measured yet)
+      if command -v nvidia-cuda-mps-control >/dev/null; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+        mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+        nvidia-cuda-mps-control -d && echo "MPS daemon started"
+      else
+        echo "no nvidia-cuda-mps-control on this machine: the runs time-slice the GPU"
+      fi
+    fi
     QERL_DATA_DIR=/tmp/qdata setsid nohup python3 -m experiments.qwen_gsm8k.run --gguf $GGUF --out /tmp/qg \
       --copy-to $W/qg --stages train ${QG_ARGS:-} > $W/launcher.log 2>&1 < /dev/null &
     sleep 60; cat $W/launcher.log; nvidia-smi --query-gpu=memory.used --format=csv,noheader
