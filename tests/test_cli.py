@@ -125,11 +125,17 @@ def test_ctrl_c_is_one_line_with_the_resume_command(tmp_path, tiny_model_dir):
         f"--config.workdir={run}",
         "--config.eval.num_examples=0",
         "--config.train.checkpoint_every=1",
+        "--config.train.total_steps=400",  # the run cannot end before the signal, however fast its steps
     ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 400
-    while not os.path.isdir(run / "checkpoints" / "1") and time.monotonic() < deadline and proc.poll() is None:
+
+    def saved() -> bool:  # any finished step (only the last 3 are kept)
+        ckpts = run / "checkpoints"
+        return ckpts.is_dir() and any(n.isdigit() for n in os.listdir(ckpts))
+
+    while not saved() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
     _, err = proc.communicate(timeout=120)

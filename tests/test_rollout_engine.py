@@ -160,13 +160,14 @@ def test_min_prompt_len_fixes_the_prompt_bucket(f32_model):
     long_ids, long_mask = _prompts(config.vocab_size, width=20)  # bucket 32
     short_ids, short_mask = _prompts(config.vocab_size, width=12, seed=1)  # bucket 16 by its longest prompt
     kw = dict(group_size=2, max_batch=8)
+    sampling = _sampling(max_new_tokens=100)  # new-token bucket 128: no other test compiles these programs
     fixed = _options(smaller_rows=(4,), min_prompt_len=20)
-    generate(config, params, long_ids, long_mask, jax.random.key(5), _sampling(), **kw, options=fixed)
+    generate(config, params, long_ids, long_mask, jax.random.key(5), sampling, **kw, options=fixed)
     before = _compiled()
-    padded = generate(config, params, short_ids, short_mask, jax.random.key(6), _sampling(), **kw, options=fixed)
+    padded = generate(config, params, short_ids, short_mask, jax.random.key(6), sampling, **kw, options=fixed)
     assert _compiled() == before  # the bucket-32 programs served the short batch
     own = generate(
-        config, params, short_ids, short_mask, jax.random.key(6), _sampling(), **kw, options=_options(smaller_rows=(4,))
+        config, params, short_ids, short_mask, jax.random.key(6), sampling, **kw, options=_options(smaller_rows=(4,))
     )
     assert _compiled()["prefill"] == before["prefill"] + 1  # by default: a bucket-16 admission compiled
     _assert_same(padded, own, "min_prompt_len")
