@@ -43,7 +43,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.eval = data_path("gsm8k/test.jsonl")
     c.data.system_prompt = DEFAULT_SYSTEM_PROMPT
     c.data.template = DEFAULT_USER_TEMPLATE  # user message; "{prompt}" is replaced by the problem
-    c.data.max_prompt_len = 256
+    c.data.max_prompt_len = 256  # longer prompts are dropped; also every rollout's prompt slots
     c.data.max_bad_fraction = 0.01
 
     c.rollout = ml_collections.ConfigDict()
