@@ -50,8 +50,8 @@ def enable_compilation_cache(
 
     Programs that took at least `min_compile_seconds` to compile are stored; past `max_bytes` the
     least recently used entries are evicted; source paths in programs are made relative
-    (`SOURCE_PREFIX_REGEX`), so keys do not depend on where the checkout lies. Call it before the process compiles anything: JAX
-    settles whether the cache is used at its first compilation. A directory that cannot be made or
+    (`SOURCE_PREFIX_REGEX`), so keys do not depend on where the checkout lies. Call it before the
+    process compiles anything: JAX settles whether the cache is used at its first compilation. A directory that cannot be made or
     written (a file, no permission) leaves the cache off with one line on stderr: it only saves
     time. Returns None then.
     """
