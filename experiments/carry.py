@@ -9,7 +9,8 @@ so the state travels as one tar split into parts, a few per call:
 The tar (built once, cached in `<out>/.carry/` with its manifest, rebuilt if `<out>` changed) holds
 everything under `<out>` a later call needs to continue every run:
 - each `checkpoints/` directory with only its latest finished step (orbax writes `<step>` when a
-  step is complete; `<step>.orbax-checkpoint-tmp-*` are unfinished, `<step>.unreadable` damaged);
+  step is complete; `<step>.orbax-checkpoint-tmp-*` are unfinished, `<step>.unreadable` damaged),
+  and none of a run evaluated at that step (`eval/step_<step>/summary.json`: finished, nothing to continue);
 - everything else (scalars, logs, evaluations, experiment.json, commands.txt, calls.jsonl, base/),
   the compilation cache included (about 70 MB for three arms of the 1.5B: it saves the next machine
   of the same kind minutes of compiling), except the launcher's other `LIGHT_SKIP` directories: the
@@ -58,6 +59,12 @@ def latest_step(checkpoint_dir: str) -> int | None:
     return max(steps) if steps else None
 
 
+def evaluated(run_dir: str, step: int) -> bool:
+    """Whether the launcher evaluated the run at `step` (its final evaluation's summary exists):
+    the run is finished and its checkpoint is not needed to continue."""
+    return os.path.isfile(os.path.join(run_dir, "eval", f"step_{step}", "summary.json"))
+
+
 def select(src: str) -> list[str]:
     """Paths (relative to `src`, sorted, directories before their contents) that the tar holds."""
     chosen = []
@@ -68,7 +75,7 @@ def select(src: str) -> list[str]:
         dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not os.path.islink(os.path.join(root, d)))
         if os.path.basename(root) == "checkpoints":
             step = latest_step(root)
-            dirs[:] = [] if step is None else [str(step)]
+            dirs[:] = [] if step is None or evaluated(os.path.dirname(root), step) else [str(step)]
         for name in dirs:
             chosen.append(os.path.normpath(os.path.join(rel_root, name)))
         for name in sorted(files):

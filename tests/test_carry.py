@@ -18,6 +18,7 @@ from qerl_jax.checkpoint import Checkpointer, saved_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("runs/bf16/seed0", "runs/nvfp4/seed1")
+FINISHED = "runs/bf16/seed1"  # evaluated at its latest checkpoint: nothing to continue
 PART_MIB = 2000 / carry.MIB  # 2000-byte parts: many parts, several batches
 
 
@@ -43,8 +44,11 @@ def out(tmp_path_factory):
         open(os.path.join(out, run, "tensorboard", "scalars.jsonl"), "w").write('{"step": 9, "aqn/sigma": 0}\n')
         os.makedirs(os.path.join(out, run, "adapter"))
         open(os.path.join(out, run, "adapter", "adapter_model.safetensors"), "wb").write(b"\0" * 5000)
-        os.makedirs(os.path.join(out, run, "eval", "step_10"))
-        open(os.path.join(out, run, "eval", "step_10", "summary.json"), "w").write("{}")
+        os.makedirs(os.path.join(out, run, "eval", "step_5"))  # an evaluation along the way
+        open(os.path.join(out, run, "eval", "step_5", "summary.json"), "w").write("{}")
+    os.makedirs(os.path.join(out, FINISHED, "checkpoints", "20"))  # a finished, evaluated run
+    os.makedirs(os.path.join(out, FINISHED, "eval", "step_20"))
+    open(os.path.join(out, FINISHED, "eval", "step_20", "summary.json"), "w").write('{"acc": 1}')
     os.makedirs(os.path.join(out, "jax_cache"))
     open(os.path.join(out, "jax_cache", "blob"), "wb").write(b"\1" * 5000)
     os.makedirs(os.path.join(out, "logs"))
@@ -111,8 +115,10 @@ def test_pack_unpack_round_trip_keeps_only_the_latest_step(out, tmp_path):
         np.testing.assert_array_equal(np.asarray(state["lora"]["a"]), np.asarray(_state(i, 10)["lora"]["a"]))
         np.testing.assert_array_equal(np.asarray(state["mu"]), np.asarray(_state(i, 10)["mu"]))
         assert open(os.path.join(dest, run, "tensorboard", "scalars.jsonl")).read() == '{"step": 9, "aqn/sigma": 0}\n'
-        assert os.path.isfile(os.path.join(dest, run, "eval", "step_10", "summary.json"))
+        assert os.path.isfile(os.path.join(dest, run, "eval", "step_5", "summary.json"))
         assert not os.path.exists(os.path.join(dest, run, "adapter"))
+    assert os.listdir(os.path.join(dest, FINISHED, "checkpoints")) == []  # finished: its state stays behind
+    assert open(os.path.join(dest, FINISHED, "eval", "step_20", "summary.json")).read() == '{"acc": 1}'
     assert open(os.path.join(dest, "jax_cache", "blob"), "rb").read() == b"\1" * 5000  # compiles saved
     assert sorted(os.listdir(dest)) == ["calls.jsonl", "commands.txt", "experiment.json", "jax_cache", "logs", "runs"]
 
