@@ -35,6 +35,8 @@ BASE_MODELS = ("bf16", "nvfp4", "nvfp4_aqn")  # nvfp4_aqn reuses the NVFP4 polic
 KILL_MARGIN_S = 20.0
 # The longest a run waits for the first run of its base format to compile (`staggered`).
 STAGGER_MAX_MINUTES = 8.0
+# A process waiting for a slot does not start with less than this left (compiling, one step, the checkpoint).
+START_MIN_MINUTES = 3.0
 LIGHT_SKIP = {"checkpoints", "adapter", "jax_cache", "tiny_model"}
 
 
@@ -370,7 +372,10 @@ def launch(exp: Experiment, args) -> int:
     if not jobs:
         print("nothing to do: every stage is done; run --summarize")
         return 0
-    fraction = args.mem_fraction or min(exp.max_mem_fraction, 0.8 / len(jobs))
+    progress = {job: _progress(args, job[1], job[2]) for job in jobs if job[0] == "train"}
+    jobs = queue_order(jobs, progress)
+    slots = min(args.parallel or len(jobs), len(jobs))
+    fraction = args.mem_fraction or min(exp.max_mem_fraction, 0.8 / slots)
     env = {
         **os.environ,
         "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{fraction:.4f}",
@@ -378,6 +383,7 @@ def launch(exp: Experiment, args) -> int:
     }
     log_dir = os.path.join(args.out, "logs")
     os.makedirs(log_dir, exist_ok=True)
+
     def launch(job):
         stage, arm, seed = job
         name = "base" if stage == "base" else f"{arm}_seed{seed}"
@@ -388,31 +394,36 @@ def launch(exp: Experiment, args) -> int:
         cmd += ["--arm", arm, "--seed", str(seed)] if stage == "train" else []
         log = open(os.path.join(log_dir, f"{name}.log"), "a")
         started[job] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
+        launched_at[job] = _progress(args, arm, seed) if stage == "train" else 0
 
     started: dict = {}
-    leaders, followers = staggered(exp, jobs)
-    for job in leaders:
-        launch(job)
-    at_launch = {job: _progress(args, job[1], job[2]) for job in leaders if job[0] == "train"}
-    print(
-        f"launched {len(leaders)} of {len(jobs)} processes (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:.3f}); "
-        f"logs in {log_dir}" + (f"; the other {len(followers)} start when their format's first run has compiled" if followers else "")
-    )
+    launched_at: dict = {}
+    waits_for = waits_for_compile(exp, jobs, progress, args.steps)
     stagger_until = time.time() + 60 * STAGGER_MAX_MINUTES
-    while time.time() < deadline + KILL_MARGIN_S / 2:
-        ready = {
-            leader: _progress(args, leader[1], leader[2]) > at_launch[leader]
-            or started[leader][1].poll() is not None
+
+    def compiled(job) -> bool:
+        """Whether `job`'s followers may start: it has logged a step in this call, or ended."""
+        return job in started and (
+            _progress(args, job[1], job[2]) > launched_at[job]
+            or started[job][1].poll() is not None
             or time.time() > stagger_until
-            for leader in set(followers.values())
-        }
-        for job, leader in list(followers.items()):
-            if ready[leader]:
-                launch(job)
-                del followers[job]
-        if not followers and all(p.poll() is not None for _, p, _ in started.values()):
+        )
+
+    pending = list(jobs)
+    while time.time() < deadline + KILL_MARGIN_S / 2:
+        running = sum(p.poll() is None for _, p, _ in started.values())
+        late = time.time() > deadline - 60 * START_MIN_MINUTES  # no time to compile, step and save: the next call
+        for job in [] if late else to_launch(pending, waits_for, running, slots, compiled):
+            launch(job)
+            pending.remove(job)
+            print(f"started {started[job][0]} ({len(started)} of {len(jobs)})", flush=True)
+        if (late or not pending) and all(p.poll() is not None for _, p, _ in started.values()):
             break
         time.sleep(5)
+    print(
+        f"{len(started)} of {len(jobs)} processes ran (at most {slots} at once, XLA_PYTHON_CLIENT_MEM_FRACTION="
+        f"{fraction:.3f}); logs in {log_dir}" + (f"; {len(pending)} did not start: the next call" if pending else "")
+    )
     procs = [started[job] for job in jobs if job in started]
     jobs = [job for job in jobs if job in started]
     for name, p, log in procs:
@@ -437,6 +448,33 @@ def launch(exp: Experiment, args) -> int:
     if args.copy_to:
         copy_light_outputs(args.out, args.copy_to)
     return 1 if failed else 0
+
+
+def queue_order(jobs: list[tuple], progress: dict[tuple, int]) -> list[tuple]:
+    """The order processes start in when not all run at once: the base stage, then the runs with
+    the most steps done (a run near its end finishes and frees its slot), then the arms' order."""
+    return sorted(jobs, key=lambda job: (job[0] != "base", -progress.get(job, 0)))
+
+
+def to_launch(pending: list[tuple], waits_for: dict[tuple, tuple], running: int, slots: int, compiled) -> list[tuple]:
+    """The pending jobs to start now, in queue order: as many as free slots, skipping a job whose
+    format's first run (`waits_for`) has not `compiled` yet."""
+    free = slots - running
+    chosen = []
+    for job in pending:
+        if len(chosen) >= free:
+            break
+        leader = waits_for.get(job)
+        if leader is None or compiled(leader):
+            chosen.append(job)
+    return chosen
+
+
+def waits_for_compile(exp: Experiment, jobs: list[tuple], progress: dict[tuple, int], steps: int) -> dict[tuple, tuple]:
+    """{job: the job it waits for} (`staggered`) among the jobs that still train: a run at its last
+    step only evaluates, so it neither waits for a run that trains nor holds one back."""
+    _, waits_for = staggered(exp, [job for job in jobs if progress.get(job, 0) < steps])
+    return waits_for
 
 
 def staggered(exp: Experiment, jobs: list[tuple]) -> tuple[list[tuple], dict[tuple, tuple]]:
@@ -487,7 +525,10 @@ def parser(exp: Experiment, description: str) -> argparse.ArgumentParser:
     p.add_argument("--stages", nargs="+", default=["base", "train"], choices=["base", "train"])
     p.add_argument("--base-from", default="", help="an earlier --out whose finished base stage this one reuses")
     p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock budget of this call")
-    p.add_argument("--mem-fraction", type=float, default=0.0, help="per process (default 0.8 / processes)")
+    p.add_argument(
+        "--parallel", type=int, default=0, help="processes at once (default all); the others start as slots free"
+    )
+    p.add_argument("--mem-fraction", type=float, default=0.0, help="per process (default 0.8 / --parallel)")
     p.add_argument(
         "--eval-minutes",
         type=float,

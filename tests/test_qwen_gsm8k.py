@@ -223,3 +223,39 @@ def test_runs_of_a_format_start_after_its_first_run():
         ("train", "bf16_aqn", 0): ("train", "bf16", 0),
         ("train", "bf16_aqn", 1): ("train", "bf16", 0),
     }
+
+
+def test_the_queue_starts_begun_runs_first_and_fills_free_slots_only():
+    jobs = [("train", arm, seed) for arm in ("bf16", "nvfp4") for seed in (0, 1, 2)]
+    progress = {("train", "bf16", 1): 133, ("train", "nvfp4", 0): 132, ("train", "nvfp4", 1): 99}
+    order = launcher.queue_order(jobs, progress)
+    assert order == [
+        ("train", "bf16", 1),
+        ("train", "nvfp4", 0),
+        ("train", "nvfp4", 1),
+        ("train", "bf16", 0),
+        ("train", "bf16", 2),
+        ("train", "nvfp4", 2),
+    ]
+    assert launcher.queue_order([("train", "bf16", 0), ("base", None, None)], {})[0] == ("base", None, None)
+    _, waits_for = launcher.staggered(EXPERIMENT, order)
+    leaders = {("train", "bf16", 1), ("train", "nvfp4", 0)}
+    assert set(waits_for.values()) == leaders
+    nothing_compiled = lambda job: False  # noqa: E731
+    # 4 slots, none running: only the two leaders may start before they have compiled
+    assert launcher.to_launch(order, waits_for, 0, 4, nothing_compiled) == [("train", "bf16", 1), ("train", "nvfp4", 0)]
+    pending = order[2:]
+    all_compiled = lambda job: True  # noqa: E731
+    assert launcher.to_launch(pending, waits_for, 2, 4, all_compiled) == pending[:2]  # two free slots
+    assert launcher.to_launch(pending, waits_for, 4, 4, all_compiled) == []
+    only_bf16 = lambda job: job[1] == "bf16"  # noqa: E731
+    assert launcher.to_launch(pending, waits_for, 2, 4, only_bf16) == [("train", "bf16", 0), ("train", "bf16", 2)]
+
+
+def test_runs_that_only_evaluate_neither_wait_nor_hold_back():
+    jobs = [("train", "nvfp4", 1), ("train", "nvfp4_aqn", 0), ("train", "nvfp4_aqn", 1), ("train", "nvfp4", 2)]
+    progress = {("train", "nvfp4", 1): 150, ("train", "nvfp4_aqn", 0): 150, ("train", "nvfp4_aqn", 1): 120}
+    waits_for = launcher.waits_for_compile(EXPERIMENT, jobs, progress, steps=150)
+    # nvfp4_aqn seed 1 leads its format now; the finished runs start at once
+    assert waits_for == {("train", "nvfp4", 2): ("train", "nvfp4_aqn", 1)}
+    assert launcher.to_launch(jobs, waits_for, 0, 4, lambda job: False) == jobs[:3]
