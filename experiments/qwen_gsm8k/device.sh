@@ -12,6 +12,7 @@
 #                                                 # the experiment's launcher (run.py); again on a warm machine resumes
 # Runs longer than one call (the machine stays while calls follow each other):
 #   QG_ARGS="--arms bf16 nvfp4 nvfp4_aqn --seeds 0 1 --max-minutes 20 --mem-fraction 0.13" bash experiments/qwen_gsm8k/device.sh start
+#   (more runs than fit: add --parallel 7; the others start as runs end)
 #                                                 # the launcher in the background; first unpacks /tmp/carry_parts
 #                                                 # (a carried experiment, experiments/carry.py) into /tmp/qg if there is no /tmp/qg;
 #                                                 # MPS=1 starts NVIDIA's MPS daemon first (processes share the GPU concurrently)
