@@ -114,9 +114,6 @@ def run_command(
         pass  # not a ConfigDict: refused below
     if not isinstance(cfg, ml_collections.ConfigDict):
         fail(f"--{CONFIG_FLAG}: get_config() returned {type(cfg).__name__}; expected an ml_collections.ConfigDict")
-    from qerl_jax import interrupt  # noqa: PLC0415
-
-    interrupt.install()
     try:
         return command(cfg)
     except UserFacingError as e:

@@ -26,7 +26,6 @@ from qerl_jax import (
     aqn,
     compile_cache,
     evaluation,
-    interrupt,
     lora,
     memory,
     reward_pool,
@@ -349,7 +348,6 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
         for step in bar:
-            interrupt.check()  # a Ctrl-C that native code swallowed during the last step
             t_step = time.perf_counter()
             sigma = float(aqn.aqn_sigma(acfg, step))
             rollout_params = {
