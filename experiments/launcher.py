@@ -452,8 +452,9 @@ def launch(exp: Experiment, args) -> int:
 
 def queue_order(jobs: list[tuple], progress: dict[tuple, int]) -> list[tuple]:
     """The order processes start in when not all run at once: the base stage, then the runs with
-    the most steps done (a run near its end finishes and frees its slot), then the arms' order."""
-    return sorted(jobs, key=lambda job: (job[0] != "base", -progress.get(job, 0)))
+    the most steps done (a run near its end finishes and frees its slot), then lower seeds (every
+    arm gets its first seeds before any arm gets more), then the arms' order."""
+    return sorted(jobs, key=lambda job: (job[0] != "base", -progress.get(job, 0), job[2] or 0))
 
 
 def to_launch(pending: list[tuple], waits_for: dict[tuple, tuple], running: int, slots: int, compiled) -> list[tuple]:

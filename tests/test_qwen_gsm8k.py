@@ -237,6 +237,14 @@ def test_the_queue_starts_begun_runs_first_and_fills_free_slots_only():
         ("train", "bf16", 2),
         ("train", "nvfp4", 2),
     ]
+    fresh = [("train", arm, seed) for arm in ("bf16", "bf16_lr5e-6") for seed in (0, 1, 2)]
+    done = {("train", "bf16", 0), ("train", "bf16", 1)}
+    assert launcher.queue_order([j for j in fresh if j not in done], {}) == [
+        ("train", "bf16_lr5e-6", 0),
+        ("train", "bf16_lr5e-6", 1),
+        ("train", "bf16", 2),
+        ("train", "bf16_lr5e-6", 2),
+    ]
     assert launcher.queue_order([("train", "bf16", 0), ("base", None, None)], {})[0] == ("base", None, None)
     _, waits_for = launcher.staggered(EXPERIMENT, order)
     leaders = {("train", "bf16", 1), ("train", "nvfp4", 0)}
