@@ -7,7 +7,8 @@
 # persistent / stages (decode sweeps of those candidates), block (check + sweep of the nvfp4
 # block kernel against the table's entry + bench; BLOCK_MS, BLOCK_CANDS, BLOCK_BENCH_MS, BLOCK_MODELS),
 # stream (stream_probe.py: the load bound), ttir (ttir_ncu.py: timing and an Nsight Compute
-# profile of the decode kernel outside JAX), dp (benchmarks/data_parallel.py: all local GPUs vs one).
+# profile of the decode kernel outside JAX), dp (benchmarks/data_parallel.py: all local GPUs vs one),
+# cmdbuf (the 1.5B decode step without and with the decode loops in command buffers).
 set -u
 OUT=${OUT:-/tmp/qerl_bench}
 mkdir -p "$OUT"
@@ -76,6 +77,16 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${DP_S:-300} python3 -m benchmarks.data_parallel --model ${DP_MODEL:-7B} --out "$OUT/data_parallel.json" \
         > "$OUT/data_parallel.log" 2>&1
       echo "dp rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 10 "$OUT/data_parallel.log" ;;
+    cmdbuf)  # the 1.5B decode step with XLA's default command buffers, then with the decode while loops
+             # captured too (+WHILE,+CONDITIONAL): is the small model's step launch-bound? (wall clock:
+             # a profiler trace would switch command buffers off)
+      for variant in default while; do
+        flags=""; [ $variant = while ] && flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+        XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${CMDBUF_S:-270} python3 -m benchmarks.rollout --model 1.5B \
+          --formats bf16,nvfp4 --batches ${CMDBUF_BATCHES:-1x1,2x8,16x8} --no-peer --deadline $(( ${CMDBUF_S:-270} - 30 )) \
+          --out "$OUT/rollout_cmdbuf_$variant.json" > "$OUT/rollout_cmdbuf_$variant.log" 2>&1
+        echo "cmdbuf $variant rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 "$OUT/rollout_cmdbuf_$variant.log" | cut -c1-230
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done
