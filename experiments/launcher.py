@@ -437,7 +437,9 @@ def launch(exp: Experiment, args) -> int:
                 p.wait()
         log.close()
     minutes = (time.time() - start) / 60
-    _record_call(args.out, {"start": start, "minutes": minutes, "jobs": [n for n, _, _ in procs]})
+    stepped = sum(_progress(args, arm, seed) - progress[(stage, arm, seed)] for stage, arm, seed in jobs if stage == "train")
+    _record_call(args.out, {"start": start, "minutes": minutes, "jobs": [n for n, _, _ in procs], "steps": stepped})
+    print(f"\n{stepped} train steps in all in {minutes:.1f} min ({stepped / minutes:.1f} a minute, every run together)")
     print(f"\n{'run':<28}{'exit':>6}{'steps':>8}  finished   ({minutes:.1f} min)")
     failed = 0
     for (stage, arm, seed), (name, p, _) in zip(jobs, procs):

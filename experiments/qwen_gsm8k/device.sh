@@ -47,6 +47,11 @@ case $PASS in
         export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
         mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
         nvidia-cuda-mps-control -d && echo "MPS daemon started"
+        # A client that cannot reach the daemon fails to start CUDA: check once, else go on without MPS.
+        if ! timeout 120 python3 -c "import jax; jax.numpy.ones(8).block_until_ready(); print(jax.devices())"; then
+          echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+          echo "MPS: a JAX client failed under the daemon; stopped it, the runs time-slice the GPU"
+        fi
       else
         echo "no nvidia-cuda-mps-control on this machine: the runs time-slice the GPU"
       fi
@@ -69,6 +74,7 @@ print(f"{run}: {len(rows)} steps, first {rows[0].get('time/step_s', 0):.1f} s, t
 PY
     done
     tail -n 4 $W/launcher.log; echo "launcher processes: $(running)"
+    [ -n "$(pgrep -f nvidia-cuda-mps-control)" ] && echo "MPS daemon running"
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
     exit 0 ;;
   pack)
