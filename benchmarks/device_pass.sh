@@ -77,9 +77,9 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${DP_S:-300} python3 -m benchmarks.data_parallel --model ${DP_MODEL:-7B} --out "$OUT/data_parallel.json" \
         > "$OUT/data_parallel.log" 2>&1
       echo "dp rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 10 "$OUT/data_parallel.log" ;;
-    cmdbuf)  # the 1.5B decode step with XLA's default command buffers, then with the decode while loops
-             # captured too (+WHILE,+CONDITIONAL): is the small model's step launch-bound? (wall clock:
-             # a profiler trace would switch command buffers off)
+    cmdbuf)  # the 1.5B decode step with XLA's default command buffers (the step's kernels: one graph),
+             # then with the decode while loop captured too (+WHILE,+CONDITIONAL: no host round trip per
+             # step). Wall clock: a profiler trace would switch command buffers off
       for variant in default while; do
         flags=""; [ $variant = while ] && flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
         XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout ${CMDBUF_S:-270} python3 -m benchmarks.rollout --model 1.5B \
