@@ -12,6 +12,7 @@ from conftest import stream_k_partials
 
 import qerl_jax
 from qerl_jax.models.qwen2 import PROJECTIONS
+from qerl_jax.quant.packed import dequantize
 from qerl_jax.rollout import (
     RolloutOptions,
     SamplingConfig,
@@ -189,9 +190,13 @@ def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir,
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
     split = weights_module.split_layers(params, backend)
-    assert not split["packed"] and split["layers"][1]["base"]["q_proj"]["w"].dtype == jnp.bfloat16
-    assert weights_module.dense_copy_bytes(params) == sum(
-        x.nbytes for layer in split["layers"] for p in layer["base"].values() for f, x in p.items() if f == "w"
+    assert not split["packed"] and split["layers"][1]["base"]["o_proj"]["w"].dtype == jnp.bfloat16
+    assert weights_module.dense_copy_bytes(params) == sum(  # q/k/v and gate/up concatenated, same bytes
+        x.nbytes
+        for layer in split["layers"]
+        for p in layer["base"].values()
+        if "w" in p
+        for x in jax.tree.leaves(p["w"])
     )
     ids, mask = _prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
@@ -203,6 +208,58 @@ def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir,
     np.testing.assert_array_equal(np.asarray(dense.tokens), np.asarray(packed.tokens))
     atol = 0.0 if backend == "xla" else 0.05
     np.testing.assert_allclose(np.asarray(dense.logprobs), np.asarray(packed.logprobs), atol=atol)
+
+
+def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(f32_model, monkeypatch):
+    """A dense policy's q/k/v and gate/up are concatenated once per call (one dot each, biases
+    kept per projection, the adapters stacked with a block-diagonal B); float32: the same tokens
+    and log-probs as the projections one by one, and the estimate counts the stacked adapters."""
+    from qerl_jax.linear import Fused
+
+    config, params, _ = f32_model
+    params = {**params, "lora": _random_lora(config, scale=0.2)}
+    split = weights_module.split_layers(params)
+    base, lora = split["layers"][1]["base"], split["layers"][1]["lora"]
+    qkv, gate_up = base["q_proj+k_proj+v_proj"]["w"], base["gate_proj+up_proj"]["w"]
+    hd, d = config.head_dim, config.hidden_size
+    sizes = (config.num_attention_heads * hd, config.num_key_value_heads * hd, config.num_key_value_heads * hd)
+    assert isinstance(qkv, Fused) and qkv.sizes == sizes and qkv.w.shape == (sum(sizes), d)
+    assert isinstance(gate_up, Fused) and gate_up.w.shape == (2 * config.intermediate_size, d)
+    assert "w" not in base["k_proj"] and "b" in base["k_proj"] and "w" in base["o_proj"]
+    w_k = params["base"]["layers"]["k_proj"]["w"][1]
+    np.testing.assert_array_equal(np.asarray(qkv.w[sizes[0] : sizes[0] + sizes[1]]), np.asarray(w_k))
+    stacked = lora["q_proj+k_proj+v_proj"]
+    assert stacked["a"].shape == (12, d) and stacked["b"].shape == (sum(sizes), 12)
+    assert not np.asarray(stacked["b"][sizes[0] : sizes[0] + sizes[1], :4]).any()  # block-diagonal
+    made = sum(x.nbytes for layer in split["layers"] for g in ("q_proj+k_proj+v_proj", "gate_proj+up_proj")
+               for x in jax.tree.leaves(layer["lora"][g]))  # fmt: skip
+    assert weights_module.fused_lora_bytes(params, (), ()) == made
+    ids, mask = _prompts(config.vocab_size)
+    run = lambda: generate(  # noqa: E731
+        config, params, ids, mask, jax.random.key(4), _sampling(), group_size=2, lora_scale=0.5, options=F32
+    )
+    fused = run()
+    monkeypatch.setattr(weights_module, "dense_fused_groups", lambda *a: ())
+    assert "q_proj+k_proj+v_proj" not in weights_module.split_layers(params)["layers"][0]["base"]
+    one_by_one = run()
+    np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(one_by_one.tokens))
+    np.testing.assert_allclose(np.asarray(fused.logprobs), np.asarray(one_by_one.logprobs), atol=1e-5)
+    recomputed, old, resp = _recomputed_logp(config, params, fused, 0.8, lora_scale=0.5)
+    np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=1e-4)
+
+
+def test_dense_fused_groups_need_every_member_dense(tiny_qwen2_dir):
+    """NVFP4: a group is fused only where all its projections have bf16 copies."""
+    path, _ = tiny_qwen2_dir
+    _, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+    assert weights_module.dense_fused_groups(params) == ()  # all packed, no copies
+    assert weights_module.dense_fused_groups(params, ("q_proj", "k_proj", "gate_proj")) == ()
+    assert weights_module.dense_fused_groups(params, (*qkv, "gate_proj")) == (qkv,)
+    assert weights_module.dense_fused_groups(params, tuple(PROJECTIONS)) == (qkv, gate_up)
+    split = weights_module.split_layers(params, "xla", (*qkv, "o_proj"))
+    base = split["layers"][0]["base"]
+    assert "q_proj+k_proj+v_proj" in base and "gate_proj+up_proj" not in base
 
 
 def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir, monkeypatch):
@@ -433,6 +490,26 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
     packed = generate(config, params, ids, mask, jax.random.key(8), sampling, **kw, options=no_wgmma)
     np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)
+
+
+def test_a_group_with_wgmma_and_dense_copies_reads_each_for_its_rows(fusable_nvfp4_model, monkeypatch):
+    """A call with both copies (a large bucket on bf16 copies, small ones on the kernel): each
+    group is one `Fused` whose weight reads the kernel's copy up to its rows, the concatenated
+    bf16 copies above them (before, those rows ran the projections one by one)."""
+    from pallas_kernels import wgmma_nvfp4
+    from qerl_jax.linear import ByRows, Fused, base_matmul
+
+    config, params = fusable_nvfp4_model
+    _fake_hopper_kernel(monkeypatch, [])
+    split = weights_module.split_layers(params, "xla", None, tuple(PROJECTIONS))
+    fused = split["layers"][1]["base"]["gate_proj+up_proj"]["w"]
+    assert isinstance(fused, Fused) and fused.max_rows == weights_module.ANY_ROWS and isinstance(fused.w, ByRows)
+    assert isinstance(fused.w.small, wgmma_nvfp4.WgmmaWeight) and fused.w.max_rows == wgmma_nvfp4.MAX_ROWS
+    x = jax.random.normal(jax.random.key(0), (wgmma_nvfp4.MAX_ROWS + 8, config.hidden_size), jnp.bfloat16)
+    layer_1 = lambda n: jax.tree.map(lambda a: a[1], params["base"]["layers"][n]["w"])  # noqa: E731
+    dense = [dequantize(layer_1(n), jnp.bfloat16) for n in ("gate_proj", "up_proj")]
+    want = jnp.concatenate([x.astype(jnp.float32) @ w.astype(jnp.float32).T for w in dense], axis=1)
+    np.testing.assert_allclose(np.asarray(base_matmul(x, fused.w)), np.asarray(want), rtol=1e-2, atol=1e-2)
 
 
 def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():

@@ -197,7 +197,11 @@ def plan_rollout(
             rows=(lay.rows, *lay.smaller),
             fits=fits,
         )
-        extra = weights.dense_copy_bytes(params, dense) + weights.wgmma_copy_bytes(params, wgmma)
+        extra = (
+            weights.dense_copy_bytes(params, dense)
+            + weights.wgmma_copy_bytes(params, wgmma)
+            + weights.fused_lora_bytes(params, dense, wgmma)
+        )
         mem = dataclasses.replace(mem, weight_copies=mem.weight_copies + extra)
         return RolloutPlan(
             lay.rows, lay.max_batch, lay.smaller, lay.admit_rows, lay.admit_prompts, dense, wgmma, mem, limit

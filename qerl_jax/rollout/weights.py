@@ -13,9 +13,14 @@
   rows runs these; larger ones (and the prefill) read the bf16 copy or the packed stack
   (`ByRows`), so one call can decode a large row bucket on bf16 copies and, once its rows are
   compacted, the small buckets on the kernel.
+- Dense weights (a bf16 policy's, or the bf16 copies) of q/k/v and of gate/up concatenated the
+  same way (`dense_fused_groups`), their adapters stacked: 3 dots instead of 9 for q/k/v and 3
+  instead of 6 for gate/up in every layer of every step (a 1.5B decode step is ~1200 small
+  kernels, so their number sets its time; `benchmarks/RESULTS.md`).
 
 `decode_weight_names` chooses the copies for a call from its row buckets and the memory budget;
-`layer_copy_bytes`, `dense_copy_bytes` and `wgmma_copy_bytes` are their sizes (for the estimate).
+`layer_copy_bytes`, `dense_copy_bytes`, `wgmma_copy_bytes` and `fused_lora_bytes` are their sizes
+(for the estimate).
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ SMALL_DENSE_WEIGHTS = 6 * 2**20
 # 7B rollout step 1.5x bf16 at 64 rows with it, 0.96x without; RESULTS.md), q/k/v and gate/up
 # concatenated into one call each (FUSED_GROUPS; k/v then skip their small copies).
 WGMMA_MAX_ROWS = 64
+
+# `Fused.max_rows` of the dense concatenations: they serve every matmul (decode and prefill).
+ANY_ROWS = 2**62
 
 
 def split_layers(
@@ -105,7 +113,54 @@ def split_layers(
             stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
             for layer, group_loras in zip(layers, stacked, strict=True):
                 layer["lora"] = {**layer["lora"], **group_loras}
+    _fuse_dense_groups(layers, dense_fused_groups(params, tuple(to_dense) if dense_backend is not None else ()))
     return {"top": top, "packed": packed, "layers": layers}
+
+
+def dense_fused_groups(params: dict[str, Any], dense_names: tuple[str, ...] = ()) -> tuple[tuple[str, ...], ...]:
+    """The groups of FUSED_GROUPS that `split_layers` concatenates as dense weights: those all of
+    whose projections are dense (unpacked, or packed with a bf16 copy in `dense_names`) and not
+    sharded over several devices (a concatenation of column-parallel shards would regroup them)."""
+    base_layers = params["base"]["layers"]
+    dense = {n for n, p in base_layers.items() if n in dense_names or not is_packed(p["w"])}
+    return tuple(
+        g for g in fused_groups(tuple(dense)) if all(_on_one_device(base_layers[n]["w"]) for n in g)
+    )
+
+
+def _on_one_device(w: Any) -> bool:
+    sharding = getattr(getattr(w, "codes", w), "sharding", None)  # a packed weight's codes; None: traced
+    return sharding is None or len(sharding.device_set) == 1 or sharding.is_fully_replicated
+
+
+def _fuse_dense_groups(layers: list[dict[str, Any]], groups: tuple[tuple[str, ...], ...]) -> None:
+    """In place, per layer: each group's dense weights concatenated into one `Fused` under its
+    `fused_name` (the members keep their biases), beside the group's wgmma copy where there is one
+    (`ByRows`: the kernel up to its rows), and the group's adapters stacked once."""
+    # Members with a layout of their own (a lone wgmma copy, `ByRows`) stay as they are; every layer alike.
+    groups = tuple(g for g in groups if all(isinstance(layers[0]["base"][n].get("w"), jax.Array) for n in g))
+    if not groups:
+        return
+    for layer in layers:
+        base = layer["base"]
+        for group in groups:
+            ws = tuple(base[n].pop("w") for n in group)
+            w = _concat_jit(ws)
+            entry = base.setdefault(fused_name(group), {})
+            if "w" in entry:  # the wgmma copy (a `Fused` of at most its kernel's rows)
+                w = ByRows(entry["w"].w, w, max_rows=entry["w"].max_rows)
+            entry["w"] = Fused(w, tuple(x.shape[0] for x in ws), max_rows=ANY_ROWS)
+    first = layers[0]
+    to_stack = tuple(
+        (g, first["base"][fused_name(g)]["w"].sizes) for g in groups if fused_name(g) not in first.get("lora", {})
+    )
+    if to_stack and "lora" in first:
+        stacked = _stacked_loras_jit([layer["lora"] for layer in layers], to_stack)
+        for layer, group_loras in zip(layers, stacked, strict=True):
+            layer["lora"] = {**layer["lora"], **group_loras}
+
+
+_concat_jit = jax.jit(lambda ws: jnp.concatenate(ws, axis=0))
 
 
 def layer_vars(run_params: dict[str, Any], layer: int) -> dict[str, Any]:
@@ -392,14 +447,29 @@ def dense_copy_bytes(params: dict[str, Any], names: tuple[str, ...] | None = Non
 def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
     """Bytes of the repacked copies of `names` (as many as the packed codes and scales), plus the
     stacked adapters of their fused groups (`_stacked_loras`, in the activations' dtype)."""
-    packed, copied = _packed_and_copied(params)
+    packed, _ = _packed_and_copied(params)
     total = sum(nbytes(packed[n].codes) + nbytes(packed[n].scales) for n in names)
-    lora = copied.get("lora", {})
+    return total + _stacked_lora_bytes(params, fused_groups(names))
+
+
+def fused_lora_bytes(params: dict[str, Any], dense_names: tuple[str, ...], wgmma_names: tuple[str, ...]) -> int:
+    """Bytes of the stacked adapters of the dense-fused groups (`dense_fused_groups`) that no
+    wgmma copy already stacked (`wgmma_copy_bytes` counts those)."""
+    counted = set(fused_groups(wgmma_names))
+    return _stacked_lora_bytes(params, tuple(g for g in dense_fused_groups(params, dense_names) if g not in counted))
+
+
+def _stacked_lora_bytes(params: dict[str, Any], groups: tuple[tuple[str, ...], ...]) -> int:
+    """Bytes of each group's adapters stacked by `linear.stack_loras` (A's concatenated, B's
+    block-diagonal), in the activations' dtype, over all layers."""
+    lora = params.get("lora", {}).get("layers", {}) if params.get("lora") else {}
+    base_layers = params["base"]["layers"]
     act_size = act_dtype_of(params).itemsize
-    for group in fused_groups(names):
+    total = 0
+    for group in groups:
         adapters = [lora[n] for n in group if n in lora]
         if adapters:
             layers, rank_sum = adapters[0]["a"].shape[0], sum(a["a"].shape[1] for a in adapters)
-            n_sum, k = sum(packed[n].shape[-2] for n in group), packed[group[0]].shape[-1]
+            n_sum, k = sum(base_layers[n]["w"].shape[-2] for n in group), base_layers[group[0]]["w"].shape[-1]
             total += layers * rank_sum * (k + n_sum) * act_size
     return total
