@@ -394,17 +394,15 @@ def launch(exp: Experiment, args) -> int:
         cmd += ["--arm", arm, "--seed", str(seed)] if stage == "train" else []
         log = open(os.path.join(log_dir, f"{name}.log"), "a")
         started[job] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
-        launched_at[job] = _progress(args, arm, seed) if stage == "train" else 0
 
     started: dict = {}
-    launched_at: dict = {}
     waits_for = waits_for_compile(exp, jobs, progress, args.steps)
     stagger_until = time.time() + 60 * STAGGER_MAX_MINUTES
 
     def compiled(job) -> bool:
         """Whether `job`'s followers may start: it has logged a step in this call, or ended."""
         return job in started and (
-            _progress(args, job[1], job[2]) > launched_at[job]
+            _progress(args, job[1], job[2]) > progress.get(job, 0)
             or started[job][1].poll() is not None
             or time.time() > stagger_until
         )

@@ -107,12 +107,7 @@ def split_layers(
             for name, w in repacked.items():
                 entry = layers[layer]["base"].setdefault(name, {})
                 entry["w"] = ByRows(w, entry["w"], max_rows=wgmma_nvfp4.MAX_ROWS) if "w" in entry else w
-        groups = fused_groups(tuple(to_wgmma))
-        if groups and "lora" in copied:  # each fused call's adapters stacked once (`linear.stack_loras`)
-            sizes = tuple(layers[0]["base"][fused_name(g)]["w"].sizes for g in groups)
-            stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
-            for layer, group_loras in zip(layers, stacked, strict=True):
-                layer["lora"] = {**layer["lora"], **group_loras}
+        _add_stacked_loras(layers, fused_groups(tuple(to_wgmma)))
     _fuse_dense_groups(layers, dense_fused_groups(params, tuple(to_dense) if dense_backend is not None else ()))
     return {"top": top, "packed": packed, "layers": layers}
 
@@ -150,14 +145,18 @@ def _fuse_dense_groups(layers: list[dict[str, Any]], groups: tuple[tuple[str, ..
             if "w" in entry:  # the wgmma copy (a `Fused` of at most its kernel's rows)
                 w = ByRows(entry["w"].w, w, max_rows=entry["w"].max_rows)
             entry["w"] = Fused(w, tuple(x.shape[0] for x in ws), max_rows=ANY_ROWS)
-    first = layers[0]
-    to_stack = tuple(
-        (g, first["base"][fused_name(g)]["w"].sizes) for g in groups if fused_name(g) not in first.get("lora", {})
-    )
-    if to_stack and "lora" in first:
-        stacked = _stacked_loras_jit([layer["lora"] for layer in layers], to_stack)
-        for layer, group_loras in zip(layers, stacked, strict=True):
-            layer["lora"] = {**layer["lora"], **group_loras}
+    _add_stacked_loras(layers, tuple(g for g in groups if fused_name(g) not in layers[0].get("lora", {})))
+
+
+def _add_stacked_loras(layers: list[dict[str, Any]], groups: tuple[tuple[str, ...], ...]) -> None:
+    """In place: each fused group's adapters stacked once per call (`linear.stack_loras`) under
+    its `fused_name`, the sizes read from the group's `Fused` weight."""
+    if not groups or "lora" not in layers[0]:
+        return
+    sizes = tuple(layers[0]["base"][fused_name(g)]["w"].sizes for g in groups)
+    stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
+    for layer, group_loras in zip(layers, stacked, strict=True):
+        layer["lora"] = {**layer["lora"], **group_loras}
 
 
 _concat_jit = jax.jit(lambda ws: jnp.concatenate(ws, axis=0))
@@ -462,7 +461,7 @@ def fused_lora_bytes(params: dict[str, Any], dense_names: tuple[str, ...], wgmma
 def _stacked_lora_bytes(params: dict[str, Any], groups: tuple[tuple[str, ...], ...]) -> int:
     """Bytes of each group's adapters stacked by `linear.stack_loras` (A's concatenated, B's
     block-diagonal), in the activations' dtype, over all layers."""
-    lora = params.get("lora", {}).get("layers", {}) if params.get("lora") else {}
+    lora = _packed_and_copied(params)[1].get("lora", {})
     base_layers = params["base"]["layers"]
     act_size = act_dtype_of(params).itemsize
     total = 0
