@@ -341,6 +341,8 @@ def _check_args(exp: Experiment, args) -> None:
         _fail(f"--gguf {args.gguf}: no such file")
     if args.steps < 1 or args.max_minutes <= 0:
         _fail(f"--steps must be >= 1 and --max-minutes > 0 (got {args.steps}, {args.max_minutes})")
+    if args.parallel < 0:
+        _fail(f"--parallel {args.parallel}: expected 0 (all at once) or a positive number of processes")
     if args.base_from:
         for name in ("experiment.json", os.path.join("base", "entropy.json")):
             if not os.path.isfile(os.path.join(args.base_from, name)):

@@ -188,6 +188,10 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
         launcher.main(EXPERIMENT, "", ["--gguf", str(gguf), "--out", str(out), "--base-from", str(tmp_path / "no")])
     assert e.value.code == 2 and "--base-from" in capsys.readouterr().err
     assert not out.exists()
+    with pytest.raises(SystemExit) as e:
+        launcher.main(EXPERIMENT, "", ["--gguf", str(gguf), "--out", str(out), "--parallel", "-1"])
+    assert e.value.code == 2 and "--parallel -1" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_paired_differences_against_numpy():
