@@ -343,6 +343,7 @@ def _check_args(exp: Experiment, args) -> None:
         _fail(f"--steps must be >= 1 and --max-minutes > 0 (got {args.steps}, {args.max_minutes})")
     if args.parallel < 0:
         _fail(f"--parallel {args.parallel}: expected 0 (all at once) or a positive number of processes")
+    train_runs(exp, args)
     if args.base_from:
         for name in ("experiment.json", os.path.join("base", "entropy.json")):
             if not os.path.isfile(os.path.join(args.base_from, name)):
@@ -350,6 +351,19 @@ def _check_args(exp: Experiment, args) -> None:
     for path in exp.final_eval_datasets:
         if not os.path.isfile(path):
             _fail(f"final evaluation dataset {path}: no such file")
+
+
+def train_runs(exp: Experiment, args) -> list[tuple[str, int]]:
+    """The (arm, seed) runs of this call: --runs ARM:SEED if given, else every --arms x --seeds."""
+    if not args.runs:
+        return [(arm, seed) for arm in args.arms for seed in args.seeds]
+    runs = []
+    for item in args.runs:
+        arm, _, seed = item.rpartition(":")
+        if arm not in exp.arms or not seed.isdigit():
+            _fail(f"--runs {item}: expected ARM:SEED with ARM one of {', '.join(exp.arms)} and SEED >= 0")
+        runs.append((arm, int(seed)))
+    return list(dict.fromkeys(runs))
 
 
 def _fail(message: str) -> None:
@@ -370,7 +384,7 @@ def launch(exp: Experiment, args) -> int:
     if "base" in args.stages and not _base_done(args.out):
         jobs.append(("base", None, None))
     if "train" in args.stages:
-        jobs += [("train", arm, seed) for arm in args.arms for seed in args.seeds if not _run_done(args, arm, seed)]
+        jobs += [("train", arm, seed) for arm, seed in train_runs(exp, args) if not _run_done(args, arm, seed)]
     if not jobs:
         print("nothing to do: every stage is done; run --summarize")
         return 0
@@ -525,6 +539,9 @@ def parser(exp: Experiment, description: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=exp.default_steps, help="train.total_steps of every run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", default=list(arms), choices=arms)
+    p.add_argument(
+        "--runs", nargs="+", default=[], metavar="ARM:SEED", help="exactly these runs (instead of every --arms x --seeds)"
+    )
     p.add_argument("--stages", nargs="+", default=["base", "train"], choices=["base", "train"])
     p.add_argument("--base-from", default="", help="an earlier --out whose finished base stage this one reuses")
     p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock budget of this call")

@@ -192,6 +192,18 @@ def test_bad_input_exits_2_before_writing(tmp_path, capsys):
         launcher.main(EXPERIMENT, "", ["--gguf", str(gguf), "--out", str(out), "--parallel", "-1"])
     assert e.value.code == 2 and "--parallel -1" in capsys.readouterr().err
     assert not out.exists()
+    for bad in ("bf16", "fp8:0", "nvfp4:x"):
+        with pytest.raises(SystemExit) as e:
+            launcher.main(EXPERIMENT, "", ["--gguf", str(gguf), "--out", str(out), "--runs", "nvfp4:2", bad])
+        assert e.value.code == 2 and f"--runs {bad}: expected ARM:SEED" in capsys.readouterr().err
+        assert not out.exists()
+
+
+def test_runs_name_exactly_the_runs_else_every_arm_and_seed():
+    args = launcher.parser(EXPERIMENT, "").parse_args(["--out", "o", "--arms", "bf16", "nvfp4", "--seeds", "0", "1"])
+    assert launcher.train_runs(EXPERIMENT, args) == [("bf16", 0), ("bf16", 1), ("nvfp4", 0), ("nvfp4", 1)]
+    args.runs = ["nvfp4_aqn:2", "bf16_lr5e-6:0", "nvfp4_aqn:2"]
+    assert launcher.train_runs(EXPERIMENT, args) == [("nvfp4_aqn", 2), ("bf16_lr5e-6", 0)]
 
 
 def test_paired_differences_against_numpy():
