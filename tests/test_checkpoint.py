@@ -177,6 +177,33 @@ def test_train_state_with_and_without_trained_norms_round_trips(tmp_path):
         assert ckpt.read_meta(3)["config"]["lora"]["train_norms"] == (trained is not None)
 
 
+def test_a_restored_state_compiles_to_the_fresh_states_programs(tmp_path):
+    """A resumed run must find its programs in the persistent cache its fresh start filled: the
+    restored leaves are as committed as `like`'s, so a jitted step lowers to the same text (the
+    cache key) for both; committed `like` leaves stay committed."""
+    from qerl_jax.optim import make_optimizer
+    from qerl_jax.rl.step import init_train_state
+
+    lora = {"layers": {"q_proj": {"a": jnp.ones((2, 4, 8)), "b": jnp.zeros((2, 6, 4))}}}
+    norms = {"layers": {"input_layernorm": jnp.ones((2, 8))}}
+    fresh = init_train_state(lora, make_optimizer(1e-3, warmup_steps=0, total_steps=4), norms)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(1, fresh, {"step": 1})
+    restored, _ = ckpt.restore(1, like=fresh)
+    assert not any(x.committed for x in jax.tree.leaves(fresh))
+    assert not any(x.committed for x in jax.tree.leaves(restored))
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))
+    assert step.lower(restored).as_text() == step.lower(fresh).as_text()
+
+    keyed = _state(0)  # a typed PRNG key among the leaves
+    ckpt.save(2, keyed, {"step": 2})
+    got, _ = ckpt.restore(2, like=keyed)
+    assert not any(x.committed for x in jax.tree.leaves(got))
+    committed = jax.device_put(fresh, jax.devices()[0])
+    got, _ = ckpt.restore(1, like=committed)
+    assert all(x.committed for x in jax.tree.leaves(got))
+
+
 def test_a_save_failing_in_orbax_commit_thread_logs_nothing(tmp_path, monkeypatch, caplog):
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     ckpt.save(2, _state(2), {"step": 2})
