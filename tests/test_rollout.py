@@ -369,6 +369,42 @@ def fusable_nvfp4_model(tmp_path_factory):
     return qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_weight_copies_compile_one_program_for_all_layers(fusable_nvfp4_model, backend, monkeypatch):
+    """The bf16 and wgmma copies come from one compiled program each, run once a layer (one
+    program over the layers held every layer's kernels: 196 dequantization kernels for
+    the 1.5B), and each layer's copy is that layer's own weight."""
+    import pallas_kernels
+    from pallas_kernels import wgmma_nvfp4
+
+    _, params = fusable_nvfp4_model
+    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
+    dense_names, wgmma_names = ("o_proj", "down_proj"), ("gate_proj", "up_proj")
+    before = weights_module._dense_layer_jit._cache_size(), weights_module._wgmma_layer_jit._cache_size()
+    split = weights_module.split_layers(params, backend, dense_names, wgmma_names)
+    after = weights_module._dense_layer_jit._cache_size(), weights_module._wgmma_layer_jit._cache_size()
+    assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
+    stacks = params["base"]["layers"]
+    num_layers = stacks["o_proj"]["w"].codes.shape[0]
+    assert len(split["layers"]) == num_layers > 1
+    for layer in range(num_layers):
+        base = split["layers"][layer]["base"]
+        for name in dense_names:
+            stack = stacks[name]["w"]
+            want = (
+                pallas_kernels.dequantize_bf16(stack, layer=layer)
+                if backend == "pallas"
+                else dequantize(jax.tree.map(lambda a, i=layer: a[i], stack), jnp.bfloat16)
+            )
+            np.testing.assert_array_equal(np.asarray(base[name]["w"], np.float32), np.asarray(want, np.float32))
+        fused = base["gate_proj+up_proj"]["w"].w
+        want = wgmma_nvfp4.concat(
+            [wgmma_nvfp4.from_packed(jax.tree.map(lambda a, i=layer: a[i], stacks[n]["w"])) for n in wgmma_names]
+        )
+        for got_leaf, want_leaf in zip(jax.tree.leaves(fused), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(got_leaf), np.asarray(want_leaf))
+
+
 def test_wgmma_weight_names_take_fusable_groups_whole(fusable_nvfp4_model):
     """The small k/v (dense copies by default) join q in the kernel: one fused q/k/v call."""
     _, params = fusable_nvfp4_model

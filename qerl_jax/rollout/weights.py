@@ -93,7 +93,7 @@ def split_layers(
     to_wgmma = {n: w for n, w in packed.items() if n in wgmma_names}
     to_dense = {n: w for n, w in packed.items() if dense_names is None or n in dense_names}
     if dense_backend is not None and to_dense:
-        for layer, dense in enumerate(_dense_layers_jit(to_dense, dense_backend, act_dtype)):
+        for layer, dense in enumerate(_each_layer(_dense_layer_jit, to_dense, dense_backend, act_dtype)):
             for name, w in dense.items():
                 layers[layer]["base"][name]["w"] = w
         packed = {n: w for n, w in packed.items() if n not in to_dense}
@@ -103,7 +103,7 @@ def split_layers(
         # Those still packed stay in "packed" (the prefill reads them in place); `layer_vars`
         # pairs them with these copies. A reference to a whole stack in every layer's variables
         # instead made the decode loop copy the stacks every step (+1.1 ms, H100, 7B).
-        for layer, repacked in enumerate(_wgmma_layers_jit(to_wgmma)):
+        for layer, repacked in enumerate(_each_layer(_wgmma_layer_jit, to_wgmma)):
             for name, w in repacked.items():
                 entry = layers[layer]["base"].setdefault(name, {})
                 entry["w"] = ByRows(w, entry["w"], max_rows=wgmma_nvfp4.MAX_ROWS) if "w" in entry else w
@@ -184,24 +184,20 @@ def fused_groups(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return tuple(g for g in FUSED_GROUPS if set(g) <= set(names))
 
 
-def _wgmma_layers(packed: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each stacked NVFP4 weight repacked for the wgmma kernel, per layer {name: `WgmmaWeight`};
-    the complete groups of FUSED_GROUPS concatenated into {fused_name: `Fused`} instead."""
+def _wgmma_layer(packed: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
+    """Each stacked NVFP4 weight's layer `layer` (int32 []) repacked for the wgmma kernel,
+    {name: `WgmmaWeight`}; the complete groups of FUSED_GROUPS concatenated into {fused_name: `Fused`}."""
     from pallas_kernels import wgmma_nvfp4
 
-    groups = fused_groups(tuple(packed))
-    out = []
-    for layer in _unstack(packed):
-        repacked = {name: wgmma_nvfp4.from_packed(w) for name, w in layer.items()}
-        for group in groups:
-            ws = [repacked.pop(name) for name in group]
-            fused = wgmma_nvfp4.concat(ws)
-            repacked[fused_name(group)] = Fused(fused, tuple(w.shape[0] for w in ws), max_rows=wgmma_nvfp4.MAX_ROWS)
-        out.append(repacked)
-    return out
+    repacked = {name: wgmma_nvfp4.from_packed(jax.tree.map(lambda a: a[layer], w)) for name, w in packed.items()}
+    for group in fused_groups(tuple(packed)):
+        ws = [repacked.pop(name) for name in group]
+        fused = wgmma_nvfp4.concat(ws)
+        repacked[fused_name(group)] = Fused(fused, tuple(w.shape[0] for w in ws), max_rows=wgmma_nvfp4.MAX_ROWS)
+    return repacked
 
 
-_wgmma_layers_jit = jax.jit(_wgmma_layers)
+_wgmma_layer_jit = jax.jit(_wgmma_layer)
 
 
 def _stacked_loras(layer_loras: list[dict[str, Any]], groups: tuple) -> list[dict[str, Any]]:
@@ -217,20 +213,31 @@ def _stacked_loras(layer_loras: list[dict[str, Any]], groups: tuple) -> list[dic
 _stacked_loras_jit = jax.jit(_stacked_loras, static_argnums=1)
 
 
-def _dense_layers(packed: dict[str, Any], backend: str, dtype: str) -> list[dict[str, jax.Array]]:
-    """Each stacked packed weight dequantized, one [N, K] array per layer: bf16 by the Pallas
-    dequantization kernel, or `dtype` (the activations') by `dequantize` for "xla"."""
-    num_layers = next(iter(packed.values())).codes.shape[0]
+def _dense_layer(packed: dict[str, Any], layer: jax.Array, backend: str, dtype: str) -> dict[str, jax.Array]:
+    """Each stacked packed weight's layer `layer` (int32 []) dequantized, {name: [N, K]}: bf16 by
+    the Pallas dequantization kernel (reading the layer's rows in place), or `dtype` (the
+    activations') by `dequantize` for "xla"."""
     if backend == "pallas":
         import pallas_kernels  # only needed on this path
 
-        deq = lambda stack, layer: pallas_kernels.dequantize_bf16(stack, layer=layer)  # noqa: E731
-    else:
-        deq = lambda stack, layer: dequantize(jax.tree.map(lambda a: a[layer], stack), dtype)  # noqa: E731
-    return [{name: deq(stack, layer) for name, stack in packed.items()} for layer in range(num_layers)]
+        return {name: pallas_kernels.dequantize_bf16(stack, layer=layer) for name, stack in packed.items()}
+    return {name: dequantize(jax.tree.map(lambda a: a[layer], stack), dtype) for name, stack in packed.items()}
 
 
-_dense_layers_jit = jax.jit(_dense_layers, static_argnums=(1, 2))
+_dense_layer_jit = jax.jit(_dense_layer, static_argnums=(2, 3))
+
+
+def _each_layer(program: Callable[..., Any], stacked: dict[str, Any], *static: Any) -> list[Any]:
+    """[program(stacked, l, *static) for every layer l]: one compiled program, run once a layer.
+
+    One program over all the layers holds every layer's kernels: for the 1.5B's NVFP4 copies that
+    was 196 Pallas dequantization kernels to lower (2.7 s) and 28 layers of wgmma repacking to
+    compile (9.5 s), on a 2-core CPU for an H100 (`benchmarks/devtools/compile_census.py`); one
+    layer's program takes 0.2 s and 0.6 s. The layer index is traced, so every layer runs the same
+    kernels; the per-layer results are the buffers the decode reads.
+    """
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    return [program(stacked, np.int32(layer), *static) for layer in range(num_layers)]
 
 
 def _unstack(stacked):
