@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -143,15 +144,22 @@ def h100_device(spec_path: str = SPEC):
 
 @contextlib.contextmanager
 def as_if_hopper():
-    """Makes `wgmma_nvfp4.available()` true while tracing, as on the H100 the program is for."""
+    """While tracing, the programs are those of the H100 they are compiled for: `wgmma_nvfp4.available()`
+    is true and the Pallas Triton kernels are lowered as kernels, not for the CPU's interpreter."""
     from pallas_kernels import wgmma_nvfp4  # noqa: PLC0415
 
-    available = wgmma_nvfp4.available
+    # the modules (the package exports functions of the same names)
+    triton_modules = [importlib.import_module(f"pallas_kernels.{m}") for m in ("quant_matmul", "decode_attention")]
+    available, resolves = wgmma_nvfp4.available, [m._resolve_interpret for m in triton_modules]
     wgmma_nvfp4.available = lambda: True
+    for module in triton_modules:
+        module._resolve_interpret = lambda interpret: False if interpret is None else bool(interpret)
     try:
         yield
     finally:
         wgmma_nvfp4.available = available
+        for module, resolve in zip(triton_modules, resolves):
+            module._resolve_interpret = resolve
 
 
 def rollout_setup(
