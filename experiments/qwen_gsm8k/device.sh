@@ -2,6 +2,7 @@
 # Device passes of the Qwen2.5-Coder-1.5B / GSM8K experiment, run from the repo root on the GPU
 # machine with .whl (the py3.12 wheels the machine lacks) carried and the GGUF's raw parts already
 # moved to /tmp/parts (one 50 MiB part per call: `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`).
+# `bash experiments/gpu_inputs.sh` lays out .whl, .gpu/data and the parts on the CPU machine.
 #   bash experiments/qwen_gsm8k/device.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
 #   bash experiments/qwen_gsm8k/device.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
 #   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
