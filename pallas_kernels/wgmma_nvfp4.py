@@ -435,7 +435,7 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
     def wgmma_nvfp4_stream(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
         cta = jax.lax.axis_index("c")
         # Every index here is >= 0, so lax.div / lax.rem equal // and %; jnp's floor versions add
-        # sign corrections whose Mosaic GPU lowering took ~3.6 s of Python per program (4 kernels).
+        # sign corrections whose Mosaic GPU lowering took ~3 s of Python per program (4 kernels).
         start = div(cta * flat, ctas)
         length = div((cta + 1) * flat, ctas) - start
         first_group = div(start, steps)

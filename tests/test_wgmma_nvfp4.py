@@ -232,7 +232,7 @@ def test_kernel_path_equals_the_matmul(monkeypatch, m):
 
 def test_kernel_index_arithmetic_has_no_sign_corrections():
     """The kernel's grid and block indices are >= 0 and use lax.div / lax.rem: jnp's // and % add
-    `sign` corrections whose Mosaic GPU lowering cost ~3.6 s of Python for the 1.5B decode program
+    `sign` corrections whose Mosaic GPU lowering cost ~3 s of Python for the 1.5B decode program
     (4 kernels), in every process that lowers it, warm compilation cache or not. Traced on the CPU."""
     from jax._src import core
 
