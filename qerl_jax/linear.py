@@ -48,11 +48,16 @@ class ByRows:
 class Fused:
     """Projections of one input stacked along N into one weight `w` ([sum(sizes), K], rows in the
     order of the projections), for matmuls of at most `max_rows` rows: one kernel call instead of
-    several (e.g. q/k/v and gate/up in the rollout's decode steps). See `fused_linear`."""
+    several (e.g. q/k/v and gate/up in the rollout's decode steps). See `fused_linear`.
+
+    lora_rows: when > 0, `w` has that many more rows below the projections' ([sum(sizes) + R, K]):
+    their adapters' A, stacked as `stack_loras` stacks them, so the adapters' first matmul rides on
+    the base one (a dense weight only)."""
 
     w: Any
     sizes: tuple[int, ...] = struct.field(pytree_node=False)
     max_rows: int = struct.field(pytree_node=False)
+    lora_rows: int = struct.field(pytree_node=False, default=0)
 
 
 def _take_layer(w: LayerOf) -> jax.Array | PackedWeight:
@@ -154,17 +159,24 @@ def fused_linear(
 ) -> list[jax.Array]:
     """[`linear`(x, W_i, bias=biases[i], lora=LoRA_i) for each projection i of `fused`], with one
     matmul for the base weights (x [..., K] with at most fused.max_rows rows of K) and two for
-    the adapters: `lora` is the projections' adapters stacked by `stack_loras`, or None."""
+    the adapters (one where `fused.lora_rows` holds their A): `lora` is the projections' adapters
+    stacked by `stack_loras`, or None."""
     x_MxK = x.reshape(-1, x.shape[-1])
     if x_MxK.shape[0] > fused.max_rows:
         raise ValueError(f"this fused weight serves at most {fused.max_rows} rows; got {x_MxK.shape[0]}")
     if len(biases) != len(fused.sizes):
         raise ValueError(f"{len(fused.sizes)} projections need as many biases; got {len(biases)}")
+    if fused.lora_rows and (lora is None or lora["b"].shape[1] != fused.lora_rows):
+        got = None if lora is None else lora["b"].shape[1]
+        raise ValueError(f"this fused weight holds the A of a rank-{fused.lora_rows} stacked LoRA; got rank {got}")
     y_MxN = base_matmul(x_MxK, fused.w, backend)
+    n = sum(fused.sizes)
     if lora is not None:
-        if lora["b"].shape[0] != y_MxN.shape[1]:
-            raise ValueError(f"the stacked LoRA B has {lora['b'].shape[0]} rows; the fused weight {y_MxN.shape[1]}")
-        y_MxN = y_MxN + _lora_delta(x_MxK, lora, lora_scale)
+        if lora["b"].shape[0] != n:
+            raise ValueError(f"the stacked LoRA B has {lora['b'].shape[0]} rows; the fused weight {n}")
+        with jax.named_scope("lora"):
+            h_MxR = y_MxN[:, n:] if fused.lora_rows else matmul_nt(x_MxK, lora["a"])
+            y_MxN = y_MxN[:, :n] + _lora_up(h_MxR, lora["b"], lora_scale, x_MxK.dtype)
     splits = np.cumsum(fused.sizes)[:-1].tolist()
     return [
         _finish(x, x_MxK, y_i, bias, None, lora_scale)
@@ -204,8 +216,12 @@ def _lora_delta(x_MxK: jax.Array, lora: dict[str, Any], scale: float) -> jax.Arr
     delta's cotangent then reaches B's matmul as is, instead of as a scaled copy of an [M, N]
     array per projection (H100, 7B LoRA train step: 0.16 s of 3.6)."""
     with jax.named_scope("lora"):
-        h_MxR = matmul_nt(x_MxK, lora["a"])
-        return matmul_nt((scale * h_MxR).astype(x_MxK.dtype), lora["b"])
+        return _lora_up(matmul_nt(x_MxK, lora["a"]), lora["b"], scale, x_MxK.dtype)
+
+
+def _lora_up(h_MxR: jax.Array, b_NxR: jax.Array, scale: float, dtype) -> jax.Array:
+    """float32 (scale * h, rounded to `dtype`) @ B.T [M, N]: the adapter's second matmul."""
+    return matmul_nt((scale * h_MxR).astype(dtype), b_NxR)
 
 
 def _finish(x, x_MxK, y_MxN, bias, lora, lora_scale) -> jax.Array:

@@ -43,6 +43,32 @@ def test_fused_linear_equals_one_linear_per_projection(packed):
         np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_weight_holding_the_adapters_a_equals_the_separate_adapter(dtype):
+    """`Fused.lora_rows`: the stacked A below the weight's rows, its product taken from the base
+    matmul, gives what the separate adapter matmuls give (float32: to rounding; bf16: each
+    output within a bf16 ulp; the order of float32 sums differs), also for one projection alone
+    (o_proj, down_proj)."""
+    k = 64
+    for sizes in ((64, 32, 32), (48,)):
+        projs = [_projection(jax.random.key(i), n, k) for i, n in enumerate(sizes)]
+        biases = [b for _, b, _ in projs]
+        stacked = stack_loras([lora for _, _, lora in projs], sizes)
+        stacked = jax.tree.map(lambda a: a.astype(dtype), stacked)
+        w = jnp.concatenate([w for w, _, _ in projs]).astype(dtype)
+        x = jax.random.normal(jax.random.key(9), (2, 3, k), jnp.float32).astype(dtype)
+        separate = fused_linear(x, Fused(w, sizes, max_rows=6), biases=biases, lora=stacked, lora_scale=0.5)
+        rank = stacked["a"].shape[0]
+        holding = Fused(jnp.concatenate([w, stacked["a"]]), sizes, max_rows=6, lora_rows=rank)
+        got = fused_linear(x, holding, biases=biases, lora=stacked, lora_scale=0.5)
+        for y, want in zip(got, separate, strict=True):
+            assert y.shape == want.shape and y.dtype == want.dtype
+            tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2**-7, atol=2**-7)
+            np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), **tol)
+    with pytest.raises(ValueError, match="holds the A of a rank-4 stacked LoRA; got rank None"):
+        fused_linear(x, Fused(jnp.ones((52, k)), (48,), max_rows=6, lora_rows=4), biases=[None])
+
+
 def test_stack_loras_is_block_diagonal():
     """A's stacked, B's on the diagonal (a projection without an adapter gets zero rows)."""
     a0, b0 = jnp.full((2, 4), 1.0), jnp.full((3, 2), 2.0)

@@ -212,8 +212,10 @@ def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir,
 
 def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(f32_model, monkeypatch):
     """A dense policy's q/k/v and gate/up are concatenated once per call (one dot each, biases
-    kept per projection, the adapters stacked with a block-diagonal B); float32: the same tokens
-    and log-probs as the projections one by one, and the estimate counts the stacked adapters."""
+    kept per projection, the adapters stacked with a block-diagonal B, their stacked A below the
+    weight's rows), o_proj and down_proj each with its adapter's A below its rows; float32: the
+    same tokens and log-probs as the projections one by one, and the estimate counts the stacked
+    adapters and the A rows."""
     from qerl_jax.linear import Fused
 
     config, params, _ = f32_model
@@ -223,16 +225,28 @@ def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(
     qkv, gate_up = base["q_proj+k_proj+v_proj"]["w"], base["gate_proj+up_proj"]["w"]
     hd, d = config.head_dim, config.hidden_size
     sizes = (config.num_attention_heads * hd, config.num_key_value_heads * hd, config.num_key_value_heads * hd)
-    assert isinstance(qkv, Fused) and qkv.sizes == sizes and qkv.w.shape == (sum(sizes), d)
-    assert isinstance(gate_up, Fused) and gate_up.w.shape == (2 * config.intermediate_size, d)
-    assert "w" not in base["k_proj"] and "b" in base["k_proj"] and "w" in base["o_proj"]
+    assert isinstance(qkv, Fused) and qkv.sizes == sizes and qkv.w.shape == (sum(sizes) + 12, d)
+    assert qkv.lora_rows == 12 and gate_up.lora_rows == 8
+    assert isinstance(gate_up, Fused) and gate_up.w.shape == (2 * config.intermediate_size + 8, d)
+    assert "w" not in base["k_proj"] and "b" in base["k_proj"]
     w_k = params["base"]["layers"]["k_proj"]["w"][1]
     np.testing.assert_array_equal(np.asarray(qkv.w[sizes[0] : sizes[0] + sizes[1]]), np.asarray(w_k))
     stacked = lora["q_proj+k_proj+v_proj"]
     assert stacked["a"].shape == (12, d) and stacked["b"].shape == (sum(sizes), 12)
     assert not np.asarray(stacked["b"][sizes[0] : sizes[0] + sizes[1], :4]).any()  # block-diagonal
+    np.testing.assert_array_equal(np.asarray(qkv.w[sum(sizes) :]), np.asarray(stacked["a"]))
+    for name in ("o_proj", "down_proj"):
+        alone = base[name]["w"]
+        w_name = params["base"]["layers"][name]["w"][1]
+        assert isinstance(alone, Fused) and alone.sizes == (w_name.shape[0],) and alone.lora_rows == 4
+        np.testing.assert_array_equal(np.asarray(alone.w[: w_name.shape[0]]), np.asarray(w_name))
+        np.testing.assert_array_equal(np.asarray(alone.w[w_name.shape[0] :]), np.asarray(lora[name]["a"]))
     made = sum(x.nbytes for layer in split["layers"] for g in ("q_proj+k_proj+v_proj", "gate_proj+up_proj")
                for x in jax.tree.leaves(layer["lora"][g]))  # fmt: skip
+    made += sum(
+        w.lora_rows * w.w.shape[1] * w.w.dtype.itemsize
+        for layer in split["layers"] for p in layer["base"].values() if isinstance(w := p.get("w"), Fused)
+    )  # fmt: skip
     assert weights_module.fused_lora_bytes(params, (), ()) == made
     ids, mask = _prompts(config.vocab_size)
     run = lambda: generate(  # noqa: E731
@@ -240,7 +254,9 @@ def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(
     )
     fused = run()
     monkeypatch.setattr(weights_module, "dense_fused_groups", lambda *a: ())
-    assert "q_proj+k_proj+v_proj" not in weights_module.split_layers(params)["layers"][0]["base"]
+    monkeypatch.setattr(weights_module, "UNGROUPED", ())
+    unfused = weights_module.split_layers(params)["layers"][0]["base"]
+    assert "q_proj+k_proj+v_proj" not in unfused and not isinstance(unfused["o_proj"]["w"], Fused)
     one_by_one = run()
     np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(one_by_one.tokens))
     np.testing.assert_allclose(np.asarray(fused.logprobs), np.asarray(one_by_one.logprobs), atol=1e-5)
@@ -530,22 +546,34 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
 
 def test_a_group_with_wgmma_and_dense_copies_reads_each_for_its_rows(fusable_nvfp4_model, monkeypatch):
     """A call with both copies (a large bucket on bf16 copies, small ones on the kernel): each
-    group is one `Fused` whose weight reads the kernel's copy up to its rows, the concatenated
-    bf16 copies above them (before, those rows ran the projections one by one)."""
+    group is a `ByRows` of two `Fused` weights, the kernel's copy up to its rows, the concatenated
+    bf16 copies above them (before, those rows ran the projections one by one), with the stacked
+    adapters' A below the bf16 rows."""
     from pallas_kernels import wgmma_nvfp4
     from qerl_jax.linear import ByRows, Fused, base_matmul
 
     config, params = fusable_nvfp4_model
+    params = {**params, "lora": _random_lora(config, scale=0.2)}
     _fake_hopper_kernel(monkeypatch, [])
     split = weights_module.split_layers(params, "xla", None, tuple(PROJECTIONS))
-    fused = split["layers"][1]["base"]["gate_proj+up_proj"]["w"]
-    assert isinstance(fused, Fused) and fused.max_rows == weights_module.ANY_ROWS and isinstance(fused.w, ByRows)
-    assert isinstance(fused.w.small, wgmma_nvfp4.WgmmaWeight) and fused.w.max_rows == wgmma_nvfp4.MAX_ROWS
+    w = split["layers"][1]["base"]["gate_proj+up_proj"]["w"]
+    assert isinstance(w, ByRows) and w.max_rows == wgmma_nvfp4.MAX_ROWS
+    assert isinstance(w.small, Fused) and isinstance(w.small.w, wgmma_nvfp4.WgmmaWeight) and not w.small.lora_rows
+    assert isinstance(w.large, Fused) and w.large.max_rows == weights_module.ANY_ROWS and w.large.lora_rows == 8
     x = jax.random.normal(jax.random.key(0), (wgmma_nvfp4.MAX_ROWS + 8, config.hidden_size), jnp.bfloat16)
     layer_1 = lambda n: jax.tree.map(lambda a: a[1], params["base"]["layers"][n]["w"])  # noqa: E731
     dense = [dequantize(layer_1(n), jnp.bfloat16) for n in ("gate_proj", "up_proj")]
     want = jnp.concatenate([x.astype(jnp.float32) @ w.astype(jnp.float32).T for w in dense], axis=1)
-    np.testing.assert_allclose(np.asarray(base_matmul(x, fused.w)), np.asarray(want), rtol=1e-2, atol=1e-2)
+    got = base_matmul(x, w.large.w)[:, : want.shape[1]]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2)
+    folded = sum(
+        w.lora_rows * w.w.shape[1] * w.w.dtype.itemsize
+        for layer in split["layers"] for p in layer["base"].values()
+        for w in ([p["w"].large] if isinstance(p.get("w"), ByRows) else [p.get("w")]) if isinstance(w, Fused)
+    )  # fmt: skip
+    assert folded > 0  # the stacked adapters themselves are the wgmma copies' (wgmma_copy_bytes)
+    every = tuple(PROJECTIONS)
+    assert weights_module.fused_lora_bytes(params, every, every) == folded
 
 
 def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():

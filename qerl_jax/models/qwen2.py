@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from qerl_jax.linear import PROJ_OUT, fused_linear, linear, stack_loras
+from qerl_jax.linear import PROJ_OUT, ByRows, Fused, fused_linear, linear, stack_loras
 from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
 
 ATTENTION_PROJECTIONS = PROJECTIONS[:4]
@@ -280,6 +280,9 @@ class DecoderLayer(nn.Module):
     options: ForwardOptions
 
     def _proj(self, name: str, x: jax.Array) -> jax.Array:
+        return self._projs((name,), x)[0]
+
+    def _linear(self, name: str, x: jax.Array) -> jax.Array:
         p = self.get_variable("base", name)
         return linear(
             x,
@@ -295,11 +298,14 @@ class DecoderLayer(nn.Module):
 
     def _projs(self, names: tuple[str, ...], x: jax.Array) -> list[jax.Array]:
         """The projections `names` of x: one matmul where the base variables hold them fused
-        (`fused_name(names)`: a `Fused` weight, e.g. the rollout's decode copies), else one each."""
+        (`fused_name(names)`: a `Fused` weight, e.g. the rollout's decode copies, also of a single
+        projection holding its adapter's A), else one each."""
         group = fused_name(names)
         if self.has_variable("base", group):
-            fused = self.get_variable("base", group)["w"]
-            if x.size // x.shape[-1] <= fused.max_rows:
+            fused, rows = self.get_variable("base", group).get("w"), x.size // x.shape[-1]
+            if isinstance(fused, ByRows):  # e.g. the wgmma kernel's copy up to its rows, bf16 copies above
+                fused = fused.small if rows <= fused.max_rows else fused.large
+            if isinstance(fused, Fused) and rows <= fused.max_rows:
                 # the rollout stores the group's adapters stacked once per call; else stack them here
                 lora = self._lora(group) or stack_loras([self._lora(n) for n in names], fused.sizes)
                 return fused_linear(
@@ -310,7 +316,7 @@ class DecoderLayer(nn.Module):
                     lora_scale=self.options.lora_scale,
                     backend=self.options.backend,
                 )
-        return [self._proj(n, x) for n in names]
+        return [self._linear(n, x) for n in names]
 
     @nn.compact
     def __call__(self, h_BxTxD, cache_kv, positions_BxT, kv_valid_BxS, cache_index, segment_ids_BxT=None):

@@ -14,9 +14,11 @@
   (`ByRows`), so one call can decode a large row bucket on bf16 copies and, once its rows are
   compacted, the small buckets on the kernel.
 - Dense weights (a bf16 policy's, or the bf16 copies) of q/k/v and of gate/up concatenated the
-  same way (`dense_fused_groups`), their adapters stacked: 3 dots instead of 9 for q/k/v and 3
-  instead of 6 for gate/up in every layer of every step (a 1.5B decode step is ~1200 small
-  kernels, so their number sets its time; `benchmarks/RESULTS.md`).
+  same way (`dense_fused_groups`), their adapters stacked, and the stacked A below the weight's
+  rows (`Fused.lora_rows`), as each dense o_proj and down_proj gets its adapter's A: with LoRA,
+  2 dots instead of 9 for q/k/v, 2 instead of 6 for gate/up and 2 instead of 3 for o and down in
+  every layer of every step (a 1.5B decode step is ~700-1200 small kernels, so their number sets
+  its time; `benchmarks/RESULTS.md`).
 
 `decode_weight_names` chooses the copies for a call from its row buckets and the memory budget;
 `layer_copy_bytes`, `dense_copy_bytes`, `wgmma_copy_bytes` and `fused_lora_bytes` are their sizes
@@ -35,7 +37,10 @@ import numpy as np
 
 from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
 from qerl_jax.models.qwen2 import fused_name
-from qerl_jax.projections import FUSED_GROUPS
+from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
+
+# The projections outside FUSED_GROUPS: a dense one alone becomes a `Fused` holding its adapter's A.
+UNGROUPED = tuple(n for n in PROJECTIONS if not any(n in g for g in FUSED_GROUPS))
 from qerl_jax.quant.packed import dequantize, is_packed
 
 # From this many decode rows the Pallas kernels dequantize packed weights to bf16 before a
@@ -107,7 +112,8 @@ def split_layers(
             for name, w in repacked.items():
                 entry = layers[layer]["base"].setdefault(name, {})
                 entry["w"] = ByRows(w, entry["w"], max_rows=wgmma_nvfp4.MAX_ROWS) if "w" in entry else w
-        _add_stacked_loras(layers, fused_groups(tuple(to_wgmma)))
+        groups = fused_groups(tuple(to_wgmma))
+        _add_stacked_loras(layers, groups, {g: layers[0]["base"][fused_name(g)]["w"].sizes for g in groups})
     _fuse_dense_groups(layers, dense_fused_groups(params, tuple(to_dense) if dense_backend is not None else ()))
     return {"top": top, "packed": packed, "layers": layers}
 
@@ -131,30 +137,57 @@ def _on_one_device(w: Any) -> bool:
 def _fuse_dense_groups(layers: list[dict[str, Any]], groups: tuple[tuple[str, ...], ...]) -> None:
     """In place, per layer: each group's dense weights concatenated into one `Fused` under its
     `fused_name` (the members keep their biases), beside the group's wgmma copy where there is one
-    (`ByRows`: the kernel up to its rows), and the group's adapters stacked once."""
-    # Members with a layout of their own (a lone wgmma copy, `ByRows`) stay as they are; every layer alike.
-    groups = tuple(g for g in groups if all(isinstance(layers[0]["base"][n].get("w"), jax.Array) for n in g))
-    if not groups:
+    (`ByRows`: the kernel's `Fused` up to its rows), and the group's adapters stacked once. Where a
+    group has adapters, their stacked A goes below its dense rows (`Fused.lora_rows`), and so does
+    the adapter of each dense projection outside the groups (o_proj, down_proj): the adapters' first
+    matmul rides on the base one, a matmul fewer per projection group in every step."""
+    # Group members with a layout of their own (a lone wgmma copy, `ByRows`) stay as they are; every layer alike.
+    first = layers[0]["base"]
+    adapters = layers[0].get("lora", {})
+    groups = tuple(g for g in groups if all(isinstance(first[n].get("w"), jax.Array) for n in g))
+    singles = tuple(
+        (n,) for n in UNGROUPED
+        if n in adapters and (w := _dense_part(first[n].get("w"))) is not None and _on_one_device(w)
+        and adapters[n]["a"].dtype == w.dtype
+    )  # fmt: skip
+    if not groups and not singles:
         return
+    sizes = {g: tuple(_dense_part(first[n]["w"]).shape[0] for n in g) for g in groups + singles}
+    _add_stacked_loras(layers, tuple(g for g in groups if fused_name(g) not in adapters), sizes)
     for layer in layers:
-        base = layer["base"]
-        for group in groups:
-            ws = tuple(base[n].pop("w") for n in group)
-            w = _concat_jit(ws)
-            entry = base.setdefault(fused_name(group), {})
-            if "w" in entry:  # the wgmma copy (a `Fused` of at most its kernel's rows)
-                w = ByRows(entry["w"].w, w, max_rows=entry["w"].max_rows)
-            entry["w"] = Fused(w, tuple(x.shape[0] for x in ws), max_rows=ANY_ROWS)
-    _add_stacked_loras(layers, tuple(g for g in groups if fused_name(g) not in layers[0].get("lora", {})))
+        base, stacked = layer["base"], layer.get("lora", {})
+        for group in groups + singles:
+            name = fused_name(group)
+            kernel = base[name]["w"] if len(group) > 1 and "w" in base.get(name, {}) else None  # its wgmma `Fused`
+            ws = [base[n].pop("w") for n in group]
+            if isinstance(ws[0], ByRows):  # a projection alone: its wgmma copy up to the kernel's rows
+                kernel, ws = ws[0], [ws[0].large]
+            a = stacked[name]["a"] if name in stacked else None
+            a = a if a is not None and a.dtype == ws[0].dtype else None  # a wider A would widen the weight
+            rows = 0 if a is None else a.shape[0]
+            w = Fused(_concat_jit((*ws, a) if rows else tuple(ws)), sizes[group], max_rows=ANY_ROWS, lora_rows=rows)
+            if kernel is not None:
+                small = kernel.small if isinstance(kernel, ByRows) else kernel
+                w = ByRows(small, w, max_rows=kernel.max_rows)
+            base.setdefault(name, {})["w"] = w
 
 
-def _add_stacked_loras(layers: list[dict[str, Any]], groups: tuple[tuple[str, ...], ...]) -> None:
+def _dense_part(w: Any) -> jax.Array | None:
+    """The dense array a projection's rollout weight computes with above the kernel's rows: the
+    weight itself, or a `ByRows`' large layout, where it is a dense array; else None."""
+    if isinstance(w, ByRows):
+        w = w.large
+    return w if isinstance(w, jax.Array) else None
+
+
+def _add_stacked_loras(
+    layers: list[dict[str, Any]], groups: tuple[tuple[str, ...], ...], sizes: dict[tuple[str, ...], tuple[int, ...]]
+) -> None:
     """In place: each fused group's adapters stacked once per call (`linear.stack_loras`) under
-    its `fused_name`, the sizes read from the group's `Fused` weight."""
+    its `fused_name`, for projections of out sizes `sizes[group]`."""
     if not groups or "lora" not in layers[0]:
         return
-    sizes = tuple(layers[0]["base"][fused_name(g)]["w"].sizes for g in groups)
-    stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple(zip(groups, sizes)))
+    stacked = _stacked_loras_jit([layer["lora"] for layer in layers], tuple((g, sizes[g]) for g in groups))
     for layer, group_loras in zip(layers, stacked, strict=True):
         layer["lora"] = {**layer["lora"], **group_loras}
 
@@ -460,14 +493,23 @@ def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
 
 def fused_lora_bytes(params: dict[str, Any], dense_names: tuple[str, ...], wgmma_names: tuple[str, ...]) -> int:
     """Bytes of the stacked adapters of the dense-fused groups (`dense_fused_groups`) that no
-    wgmma copy already stacked (`wgmma_copy_bytes` counts those)."""
+    wgmma copy already stacked (`wgmma_copy_bytes` counts those), and of the adapters' A that
+    `split_layers` places below those groups' rows and below each dense ungrouped projection's."""
     counted = set(fused_groups(wgmma_names))
-    return _stacked_lora_bytes(params, tuple(g for g in dense_fused_groups(params, dense_names) if g not in counted))
+    groups = dense_fused_groups(params, dense_names)
+    base_layers = params["base"]["layers"]
+    singles = tuple(
+        (n,) for n in UNGROUPED
+        if n in base_layers and (n in dense_names or not is_packed(base_layers[n]["w"]))
+        and _on_one_device(base_layers[n]["w"])
+    )  # fmt: skip
+    stacked = _stacked_lora_bytes(params, tuple(g for g in groups if g not in counted))
+    return stacked + _stacked_lora_bytes(params, groups + singles, with_b=False)
 
 
-def _stacked_lora_bytes(params: dict[str, Any], groups: tuple[tuple[str, ...], ...]) -> int:
+def _stacked_lora_bytes(params: dict[str, Any], groups: tuple[tuple[str, ...], ...], with_b: bool = True) -> int:
     """Bytes of each group's adapters stacked by `linear.stack_loras` (A's concatenated, B's
-    block-diagonal), in the activations' dtype, over all layers."""
+    block-diagonal; only the A's without `with_b`), in the activations' dtype, over all layers."""
     lora = _packed_and_copied(params)[1].get("lora", {})
     base_layers = params["base"]["layers"]
     act_size = act_dtype_of(params).itemsize
@@ -477,5 +519,5 @@ def _stacked_lora_bytes(params: dict[str, Any], groups: tuple[tuple[str, ...], .
         if adapters:
             layers, rank_sum = adapters[0]["a"].shape[0], sum(a["a"].shape[1] for a in adapters)
             n_sum, k = sum(base_layers[n]["w"].shape[-2] for n in group), base_layers[group[0]]["w"].shape[-1]
-            total += layers * rank_sum * (k + n_sum) * act_size
+            total += layers * rank_sum * (k + (n_sum if with_b else 0)) * act_size
     return total
