@@ -86,7 +86,7 @@ def census(fmt: str, args, device) -> list[dict[str, Any]]:
     """One row per program of `fmt`'s first rollout call: name, rows, calls, trace / lower / compile s."""
     import jax  # noqa: PLC0415
 
-    from qerl_jax.rollout import programs, weights  # noqa: PLC0415
+    from qerl_jax.rollout import weights  # noqa: PLC0415
 
     jax.clear_caches()  # a program another format compiled first would come back at once
     with recording_programs(weights, device) as prepared:
@@ -94,22 +94,10 @@ def census(fmt: str, args, device) -> list[dict[str, Any]]:
             args.size, fmt, args.rows, prompt_len=args.prompt_len, new_slots=args.new_slots,
             lora_rank=args.lora_rank, device=device, group_size=args.group_size,
         )  # fmt: skip
-    plan, static = setup["plan"], setup["static"]
     jobs = [(name.strip("_").removesuffix("_jit"), None, count, getattr(weights, name), specs)
             for (name, _), (count, specs) in prepared.items()]  # fmt: skip
-    cache, state = setup["bucket_args"](plan.rows)
-    admit_args = (static, setup["run_params"], cache, state, *setup["admit_inputs"])
-    jobs.append(("admit", plan.rows, 1, programs.admit, admit_args))
-    for bucket in plan.buckets:
-        cache, state = setup["bucket_args"](bucket)
-        step_args = (setup["key"], setup["stop"], setup["scalar"])
-        jobs.append(("decode", bucket, 1, programs.decode, (static, setup["run_params"], cache, state, *step_args)))
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    for big, small in zip(plan.buckets, plan.buckets[1:]):
-        cache, state = setup["bucket_args"](big)
-        keep = jax.ShapeDtypeStruct((small,), "int32", sharding=sharding)
-        valid = jax.ShapeDtypeStruct((small,), "bool", sharding=sharding)
-        jobs.append(("compact", big, 1, programs.compact, (static, cache, state, keep, valid)))
+    for name, bucket, fn, fn_args in hlo_census.rollout_programs(setup, device):
+        jobs.append((name, bucket, 1, fn, (setup["static"], *fn_args)))
     rows = []
     for name, bucket, count, fn, fn_args in jobs:
         with hlo_census.as_if_hopper():

@@ -234,6 +234,30 @@ def rollout_setup(
     )
 
 
+def rollout_programs(setup: dict[str, Any], device) -> list[tuple[str, int, Any, tuple]]:
+    """The programs a call of `setup` (`rollout_setup`) runs besides its weight preparation, as
+    (name, rows, jitted function, shape-only arguments after the static one): the admission of
+    the first bucket, every bucket's decode, each compaction into the next bucket."""
+    import jax  # noqa: PLC0415
+
+    from qerl_jax.rollout import programs  # noqa: PLC0415
+
+    plan, run_params = setup["plan"], setup["run_params"]
+    cache, state = setup["bucket_args"](plan.rows)
+    jobs = [("admit", plan.rows, programs.admit, (run_params, cache, state, *setup["admit_inputs"]))]
+    for bucket in plan.buckets:
+        cache, state = setup["bucket_args"](bucket)
+        step_args = (setup["key"], setup["stop"], setup["scalar"])
+        jobs.append(("decode", bucket, programs.decode, (run_params, cache, state, *step_args)))
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    for big, small in zip(plan.buckets, plan.buckets[1:]):
+        cache, state = setup["bucket_args"](big)
+        keep = jax.ShapeDtypeStruct((small,), "int32", sharding=sharding)
+        valid = jax.ShapeDtypeStruct((small,), "bool", sharding=sharding)
+        jobs.append(("compact", big, programs.compact, (cache, state, keep, valid)))
+    return jobs
+
+
 def decode_step_hlo(
     size: str, fmt: str, rows: int, *, prompt_len: int, new_slots: int, lora_rank: int, device
 ) -> tuple[str, dict[str, Any]]:

@@ -26,9 +26,7 @@ GIB = 2**30
 
 
 def measure(fmt: str, args) -> list[dict]:
-    import jax  # noqa: PLC0415
-
-    from qerl_jax.rollout import cache_bytes, programs  # noqa: PLC0415
+    from qerl_jax.rollout import cache_bytes  # noqa: PLC0415
 
     device = hlo_census.h100_device()
     setup = hlo_census.rollout_setup(
@@ -41,7 +39,7 @@ def measure(fmt: str, args) -> list[dict]:
         device=device,
         group_size=args.group_size,
     )
-    plan, static, run_params = setup["plan"], setup["static"], setup["run_params"]
+    plan, static = setup["plan"], setup["static"]
     mem = plan.memory
     slots = args.prompt_len + args.new_slots
     print(
@@ -53,18 +51,8 @@ def measure(fmt: str, args) -> list[dict]:
         f"{mem.admission / GIB:.2f}, decode {mem.decode / GIB:.2f}, compaction {mem.compaction / GIB:.2f}, "
         f"weight copies {mem.weight_copies / GIB:.2f} = {mem.total / GIB:.2f} GiB"
     )
-    jobs = []
-    cache, state = setup["bucket_args"](plan.rows)
-    jobs.append(("admit", plan.rows, programs.admit, (run_params, cache, state, *setup["admit_inputs"]), mem.admission))
-    for bucket in plan.buckets:
-        cache, state = setup["bucket_args"](bucket)
-        decode_args = (run_params, cache, state, setup["key"], setup["stop"], setup["scalar"])
-        jobs.append(("decode", bucket, programs.decode, decode_args, mem.decode))
-    for big, small in zip(plan.buckets, plan.buckets[1:]):
-        cache, state = setup["bucket_args"](big)
-        keep = jax.ShapeDtypeStruct((small,), "int32", sharding=jax.sharding.SingleDeviceSharding(device))
-        valid = jax.ShapeDtypeStruct((small,), "bool", sharding=jax.sharding.SingleDeviceSharding(device))
-        jobs.append(("compact", big, programs.compact, (cache, state, keep, valid), mem.compaction))
+    estimates = {"admit": mem.admission, "decode": mem.decode, "compact": mem.compaction}
+    jobs = [(*job, estimates[job[0]]) for job in hlo_census.rollout_programs(setup, device)]
     rows = []
     for name, bucket, fn, fn_args, estimate in jobs:
         t0 = time.perf_counter()
