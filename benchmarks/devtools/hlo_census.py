@@ -11,7 +11,8 @@ XLA's GPU compiler runs without a device when it is given the device's descripti
 (format, batch), `generate`'s decode program is lowered with shape-only Qwen2.5 params
 (benchmarks/common.py under `jax.eval_shape`, so a 7B model needs no memory), with the
 weight copies `generate` makes on a Hopper GPU (`decode_weight_names`; the wgmma kernel is
-taken as available), compiled for the H100, and the while loop's body (one decode step) of
+taken as available) and its decode attention there (the Pallas kernel; Pallas kernels lowered as
+kernels, not for the CPU's interpreter), compiled for the H100, and the while loop's body (one decode step) of
 the optimized HLO is walked: every instruction that launches a kernel is counted, by kind.
 
 What it is for: in a decode step each launch costs ~2 us with its gap (KERNEL_NOTES.md, "The 7B
@@ -200,7 +201,8 @@ def rollout_setup(
     static = programs.Static(
         config=config,
         sampling=SamplingConfig(temperature=1.0),
-        options=ForwardOptions(lora_scale=1.0, backend=backend),
+        # generate's default decode attention on a GPU (`decode_attention_backend`): the Pallas kernel
+        options=ForwardOptions(lora_scale=1.0, backend=backend, decode_attention="pallas"),
         new_slots=new_slots,
         cache_dtype="bfloat16",
     )
