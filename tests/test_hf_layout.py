@@ -56,3 +56,12 @@ def test_parse_config_names_the_file_and_the_problem():
         parse_config({**raw, "num_key_value_heads": 3}, "x/config.json")
     with pytest.raises(CheckpointError, match=r"x/config.json: expected a JSON object, got list"):
         parse_config([raw], "x/config.json")
+
+
+def test_config_names_the_transformers_version_that_reads_it():
+    """transformers 5.17 takes a local config.json without `transformers_version` for an old Mistral
+    one and warns on every tokenizer load (the GPU machine's runs printed it at each start)."""
+    import importlib.metadata
+
+    raw = hf_config_dict(QWEN2)
+    assert raw["transformers_version"] == importlib.metadata.version("transformers")

@@ -3,6 +3,7 @@ names and shapes, config.json <-> ModelConfig, and the error both raise."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 from qerl_jax.models.qwen2 import ModelConfig, projection_shapes
@@ -121,4 +122,10 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     }
     if config.model_type == "qwen2":
         out["use_sliding_window"] = False
+    try:
+        # transformers 5.x (5.17 at least) takes a local config.json without this field for an old
+        # Mistral one and warns on every tokenizer load that its tokenization is wrong (it is not).
+        out["transformers_version"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     return out
