@@ -17,7 +17,8 @@ median 300 tokens, clipped at 2048 so that ~5% of the rows run to the cap; seede
 each row's token limit (ours: `generate(max_new_tokens_per_seq=...)`; transformers: a logits
 processor forcing EOS at the row's length, banning it before). Rows: NVFP4 and bf16 with
 continuous batching (refill, compaction into 64 / 16 rows, length-aware decode attention with
---attention), and transformers' generate (static cache, torch.compile on CUDA). Per row: wall time of the first
+--attention), NVFP4 decoding from its bf16 copies at every row count (`nvfp4:xla`, no W4A16 or
+wgmma kernel), and transformers' generate (static cache, torch.compile on CUDA). Per row: wall time of the first
 call (compile included), compile time (the engine compiles its programs up front, concurrently),
 rollout time (wall - compile; the best of the first and warm calls), generated tokens/s, peak
 memory and the engine's estimate. (The fixed-batch schedule's rows, the engine before continuous
@@ -118,6 +119,9 @@ GSM8K_WORKERS = (
     ("nvfp4:pallas", (("continuous", {}, 1),)),
     ("bf16:xla", (("continuous", {}, 1),)),
     ("transformers", ()),
+    # NVFP4 decoding from its per-call bf16 copies at every row count (no W4A16 / wgmma kernel):
+    # what the kernels' buckets win or lose against the same weights as dense dots.
+    ("nvfp4:xla", (("continuous", {}, 1),)),
 )
 FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
 # One subprocess each, in order of importance: the last ones are the first cut by --deadline.
@@ -659,7 +663,9 @@ def gsm8k_report(results: list[dict], args) -> dict:
     lines = [header, "-" * len(header)]
     gb = lambda x: f"{x / 1e9:.1f}" if x else "-"  # noqa: E731
     for r in rows:
-        name = f"{r['format']} {r.get('variant', '')}" + (f" [{r['attention']} attn]" if r.get("attention") else "")
+        name = f"{r['format']} {r.get('backend', '')} {r.get('variant', '')}" + (
+            f" [{r['attention']} attn]" if r.get("attention") else ""
+        )
         if "error" in r:
             lines.append(f"{name:<42}  ERROR {r['error'][:90]}")
             continue
@@ -672,13 +678,24 @@ def gsm8k_report(results: list[dict], args) -> dict:
             f"{gb(r.get('estimated_peak_bytes')):>9}"
         )
 
-    def find(fmt, variant):
-        return next((r for r in rows if r["format"] == fmt and r.get("variant") == variant and "error" not in r), None)
+    def find(fmt, variant, backend=None):
+        return next(
+            (
+                r
+                for r in rows
+                if r["format"] == fmt
+                and r.get("variant") == variant
+                and backend in (None, r.get("backend"))
+                and "error" not in r
+            ),
+            None,
+        )
 
-    nv, bf, hf = find("nvfp4", "continuous"), find("bf16", "continuous"), find("transformers", "static batch")
+    nv, bf, hf = find("nvfp4", "continuous", "pallas"), find("bf16", "continuous"), find("transformers", "static batch")
     ratios = {}
     for label, a, b in (
         ("NVFP4 / bf16 (continuous)", nv, bf),
+        ("NVFP4 without its kernels (bf16 copies) / bf16 (continuous)", find("nvfp4", "continuous", "xla"), bf),
         ("NVFP4 / transformers", nv, hf),
         ("bf16 / transformers", bf, hf),
     ):
