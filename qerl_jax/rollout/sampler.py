@@ -64,7 +64,8 @@ class RolloutOptions:
       backend "pallas" and a row bucket of at most WGMMA_MAX_ROWS rows, when the copies fit;
       False never (the Triton kernel reads them in place). The copies of q/k/v and of gate/up
       are concatenated per layer and run as one call each. With bf16 copies as well, buckets
-      above the kernel's rows read those.
+      above the kernel's rows read those; the kernel's buckets leave the small projections on
+      their copies, as a call of those buckets alone does.
     smaller_rows: the row buckets the tail is compacted into (those below the call's rows;
       default `scheduler.DEFAULT_SMALLER_ROWS`); () never compacts.
     decode_attention: "xla" (a masked softmax over the whole cache) or "pallas" (the kernel

@@ -432,18 +432,25 @@ def decode_weight_names(
     (`wgmma_weight_names`). Copies of every packed projection (for the buckets above the
     kernel's rows) and wgmma copies (for those at most WGMMA_MAX_ROWS) coexist: a projection with
     both reads the one for its rows (`split_layers`). Small bf16 copies are dropped for the
-    projections the kernel runs (a small projection that completes a fused group goes to it)."""
+    projections the kernel runs (a small projection that completes a fused group goes to it).
+    The kernel gets the projections it gets in a call of its rows alone: a call with larger
+    buckets too (copies of everything) still leaves it the small ones that such a call keeps on
+    their copies (at 1.5B q/k/v/o, decoded faster there, with their adapters' A folded in)."""
     dense = dense_weight_names(
         params, dense_weights, backend=backend, rows=rows, fits=fits
     )
     dense_bytes = dense_copy_bytes(params, dense)
-    all_dense = bool(dense) and dense == packed_names(params)
+    packed = packed_names(params)
+    all_dense = bool(dense) and dense == packed
+    kernel_rows = tuple(r for r in _rows_tuple(rows) if r <= WGMMA_MAX_ROWS) or rows
+    alone = dense_weight_names(params, dense_weights, backend=backend, rows=kernel_rows, fits=fits)
+    exclude = () if alone == packed else alone
     wgmma = wgmma_weight_names(
         params,
         wgmma_weights,
         backend=backend,
         rows=rows,
-        exclude=() if all_dense else dense,
+        exclude=exclude,
         fits=lambda extra: fits(dense_bytes + extra),
     )
     if all_dense:
