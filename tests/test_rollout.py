@@ -450,8 +450,10 @@ def test_a_call_with_smaller_buckets_gives_the_kernel_what_its_small_bucket_alon
 
     monkeypatch.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
     config = model_config(size)
-    lora = init_lora(jax.random.key(1), config, LoraConfig(rank=16, alpha=32.0))
-    params = jax.eval_shape(lambda: with_lora(random_params(config, quant="nvfp4", seed=0), lora))
+    lora = LoraConfig(rank=16, alpha=32.0)
+    params = jax.eval_shape(  # shapes only
+        lambda: with_lora(random_params(config, quant="nvfp4", seed=0), init_lora(jax.random.key(1), config, lora))
+    )
     every = tuple(sorted(PROJECTIONS))
     choose = functools.partial(weights_module.decode_weight_names, params, None, None, backend="pallas")
     dense_alone, kernel_alone = choose(rows=16)
