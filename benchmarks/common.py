@@ -348,7 +348,9 @@ def timed_generate(
     at the cache size of sampling.max_new_tokens). Timings: "prefill_s" (the one-token call:
     weight copies, admissions, first tokens), "decode_s" (the full call's wall time less that),
     "wall_s", "steps" (1 + the decode steps of every segment), "decode_steps", "rows" (the first
-    row bucket), "estimated_bytes" (the engine's memory estimate) and "wgmma_copy_bytes".
+    row bucket), "estimated_bytes" (the engine's memory estimate), "wgmma_copy_bytes", and the
+    call's plan: "dense_names", "wgmma_names", "buckets" (rows, then the smaller buckets) and
+    "segment_steps" (`RolloutBatch.steps`).
     """
     total = np.asarray(prompt_ids).shape[0] * group_size
     limits = max_new_tokens_per_seq
@@ -384,4 +386,10 @@ def timed_generate(
         "rows": plan.rows,
         "estimated_bytes": plan.memory.total,
         "wgmma_copy_bytes": weights.wgmma_copy_bytes(params, plan.wgmma_names),
+        # the plan the call ran: which projections decode from bf16 copies, which on the wgmma
+        # kernel (at most its rows), and each segment's steps with the buckets they ran at
+        "dense_names": list(plan.dense_names),
+        "wgmma_names": list(plan.wgmma_names),
+        "buckets": [plan.rows, *plan.smaller],
+        "segment_steps": segments.tolist(),
     }

@@ -535,6 +535,12 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
                     rows=cold.get("rows"),
                     segments=int(batch.steps.shape[0]),
                     decode_steps=cold.get("decode_steps"),
+                    # the plan the calls ran (a per-bucket benchmark times its own bucket's plan)
+                    buckets=cold.get("buckets"),
+                    segment_steps=cold.get("segment_steps"),
+                    dense_weights=cold.get("dense_names"),
+                    wgmma_weights=cold.get("wgmma_names"),
+                    warm_compiles=sum(c["compiles"] for c in calls[1:]),
                     first_call_s=cold["wall_s"] + cold["prefill_s"],  # the one-token call compiled
                     # the programs compile (concurrently) in the cold one-token call
                     compile_s=cold["prefill_s"] - min(c["prefill_s"] for c in calls[1:]) if len(calls) > 1 else None,
