@@ -124,14 +124,7 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="1.5B", help="Qwen2.5 size (benchmarks/common.py) or tiny")
-    parser.add_argument("--formats", default="bf16,nvfp4")
-    parser.add_argument("--rows", type=int, default=128, help="sequences decoded at once (the first row bucket)")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-slots", type=int, default=768, help="cache slots for new tokens")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--out", default="", help="JSON path")
+    hlo_census.add_rollout_args(parser, size="1.5B", rows=128, new_slots=768)
     args = parser.parse_args(argv)
 
     import jax  # noqa: PLC0415

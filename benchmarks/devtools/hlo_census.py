@@ -163,6 +163,19 @@ def as_if_hopper():
             module._resolve_interpret = resolve
 
 
+def add_rollout_args(parser: argparse.ArgumentParser, *, size: str, rows: int, new_slots: int) -> None:
+    """The rollout's shape flags that `rollout_setup` takes (and --formats, --out), with the
+    tool's defaults for the size, the first row bucket and the new-token slots."""
+    parser.add_argument("--size", default=size, help="Qwen2.5 size (benchmarks/common.py) or tiny")
+    parser.add_argument("--formats", default="bf16,nvfp4")
+    parser.add_argument("--rows", type=int, default=rows, help="sequences decoded at once (the first row bucket)")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-slots", type=int, default=new_slots, help="cache slots for new tokens")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--out", default="", help="JSON path")
+
+
 def rollout_setup(
     size: str, fmt: str, rows: int, *, prompt_len: int, new_slots: int, lora_rank: int, device, group_size: int = 8
 ) -> dict[str, Any]:

@@ -89,14 +89,7 @@ def measure(fmt: str, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="7B", help="Qwen2.5 size (benchmarks/common.py) or tiny")
-    parser.add_argument("--formats", default="bf16,nvfp4")
-    parser.add_argument("--rows", type=int, default=256, help="sequences decoded at once (the first row bucket)")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-slots", type=int, default=2048, help="cache slots for new tokens")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--out", default="", help="JSON path")
+    hlo_census.add_rollout_args(parser, size="7B", rows=256, new_slots=2048)
     args = parser.parse_args(argv)
     rows = [r for fmt in args.formats.split(",") for r in measure(fmt, args)]
     bad = [r for r in rows if not (r["within_estimate"] and r["in_place"])]
