@@ -38,10 +38,10 @@ import numpy as np
 from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
 from qerl_jax.models.qwen2 import fused_name
 from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
+from qerl_jax.quant.packed import dequantize, is_packed
 
 # The projections outside FUSED_GROUPS: a dense one alone becomes a `Fused` holding its adapter's A.
 UNGROUPED = tuple(n for n in PROJECTIONS if not any(n in g for g in FUSED_GROUPS))
-from qerl_jax.quant.packed import dequantize, is_packed
 
 # From this many decode rows the Pallas kernels dequantize packed weights to bf16 before a
 # cuBLAS dot (the autotune table's "dequant" mode, M > 64), every decode step. `generate`
