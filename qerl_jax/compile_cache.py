@@ -5,7 +5,9 @@ The compiled programs (the rollout's admission and decode programs take 30-120 s
 NVFP4's Pallas kernels double the 1.5B's compile time) and XLA's GPU autotuning results are written
 to one directory, by default `$XDG_CACHE_HOME/qerl_jax/jax_cache` (`~/.cache/...`), so a resumed
 run, an eval after training and a second run of the same config in a new workdir load them instead
-of compiling again. The directory is bounded (least recently used entries go first) and written
+of compiling again. What it cannot hold: the Mosaic GPU (wgmma) kernels, which jaxlib compiles when a
+program loads, in every process; small models (`rollout.weights.KERNEL_MIN_LAYER_WEIGHTS`) do not
+run them by default. The directory is bounded (least recently used entries go first) and written
 under a file lock, so runs side by side can share it.
 """
 

@@ -281,9 +281,10 @@ def test_dense_fused_groups_need_every_member_dense(tiny_qwen2_dir):
 def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir, monkeypatch):
     """Below DENSE_FROM_ROWS the default densifies only the packed matrices of at most
     SMALL_DENSE_WEIGHTS weights (where the kernel loses to a bf16 dot); the others stay packed
-    and are read in place."""
+    and are read in place (a model large enough for the kernels: KERNEL_MIN_LAYER_WEIGHTS)."""
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
+    monkeypatch.setattr(weights_module, "KERNEL_MIN_LAYER_WEIGHTS", 0)
     sizes = {n: p["w"].codes.shape[-2] * 2 * p["w"].codes.shape[-1] for n, p in params["base"]["layers"].items()}
     monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", min(sizes.values()))
     small = weights_module.small_packed_names(params)
@@ -373,6 +374,7 @@ def _fake_hopper_kernel(monkeypatch, widths: list) -> None:
     monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
     monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
     monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
+    monkeypatch.setattr(weights_module, "KERNEL_MIN_LAYER_WEIGHTS", 0)
 
 
 @pytest.fixture(scope="module")
@@ -433,27 +435,35 @@ def test_wgmma_weight_names_take_fusable_groups_whole(fusable_nvfp4_model):
     assert weights_module.fused_groups(("q_proj", "k_proj", "up_proj")) == ()
     with pytest.MonkeyPatch.context() as mp:  # generate's choice: k/v small (dense), then fused
         mp.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
+        mp.setattr(weights_module, "KERNEL_MIN_LAYER_WEIGHTS", 0)
         mp.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
         choice = dict(backend="pallas", rows=16)
         assert weights_module.decode_weight_names(params, None, None, **choice) == ((), every)
         assert weights_module.decode_weight_names(params, None, False, **choice) == (("k_proj", "v_proj"), ())
 
 
-@pytest.mark.parametrize("size", ["1.5B", "7B"])
-def test_a_call_with_smaller_buckets_gives_the_kernel_what_its_small_bucket_alone_gets(size, monkeypatch):
-    """A rollout of 128 rows compacted to 64 and 16 decodes its small buckets with the projections a
-    16-row call gives the kernel: at the 1.5B's shapes the MLP only (the small q/k/v/o decode from
-    their bf16 copies; all seven in the kernel made the H200 claims rollout 2.73 s against 2.26 s
-    from the copies alone), at the 7B's every one (q/o are large, the small k/v join q)."""
+def _shapes_of(size: str) -> dict:
+    """Shape-only NVFP4 params of a Qwen2.5 size with LoRA r16 on every projection."""
     from benchmarks.common import model_config, random_params
     from qerl_jax.lora import LoraConfig, init_lora, with_lora
 
-    monkeypatch.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
     config = model_config(size)
     lora = LoraConfig(rank=16, alpha=32.0)
-    params = jax.eval_shape(  # shapes only
+    return jax.eval_shape(
         lambda: with_lora(random_params(config, quant="nvfp4", seed=0), init_lora(jax.random.key(1), config, lora))
     )
+
+
+@pytest.mark.parametrize("size", ["1.5B", "7B"])
+def test_a_call_with_smaller_buckets_gives_the_kernel_what_its_small_bucket_alone_gets(size, monkeypatch):
+    """A rollout of 128 rows compacted to 64 and 16 decodes its small buckets with the projections a
+    16-row call gives the kernel: at the 1.5B's shapes (taken as large enough for the kernel) the
+    MLP only (the small q/k/v/o decode from their bf16 copies; all seven in the kernel made the H200
+    claims rollout 2.73 s against 2.26 s from the copies alone), at the 7B's every one (q/o are
+    large, the small k/v join q)."""
+    monkeypatch.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
+    monkeypatch.setattr(weights_module, "KERNEL_MIN_LAYER_WEIGHTS", 0)
+    params = _shapes_of(size)
     every = tuple(sorted(PROJECTIONS))
     choose = functools.partial(weights_module.decode_weight_names, params, None, None, backend="pallas")
     dense_alone, kernel_alone = choose(rows=16)
@@ -467,6 +477,33 @@ def test_a_call_with_smaller_buckets_gives_the_kernel_what_its_small_bucket_alon
         assert kernel_all == every and dense_alone == ()
     requested = functools.partial(weights_module.decode_weight_names, params, None, True, backend="pallas")
     assert requested(rows=(128, 64, 16))[1] == requested(rows=16)[1]
+
+
+@pytest.mark.parametrize("size", ["0.5B", "1.5B", "7B"])
+def test_models_below_the_kernel_floor_decode_every_bucket_from_bf16_copies(size, monkeypatch):
+    """By default the 0.5B and 1.5B (6M / 47M packed weights a layer, under
+    KERNEL_MIN_LAYER_WEIGHTS) decode every bucket from bf16 copies of all seven projections, with
+    no wgmma kernel (it compiles in every process and gained nothing in the 1.5B rollout); the 7B
+    (233M) keeps the kernel. Asked for, the kernel still runs; copies that do not fit fall back to
+    the per-bucket plan."""
+    monkeypatch.setattr("pallas_kernels.wgmma_nvfp4.available", lambda: True)
+    params = _shapes_of(size)
+    every = tuple(sorted(PROJECTIONS))
+    per_layer = weights_module.layer_packed_weights(params)
+    choose = functools.partial(weights_module.decode_weight_names, params, backend="pallas")
+    small = size != "7B"
+    assert (per_layer < weights_module.KERNEL_MIN_LAYER_WEIGHTS) == small
+    for rows in (1, 16, (64, 16), (128, 64, 16)):
+        dense, kernel = choose(None, None, rows=rows)
+        if small:
+            assert (dense, kernel) == (every, ())
+        else:
+            assert kernel == every
+    if small:
+        assert choose(None, True, rows=16)[1] != ()  # asked for
+        all_copies = weights_module.dense_copy_bytes(params, every)
+        dense, _ = choose(None, None, rows=16, fits=lambda extra: extra < all_copies)
+        assert dense != every
 
 
 def test_wgmma_weight_names_take_the_largest_units_that_fit(fusable_nvfp4_model):

@@ -58,10 +58,14 @@ class RolloutOptions:
       per-step path would dequantize anyway (backend "xla", or "pallas" with a row bucket of at
       least DENSE_FROM_ROWS rows) and the copies fit in the memory budget; else, on "pallas",
       only for the small projections (SMALL_DENSE_WEIGHTS), where the kernel is slower than a
-      bf16 dot, unless the wgmma kernel runs them fused with a larger one (k/v with q).
+      bf16 dot, unless the wgmma kernel runs them fused with a larger one (k/v with q). A model
+      below KERNEL_MIN_LAYER_WEIGHTS packed weights a layer (Qwen2.5 0.5B and 1.5B) decodes
+      every bucket from copies of all of them by default (with neither wgmma nor dense_weights
+      given), when they fit: its step is bound by its many small kernels, not its weight reads.
     wgmma_weights: repack the NVFP4 projections once per call for the Hopper wgmma decode
       kernel (+4.5 bits per weight while it runs); None (default) does so on a Hopper GPU with
-      backend "pallas" and a row bucket of at most WGMMA_MAX_ROWS rows, when the copies fit;
+      backend "pallas" and a row bucket of at most WGMMA_MAX_ROWS rows, when the copies fit and
+      the model is not below KERNEL_MIN_LAYER_WEIGHTS;
       False never (the Triton kernel reads them in place). The copies of q/k/v and of gate/up
       are concatenated per layer and run as one call each. With bf16 copies as well, buckets
       above the kernel's rows read those; the kernel's buckets leave the small projections on

@@ -20,7 +20,8 @@
   every layer of every step (a 1.5B decode step is ~700-1200 small kernels, so their number sets
   its time; `benchmarks/RESULTS.md`).
 
-`decode_weight_names` chooses the copies for a call from its row buckets and the memory budget;
+`decode_weight_names` chooses the copies for a call from its row buckets, the model's size and the
+memory budget;
 `layer_copy_bytes`, `dense_copy_bytes`, `wgmma_copy_bytes` and `fused_lora_bytes` are their sizes
 (for the estimate).
 """
@@ -60,6 +61,15 @@ SMALL_DENSE_WEIGHTS = 6 * 2**20
 # 7B rollout step 1.5x bf16 at 64 rows with it, 0.96x without; RESULTS.md), q/k/v and gate/up
 # concatenated into one call each (FUSED_GROUPS; k/v then skip their small copies).
 WGMMA_MAX_ROWS = 64
+
+# A model whose layers hold fewer packed weights than this decodes from bf16 copies of them all
+# (when they fit), with neither kernel, by default. Its decode step is bound by its chain of small
+# kernels, not by reading weights, and a Mosaic GPU kernel compiles in every process (when a
+# program loads, outside JAX's persistent cache). H200, 1.5B (47M weights a layer), the claims
+# rollout of 128 rows at 768 tokens: warm 2.28-2.38 s with the kernel on the MLP at <= 64 rows,
+# 2.31 s from the copies; first call 21.4-30.0 s against 20.6 s. The 7B (233M a layer) gains
+# 1.5x at 64 rows from the kernel. Between them (3B: 77M) it is not measured.
+KERNEL_MIN_LAYER_WEIGHTS = 128 * 2**20
 
 # `Fused.max_rows` of the dense concatenations: they serve every matmul (decode and prefill).
 ANY_ROWS = 2**62
@@ -357,6 +367,12 @@ def dense_weight_names(
     return ()
 
 
+def layer_packed_weights(params: dict[str, Any]) -> int:
+    """The number of packed weights in one layer (all its packed projections)."""
+    packed, _ = _packed_and_copied(params)
+    return sum(2 * w.codes.shape[-2] * w.codes.shape[-1] for w in packed.values())
+
+
 def small_packed_names(params: dict[str, Any]) -> tuple[str, ...]:
     """The packed projections of at most SMALL_DENSE_WEIGHTS weights per layer."""
     packed, _ = _packed_and_copied(params)
@@ -435,16 +451,21 @@ def decode_weight_names(
     projections the kernel runs (a small projection that completes a fused group goes to it).
     The kernel gets the projections it gets in a call of its rows alone: a call with larger
     buckets too (copies of everything) still leaves it the small ones that such a call keeps on
-    their copies (at 1.5B q/k/v/o, decoded faster there, with their adapters' A folded in)."""
+    their copies (at 1.5B q/k/v/o, decoded faster there, with their adapters' A folded in).
+    By default a model below KERNEL_MIN_LAYER_WEIGHTS gets copies of everything and no kernel."""
+    every = packed_names(params)
+    small_model = layer_packed_weights(params) < KERNEL_MIN_LAYER_WEIGHTS
+    if dense_weights is None and wgmma_weights is None and backend == "pallas" and every and small_model:
+        if fits(dense_copy_bytes(params, every)):
+            return every, ()
     dense = dense_weight_names(
         params, dense_weights, backend=backend, rows=rows, fits=fits
     )
     dense_bytes = dense_copy_bytes(params, dense)
-    packed = packed_names(params)
-    all_dense = bool(dense) and dense == packed
+    all_dense = bool(dense) and dense == every
     kernel_rows = tuple(r for r in _rows_tuple(rows) if r <= WGMMA_MAX_ROWS) or rows
     alone = dense_weight_names(params, dense_weights, backend=backend, rows=kernel_rows, fits=fits)
-    exclude = () if alone == packed else alone
+    exclude = () if alone == every else alone
     wgmma = wgmma_weight_names(
         params,
         wgmma_weights,
