@@ -31,6 +31,9 @@ checkpointing does three forward passes' worth (forward, recompute, input gradie
 weight gradients. Without recomputation (remat "proj"/"none") the work is smaller, but the
 formula stays the same, so TFLOP/s compare the same useful work.
 
+Where a first call's time goes (`CompileTimeline`): JAX's tracing, lowering and backend-compile
+spans (a persistent-cache load counts as a backend compile), summed and as wall time covered.
+
 Rollout phases (`timed_generate`): the rollout engine keeps no timing hooks; a rollout's prefill
 is timed as the same call with every sequence limited to one token (the same programs: token limits are runtime arguments, so
 nothing new is compiled), and its decode as the rest of the full call's wall time.
@@ -393,3 +396,57 @@ def timed_generate(
         "buckets": [plan.rows, *plan.smaller],
         "segment_steps": segments.tolist(),
     }
+
+
+COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "compile",
+}
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds of wall time inside the union of [start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+class CompileTimeline:
+    """Records JAX's trace / lower / backend-compile spans (every thread) while it is registered.
+
+        timeline = CompileTimeline()
+        t0 = time.time(); f(); t1 = time.time()
+        timeline.summary(t0, t1)   # {"trace_s", "lower_s", "compile_s", "compile_wall_s", ...}
+    """
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, float, float]] = []  # (kind, program, start, end), time.time()
+        jax.monitoring.register_event_time_span_listener(self._record)
+
+    def _record(self, event: str, start: float, end: float, **kw: Any) -> None:
+        kind = COMPILE_EVENTS.get(event)
+        if kind is not None:
+            self.spans.append((kind, str(kw.get("fun_name", "?")), start, end))
+
+    def summary(self, t0: float, t1: float) -> dict[str, Any]:
+        """The spans that ended in [t0, t1]: per kind the summed seconds, the backend compiles' wall
+        time covered ("compile_wall_s", less than their sum when they overlap), every kind's
+        together ("compiling_wall_s"), the rest of the window ("other_s": running, copying,
+        loading kernels) and the five longest backend compiles."""
+        inside = [s for s in self.spans if t0 <= s[3] <= t1]
+        out: dict[str, Any] = {
+            f"{kind}_s": round(sum(e - b for k, _, b, e in inside if k == kind), 3) for kind in ("trace", "lower", "compile")
+        }
+        compiles = [(b, e) for k, _, b, e in inside if k == "compile"]
+        out["compiles"] = len(compiles)
+        out["compile_wall_s"] = round(_covered(compiles), 2)
+        busy = _covered([(max(b, t0), e) for _, _, b, e in inside])
+        out["compiling_wall_s"] = round(busy, 2)
+        out["other_s"] = round(t1 - t0 - busy, 2)
+        longest = sorted((e - b, name) for k, name, b, e in inside if k == "compile")[-5:][::-1]
+        out["longest_compiles"] = [[name, round(secs, 2)] for secs, name in longest]
+        return out

@@ -480,7 +480,7 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
     import numpy as np
 
     import qerl_jax.rollout as rollout
-    from benchmarks.common import timed_generate
+    from benchmarks.common import CompileTimeline, timed_generate
     from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
     from qerl_jax.models.qwen2 import ModelConfig
 
@@ -491,6 +491,7 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compile_events.append(secs) if name.endswith("backend_compile_duration") else None
     )
+    timeline = CompileTimeline()
     t = time.perf_counter()
     params = build_random_params(config, fmt, jax.random.key(0))
     lcfg = LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
@@ -522,11 +523,14 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
                 if rep and time.time() > args.deadline_at:
                     break
                 n_compiles = len(compile_events)
+                t0 = time.time()
                 batch, tm = timed_generate(
                     config, params, ids, np.ones_like(ids), jax.random.key(2), sampling,
                     max_new_tokens_per_seq=lengths, **kw,
                 )  # fmt: skip
                 calls.append(dict(tm, compiles=len(compile_events) - n_compiles))
+                if rep == 0:  # where the first call's time went
+                    row["first_call_timeline"] = timeline.summary(t0, time.time())
                 assert np.asarray(batch.lengths).tolist() == lengths.tolist(), "the rows did not stop at their lengths"
                 cold = calls[0]
                 rollout_s = min(c["wall_s"] for c in calls)  # the full call: its programs compiled before
