@@ -606,3 +606,67 @@ def test_trained_norms_run_resumes_exactly_and_exports_them(tmp_path, tiny_model
     plain = _config(tmp_path / "plain", tiny_model_dir, **{**run, "lora.train_norms": False})
     plain.eval.checkpoint = straight.workdir  # the run's own config decides, not the eval config's
     assert evaluation.load_adapter(run_config.from_config_dict(plain), policy)[1] is not None
+
+
+def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(tmp_path, tiny_model_dir):
+    """`train_batch_like` has the packed shapes and dtypes `make_train_batch` gives a real step's
+    experience (long and short completions): per-sequence arrays equal, rows a multiple of the
+    micro-batch of the same width. After `precompile` on it (what the run does beside its first
+    rollout), the first train step on the real batch compiles neither of its two programs."""
+    from qerl_jax.policy import load_policy
+    from qerl_jax.rollout import prompt_bucket
+    from qerl_jax.rollout.batch import RolloutBatch
+
+    overrides = {"rl.micro_batch_size": 4}  # the real batch: several micro-batches
+    cfg = _run(tmp_path, tiny_model_dir, **overrides)
+    policy = load_policy(cfg)
+    cfg = train._check_memory(cfg, policy)  # remat "auto" resolved, as the run does
+    g, n = cfg.rollout.group_size, cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    p, m = prompt_bucket(cfg.data.max_prompt_len), cfg.rollout.max_new_tokens
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, m + 1, n).astype(np.int32)
+    lengths[0] = m
+    resp = (np.arange(m)[None] < lengths[:, None]).astype(np.int32)
+    starts = rng.integers(p - cfg.data.max_prompt_len, p, n)  # prompts of at most max_prompt_len tokens
+    prompt_mask = (np.arange(p)[None] >= starts[:, None]).astype(np.int32)
+    rollout = RolloutBatch(
+        prompt_ids=jax.numpy.asarray(rng.integers(1, 50, (n, p)) * prompt_mask, np.int32),
+        prompt_mask=jax.numpy.asarray(prompt_mask),
+        tokens=jax.numpy.asarray(rng.integers(1, 50, (n, m)) * resp, np.int32),
+        logprobs=jax.numpy.asarray(-rng.random((n, m)) * resp, np.float32),
+        response_mask=jax.numpy.asarray(resp),
+        lengths=jax.numpy.asarray(lengths),
+        truncated=jax.numpy.asarray(lengths == m),
+        prompt_index=jax.numpy.asarray(np.arange(n) // g, np.int32),
+        steps=jax.numpy.asarray([m], np.int32),
+        group_size=g,
+    )
+    exp = train.Experience(
+        rollout=rollout, answers=[""] * n, completions=[""] * n, prompts=[""] * n,
+        rewards=rng.random(n).astype(np.float32), accuracy=np.zeros(n, np.float32), groups_sampled=n // g,
+        groups_kept=n // g,
+    )  # fmt: skip
+    real, like = train.make_train_batch(cfg, exp), train.train_batch_like(cfg)
+    assert real.keys() == like.keys()
+    mb = cfg.rl.micro_batch_size
+    for k in real:
+        assert real[k].dtype == like[k].dtype, k
+        if k in ("input_ids", "segment_ids"):
+            assert real[k].shape[1:] == like[k].shape[1:] and real[k].shape[0] % mb == like[k].shape[0] % mb == 0
+        else:
+            assert real[k].shape == like[k].shape, k
+    assert real["input_ids"].shape[0] > mb  # the real batch has several micro-batches
+    optimizer, lr_fn = run_config.optimizer_from_config(cfg)
+    state = _train_state_like(_config(tmp_path, tiny_model_dir, **overrides))
+    step = train.make_step(cfg, policy, optimizer, lr_fn)
+    step.precompile(state, policy.frozen, like)
+    compiled = []
+    listener = lambda event, secs, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration") else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        new_state, metrics = step(state, policy.frozen, real)
+        jax.block_until_ready(metrics)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not [name for name in compiled if "micro_fn" in name or "update_fn" in name], compiled
+    assert int(new_state.step) == 1

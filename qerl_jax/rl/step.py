@@ -174,8 +174,9 @@ def make_train_step(
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
     `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
     The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs
-    (`train_step.lower_args` gives their arguments for a batch). A step whose loss or gradient is not
-    finite leaves lora/norms/opt_state/step unchanged and increments the skip counters (see `check_nonfinite`).
+    (`train_step.lower_args` gives their arguments for a batch, `train_step.precompile` compiles
+    them). A step whose loss or gradient is not finite leaves lora/norms/opt_state/step unchanged
+    and increments the skip counters (see `check_nonfinite`).
     state.norms (trained RMSNorm scales, or None) train beside the LoRA: the forward uses them in
     place of frozen["norms"]'s per-layer scales (the LoRA-free reference of beta > 0 keeps the frozen ones).
     Metrics: policy_loss's metrics + grad_norm (before clipping, over LoRA and trained norms), skipped,
@@ -332,7 +333,16 @@ def make_train_step(
         micro_args = ((state.lora, state.norms), frozen, ids, seg, jnp.int32(0), per_seq, ref, acc)
         return micro_args, (state, per_seq, ref, acc)
 
+    def precompile(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None) -> None:
+        """Compiles the two programs for batches of `batch`'s shapes (or loads them from the
+        persistent cache) without running them; a later `train_step` on such a batch compiles
+        nothing. Made to run in a thread beside a rollout (XLA compiles without the GIL)."""
+        micro_args, update_args = lower_args(state, frozen, batch, ref_logp)
+        micro_jit.lower(*micro_args).compile()
+        update_jit.lower(*update_args).compile()
+
     train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
     train_step.update = update_jit
     train_step.lower_args = lower_args
+    train_step.precompile = precompile
     return train_step
