@@ -5,6 +5,8 @@
 # `bash experiments/gpu_inputs.sh` lays out .whl, .gpu/data and the parts on the CPU machine.
 #   bash experiments/qwen_gsm8k/device.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
 #   bash experiments/qwen_gsm8k/device.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
+#   bash experiments/qwen_gsm8k/device.sh eval    # greedy GSM8K test (1319 prompts, 1024 tokens) from qerl_jax.eval:
+#                                                 # bf16, NVFP4, bf16 again, one at a time, each with an empty compile cache
 #   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
 #   bash experiments/qwen_gsm8k/device.sh startup # the 1.5B's first steps (configs/gsm8k.py, NVFP4) with
 #                                                 # benchmarks.devtools.cache_probe: cold, then warm from a copy
@@ -98,6 +100,15 @@ case $PASS in
         > $W/eval_$q.log 2>&1 &
     done
     wait ;;
+  eval)
+    i=0
+    for q in bf16 nvfp4 bf16; do
+      i=$((i + 1)); t=$(date +%s)
+      timeout 250 python3 -m qerl_jax.eval --config=configs/gsm8k.py --config.model.path=$GGUF --config.model.quant=$q \
+        --config.workdir=$W/eval_${i}_$q --config.compile_cache_dir=$W/cc_$i --config.eval.batch_size=1319 \
+        --config.eval.max_new_tokens=1024 > $W/eval_${i}_$q.log 2>&1
+      echo "$q rc=$? wall $(( $(date +%s) - t )) s: $(head -c 600 $W/eval_${i}_$q/eval/summary.json | tr -d '\n ')"
+    done ;;
   bench)
     timeout 60 python3 -m benchmarks.devtools.packed_attention_check > $W/packed_attention_check.log 2>&1
     echo "packed attention check rc=$?"; cat $W/packed_attention_check.log | tail -n 8
