@@ -287,7 +287,9 @@ def _await_precompile(future: concurrent.futures.Future | None) -> None:
     try:
         future.result()
     except Exception as e:  # noqa: BLE001 (the step compiles again; nothing is lost)
-        logging.warning("compiling the train step beside the rollout failed (%s: %s); compiling it now", type(e).__name__, e)
+        logging.warning(
+            "compiling the train step beside the rollout failed (%s: %s); compiling it now", type(e).__name__, e
+        )
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -387,16 +389,18 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
         except CheckpointMismatchError as e:
             raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
 
-    spec_batch = train_batch_like(cfg)
-    if batch_sharding is not None:
-        spec_batch = sharding.shard_batch(spec_batch, mesh)
-    compiling = _precompile_in_background(train_step, state, policy.frozen, spec_batch)
     writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"), purge_step=start if cfg.resume else None)
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}
     with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
+        compiling = None
+        if start < end:
+            spec_batch = train_batch_like(cfg)
+            if batch_sharding is not None:
+                spec_batch = sharding.shard_batch(spec_batch, mesh)
+            compiling = _precompile_in_background(train_step, state, policy.frozen, spec_batch)
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()

@@ -670,3 +670,16 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
         jax.monitoring.unregister_event_duration_listener(listener)
     assert not [name for name in compiled if "micro_fn" in name or "update_fn" in name], compiled
     assert int(new_state.step) == 1
+
+
+def test_a_failed_background_compile_is_a_warning_and_the_step_compiles_itself(caplog):
+    """The train step's compile beside the rollout may fail (e.g. out of memory next to it): the run
+    goes on, the step compiling its programs when it first runs; no compile started, no wait."""
+    import concurrent.futures
+
+    failed = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+    with caplog.at_level("WARNING"):
+        train._await_precompile(failed)
+        train._await_precompile(None)
+    assert "compiling it now" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
