@@ -239,18 +239,24 @@ def make_train_batch(cfg: RunConfig, exp: Experience) -> dict[str, np.ndarray]:
     if cfg.rl.mask_truncated:
         batch["response_mask"] = batch["response_mask"] * (~np.asarray(exp.rollout.truncated))[:, None]
     batch["advantages"] = advantages.astype(np.float32)
-    rows = _train_sequences(cfg)
-    n = batch["input_ids"].shape[0]
-    if n < rows:  # inert filler sequences (no tokens) keep the step's shapes fixed
-        batch = {k: np.concatenate([v, np.zeros((rows - n, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
-    row_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    return packing.pack_batch(batch, row_len, rows_multiple=cfg.rl.micro_batch_size)
+    return _packed(cfg, batch)
 
 
 def _train_sequences(cfg: RunConfig) -> int:
     """The sequences of every train batch: the step's, rounded up to a multiple of the micro-batch."""
     mb = cfg.rl.micro_batch_size
     return -(-cfg.rollout.prompts_per_step * cfg.rollout.group_size // mb) * mb
+
+
+def _packed(cfg: RunConfig, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A padded batch (advantages included) packed with every step's shapes: inert filler
+    sequences (no tokens) up to `_train_sequences`, rows of max_prompt_len + max_new_tokens slots,
+    a multiple of the micro-batch of them."""
+    rows, n = _train_sequences(cfg), batch["input_ids"].shape[0]
+    if n < rows:
+        batch = {k: np.concatenate([v, np.zeros((rows - n, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
+    row_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    return packing.pack_batch(batch, row_len, rows_multiple=cfg.rl.micro_batch_size)
 
 
 def train_batch_like(cfg: RunConfig) -> dict[str, np.ndarray]:
@@ -263,8 +269,7 @@ def train_batch_like(cfg: RunConfig) -> dict[str, np.ndarray]:
         input_ids=ones, attention_mask=ones, response_mask=np.tile(np.int32([0, 1]), (n, 1)),
         old_logp=np.zeros((n, 2), np.float32), advantages=np.zeros((n,), np.float32),
     )  # fmt: skip
-    row_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    return packing.pack_batch(batch, row_len, rows_multiple=cfg.rl.micro_batch_size)
+    return _packed(cfg, batch)
 
 
 def _precompile_in_background(
