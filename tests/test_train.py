@@ -309,7 +309,12 @@ def test_command_line_run_survives_reward_worker_faults_and_ends_with_a_summary(
     assert os.path.isfile(workdir / "adapter" / "adapter_model.safetensors")
 
 
-def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir):
+def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir, monkeypatch):
+    """Also: the train step's background compile starts once per process that has a step to take,
+    and not at all in one resumed after the last step."""
+    started = []
+    real = train._precompile_in_background
+    monkeypatch.setattr(train, "_precompile_in_background", lambda *a: started.append(1) or real(*a))
     common = {"train.total_steps": 2, "train.checkpoint_every": 100, "rl.reward": DIGIT_REWARD}
     cfg = _config(tmp_path / "run", tiny_model_dir, **common, **{"train.stop_after_minutes": 1e-6})
     train.train(cfg)  # the budget is over after the first step
@@ -320,6 +325,9 @@ def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_di
     assert Checkpointer(os.path.join(cfg.workdir, "checkpoints")).latest_step() == 2
     assert os.path.isdir(os.path.join(cfg.workdir, "adapter"))
     assert [s for s, _ in read_jsonl_scalars(os.path.join(cfg.workdir, "tensorboard"))["reward/mean"]] == [0, 1]
+    assert len(started) == 2
+    train.train(cfg)  # resumed at the last step: nothing to take
+    assert len(started) == 2
 
 
 def _train_state_like(cfg):
