@@ -487,10 +487,6 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
     run, ids, lengths = gsm8k_inputs(args)
     config = ModelConfig(**model_dict(args))
     out = {"format": fmt, "backend": backend, "rows": [], "errors": []}
-    compile_events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: compile_events.append(secs) if name.endswith("backend_compile_duration") else None
-    )
     timeline = CompileTimeline()
     t = time.perf_counter()
     params = build_random_params(config, fmt, jax.random.key(0))
@@ -522,15 +518,15 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
             for rep in range(1 + (warm if args.reps is None else args.reps)):
                 if rep and time.time() > args.deadline_at:
                     break
-                n_compiles = len(compile_events)
                 t0 = time.time()
                 batch, tm = timed_generate(
                     config, params, ids, np.ones_like(ids), jax.random.key(2), sampling,
                     max_new_tokens_per_seq=lengths, **kw,
                 )  # fmt: skip
-                calls.append(dict(tm, compiles=len(compile_events) - n_compiles))
+                spent = timeline.summary(t0, time.time())
+                calls.append(dict(tm, compiles=spent["compiles"]))
                 if rep == 0:  # where the first call's time went
-                    row["first_call_timeline"] = timeline.summary(t0, time.time())
+                    row["first_call_timeline"] = spent
                 assert np.asarray(batch.lengths).tolist() == lengths.tolist(), "the rows did not stop at their lengths"
                 cold = calls[0]
                 rollout_s = min(c["wall_s"] for c in calls)  # the full call: its programs compiled before
