@@ -611,6 +611,83 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
     np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)
 
 
+def _kernel_hashes(text: str) -> set[str]:
+    """The Mosaic GPU kernels of a program lowered for the GPU: their `kernel_hash` attributes."""
+    import re
+
+    return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))
+
+
+def test_the_kernels_compiled_ahead_are_those_of_the_decode_programs(fusable_nvfp4_model, monkeypatch):
+    """`weights.wgmma_kernel_calls` gives the kernels that the decode programs of a call's row
+    buckets hold (lowered for the GPU, here on the CPU): the same Mosaic modules, so compiling them
+    ahead (`wgmma_nvfp4.compile_kernels`) leaves the programs none to compile when they load."""
+    from pallas_kernels import wgmma_nvfp4
+    from qerl_jax.models.qwen2 import ForwardOptions
+
+    config, params = fusable_nvfp4_model
+    params = {**params, "lora": _random_lora(config)}
+    jax.clear_caches()  # traces of earlier tests' CPU twin of the kernel would serve these calls
+    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
+    names = tuple(PROJECTIONS)
+    run_params = weights_module.split_layers(params, wgmma_names=names)
+    static = programs_module.Static(
+        config=config,
+        sampling=SamplingConfig(greedy=True),
+        options=ForwardOptions(backend="pallas", decode_attention="xla"),
+        new_slots=16,
+        cache_dtype="bfloat16",
+    )
+    key = jax.random.key(0)
+    stop = jax.ShapeDtypeStruct((config.vocab_size,), bool)
+    in_programs = set()
+    for rows in (16, 8):
+        cache, state = jax.eval_shape(lambda r=rows: programs_module._empty(static, r, 8, 0))
+        lowered = programs_module.decode.trace(static, run_params, cache, state, key, stop, 0)
+        in_programs |= _kernel_hashes(lowered.lower(lowering_platforms=("cuda",)).as_text())
+    calls = weights_module.wgmma_kernel_calls(params, names, (16, 8, 8 * 9))  # 8 x 9 prompt tokens: no kernel
+    assert sorted({(m, w.shape) for m, w in calls}) == [(m, s) for m in (8, 16) for s in ((128, 128), (256, 128))]
+    ahead = set()
+    for m, w in calls:
+        x = jax.ShapeDtypeStruct((m, w.shape[1]), jnp.bfloat16)
+        lowered = jax.jit(wgmma_nvfp4.wgmma_linear).trace(x, w).lower(lowering_platforms=("cuda",))
+        ahead |= _kernel_hashes(lowered.as_text())
+    assert len(in_programs) == 4  # 2 buckets x 2 shapes: [256, 128] q/k/v and gate/up, [128, 128] o and down
+    assert ahead == in_programs
+
+
+def test_generate_compiles_its_kernels_ahead_and_a_failure_is_a_warning(fusable_nvfp4_model, monkeypatch, caplog):
+    """generate hands `wgmma_nvfp4.compile_kernels` the kernels of its plan (its row buckets and its
+    admission's prompt tokens) in a thread; when that fails, a warning, and the same tokens."""
+    from pallas_kernels import wgmma_nvfp4
+    from qerl_jax.rollout import sampler as sampler_module
+
+    config, params = fusable_nvfp4_model
+    _fake_hopper_kernel(monkeypatch, [])
+    plans, handed = [], []
+    real_plan = sampler_module.plan_rollout
+    monkeypatch.setattr(sampler_module, "plan_rollout", lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
+    monkeypatch.setattr(wgmma_nvfp4, "compile_kernels", handed.append)
+    ids, mask = _prompts(config.vocab_size)
+    sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
+    kw = dict(group_size=2, max_batch=4, options=RolloutOptions(backend="pallas"))
+    first = generate(config, params, ids, mask, jax.random.key(9), sampling, **kw)
+    plan = plans[-1]
+    assert plan.wgmma_names and len(plan.buckets) >= 1 and len(handed) == 1
+    rows = (*plan.buckets, plan.admit_prompts * prompt_bucket(9))
+    want = weights_module.wgmma_kernel_calls(params, plan.wgmma_names, rows)
+    assert [(m, w.shape) for m, w in handed[0]] == [(m, w.shape) for m, w in want] and want
+
+    def fail(calls):
+        raise RuntimeError("ptxas died")
+
+    monkeypatch.setattr(wgmma_nvfp4, "compile_kernels", fail)
+    with caplog.at_level("WARNING"):
+        again = generate(config, params, ids, mask, jax.random.key(9), sampling, **kw)
+    assert "compiling the wgmma kernels ahead failed (RuntimeError: ptxas died)" in caplog.text
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(first.tokens))
+
+
 def test_a_group_with_wgmma_and_dense_copies_reads_each_for_its_rows(fusable_nvfp4_model, monkeypatch):
     """A call with both copies (a large bucket on bf16 copies, small ones on the kernel): each
     group is a `ByRows` of two `Fused` weights, the kernel's copy up to its rows, the concatenated
