@@ -286,29 +286,6 @@ def wgmma_linear(x_MxK: jax.Array, w: WgmmaWeight) -> jax.Array:
     return jax.lax.dot_general(x_MxK, w_NxK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-# Kernels compiled in this process by `compile_kernels`: (M, N, K).
-_COMPILED: set[tuple[int, int, int]] = set()
-
-
-def compile_kernels(calls: list[tuple[int, WgmmaWeight]]) -> None:
-    """Compiles the kernel of each (M, weight) call, the weight's leaves arrays or
-    `jax.ShapeDtypeStruct`s, each in a small program of its own (once per process and shape).
-
-    jaxlib compiles a Mosaic GPU kernel when the first program holding it loads: once per process
-    (keyed by the kernel's hash, which its shapes and tiling fix), one kernel at a time under a
-    process-wide lock, and outside JAX's persistent compilation cache (`CachedCompile`,
-    jaxlib/mosaic/gpu/custom_call.cc). Run in a thread while the larger programs holding the same
-    kernels are traced and compiled, it takes those compiles off their path (the rollout:
-    `rollout.sampler`)."""
-    for m, w in calls:
-        n, k = w.shape
-        if (m, n, k) in _COMPILED:
-            continue
-        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-        jax.jit(wgmma_linear).trace(x, w).lower().compile()
-        _COMPILED.add((m, n, k))
-
-
 # ---------------------------------------------------------------------------------------------
 # The kernel (GPU only: Mosaic GPU has no CPU lowering; `dequantize_wgmma` + dot is the CPU twin,
 # and tests/test_wgmma_nvfp4.py emulates the decode bit by bit).

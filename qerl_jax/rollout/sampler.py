@@ -30,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from qerl_jax.models.qwen2 import DECODE_ATTENTION_BACKENDS, ForwardOptions, ModelConfig
 from qerl_jax.rollout import budget, programs, scheduler, weights
@@ -408,12 +407,10 @@ def generate(
         config, params, total, p_b, new_slots, group_size=group_size, max_batch=max_batch, options=options
     )
 
-    kernels = _compile_kernels_in_background(params, plan, p_b) if batch_sharding is None else None
     dense = plan.dense_names
     run_params = weights.split_layers(params, backend if dense else None, dense or None, plan.wgmma_names)
     if batch_sharding is None:
         _precompile(static, run_params, plan, p_b, key, stop_V)
-        _await_kernels(kernels)
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
     cache, rows = programs.new_rows(static, plan.rows, p_b, pad_id, batch_sharding)
@@ -455,38 +452,6 @@ def generate(
         steps=jnp.asarray(np.asarray([s + 1 for s in segments], np.int32)),
         group_size=group_size,
     )
-
-
-def _compile_kernels_in_background(
-    params: dict[str, Any], plan: RolloutPlan, prompt_slots: int
-) -> concurrent.futures.Future | None:
-    """Starts compiling the call's wgmma kernels in a thread (`wgmma_nvfp4.compile_kernels`), so
-    that they compile while the weights are prepared and the programs traced, instead of one
-    after another as the programs load (7B recipe rollout, H200: 4 projections x 2 row buckets
-    made NVFP4's first call 26% longer than bf16's). None when the call runs no wgmma kernel."""
-    if not plan.wgmma_names:
-        return None
-    from pallas_kernels import wgmma_nvfp4
-
-    if not wgmma_nvfp4.available():
-        return None
-    rows = (*plan.buckets, plan.admit_prompts * prompt_slots)
-    calls = weights.wgmma_kernel_calls(params, plan.wgmma_names, rows)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wgmma-compile")
-    future = pool.submit(wgmma_nvfp4.compile_kernels, calls)
-    pool.shutdown(wait=False)
-    return future
-
-
-def _await_kernels(future: concurrent.futures.Future | None) -> None:
-    """Waits for the background kernel compile; a failure is a warning (the programs holding the
-    kernels compile them when they load)."""
-    if future is None:
-        return
-    try:
-        future.result()
-    except Exception as e:  # noqa: BLE001 (the programs compile their kernels themselves)
-        logging.warning("compiling the wgmma kernels ahead failed (%s: %s)", type(e).__name__, e)
 
 
 def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_slots: int, key, stop_V) -> None:

@@ -243,22 +243,6 @@ def _wgmma_layer(packed: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
 _wgmma_layer_jit = jax.jit(_wgmma_layer)
 
 
-def wgmma_kernel_calls(
-    params: dict[str, Any], wgmma_names: tuple[str, ...], rows: tuple[int, ...]
-) -> list[tuple[int, Any]]:
-    """The wgmma kernel calls of programs over `rows` (matmul rows M: decode row buckets, an
-    admission's prompt tokens) once `split_layers` has repacked `wgmma_names`: (M, weight) for each
-    M <= WGMMA_MAX_ROWS and each weight of a layer (a fused group as one), the weight's leaves
-    `jax.ShapeDtypeStruct`s. Every layer's weights have layer 0's shapes."""
-    packed, _ = _packed_and_copied(params)
-    to_wgmma = {n: w for n, w in packed.items() if n in wgmma_names}
-    if not to_wgmma:
-        return []
-    layer = jax.eval_shape(_wgmma_layer, to_wgmma, jnp.int32(0))
-    kernel_weights = [w.w if isinstance(w, Fused) else w for _, w in sorted(layer.items())]
-    return [(m, w) for m in sorted(set(rows)) if m <= WGMMA_MAX_ROWS for w in kernel_weights]
-
-
 def _stacked_loras(layer_loras: list[dict[str, Any]], groups: tuple) -> list[dict[str, Any]]:
     """Per layer, {fused_name(group): the group's adapters stacked} for the ((names), sizes) in
     groups that have any adapter."""
