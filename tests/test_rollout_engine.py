@@ -153,6 +153,34 @@ def test_compiled_programs_are_few(f32_model):
     assert total["prefill"] == 1 and total["decode"] <= 3 and total["compact"] <= 2, total
 
 
+def test_each_program_compiles_while_the_next_is_traced(f32_model):
+    """generate hands each of its programs to a compile thread as soon as it is lowered: the first
+    one compiles while the later ones are traced and lowered (before, every program was lowered
+    first, and the compiles and the persistent cache's loads waited for the last one)."""
+    config, params = f32_model
+    ids, mask = _prompts(config.vocab_size, width=20)
+    spans = {"lower": [], "compile": []}
+    kinds = {
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+        "/jax/core/compile/backend_compile_duration": "compile",
+    }
+
+    def record(event, start, end, **kw):
+        if event in kinds and any(p in str(kw.get("fun_name")) for p in ("_admit", "_decode", "_compact")):
+            spans[kinds[event]].append((start, end))
+
+    jax.monitoring.register_event_time_span_listener(record)
+    try:  # a new-token bucket of its own: programs not compiled yet
+        generate(config, params, ids, mask, jax.random.key(1), _sampling(max_new_tokens=200), group_size=3,
+                 options=_options(smaller_rows=(8, 4)))  # fmt: skip
+    finally:
+        jax.monitoring.unregister_event_time_span_listener(record)
+    assert len(spans["lower"]) >= 3 and len(spans["compile"]) == len(spans["lower"]), spans
+    first_compile_start = min(start for start, _ in spans["compile"])
+    last_lower_end = max(end for _, end in spans["lower"])
+    assert first_compile_start < last_lower_end
+
+
 def test_min_prompt_len_fixes_the_prompt_bucket(f32_model):
     """With min_prompt_len a batch of short prompts runs the programs of the long ones (no compile
     mid-run) and samples what it samples in its own smaller bucket."""

@@ -456,8 +456,9 @@ def generate(
 
 def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_slots: int, key, stop_V) -> None:
     """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
-    compiles; tracing stays serial): `jax.jit`'s cache then serves the calls. Programs compiled
-    before (an earlier call, or the persistent compilation cache) come back at once."""
+    compiles; tracing stays serial, each program compiling while the next is traced): `jax.jit`'s
+    cache then serves the calls. Programs compiled before (an earlier call, or the persistent
+    compilation cache) come back at once."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     key_spec = jax.ShapeDtypeStruct(key.shape, key.dtype)
@@ -472,9 +473,12 @@ def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_s
     jobs += [(programs.decode, (static, run_params, *buckets[b], key_spec, stop_spec, scalar)) for b in plan.buckets]
     for big, small in zip(plan.buckets, plan.buckets[1:]):
         jobs.append((programs.compact, (static, *buckets[big], spec((small,), jnp.int32), spec((small,), bool))))
-    traced = [fn.trace(*args).lower() for fn, args in jobs]  # tracing holds the GIL: serial
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(traced), COMPILE_THREADS)) as pool:
-        list(pool.map(lambda lowered: lowered.compile(), traced))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
+        # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
+        # the persistent cache, as soon as it is lowered, while the next ones are traced.
+        compiled = [pool.submit(fn.trace(*args).lower().compile) for fn, args in jobs]
+        for future in compiled:
+            future.result()
 
 
 def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share):
