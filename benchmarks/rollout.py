@@ -48,6 +48,10 @@ transformers compiles with torch.compile on CUDA by itself) runs in its own subp
 process peak (peak_bytes_in_use) is monotone, so only the first row of a process (B = 256)
 gets one; estimated_peak_bytes (weights + `estimate_rollout_bytes`) is in the JSON for every
 row. The bf16 B = 256 row also times the prefill without group sharing (B * G rows).
+launches: kernel launches per decode step of the bf16 (backend "xla") and NVFP4 ("pallas") rows,
+counted after the workers by `devtools/hlo_census.py` on the CPU, for an H100, the weight copies
+those `generate` makes without a memory limit (needs jax's CUDA plugin; without it the table says
+why it has none).
 
 Time: each (format, backend, batch) compiles a prefill and a decode program (~20 s for bf16,
 more with Pallas kernels). Workers run in priority order (bf16, nvfp4-pallas, transformers,
@@ -752,7 +756,61 @@ def physical_limit(cfg: dict, row: dict, weight_bytes: int, ceilings: dict, run:
     }
 
 
-def report(results: list[dict], args) -> dict:
+def _with_repo_on_path(env: dict) -> dict:
+    """`env` with the repository first on PYTHONPATH (for the benchmark's subprocesses)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))}
+
+
+def launch_census(args, formats: list[str], timeout: float) -> dict:
+    """Kernel launches per decode step of the run's bf16 and NVFP4 rows, counted on the CPU by
+    `devtools/hlo_census.py` in a subprocess (XLA's GPU compiler for an H100, no device: needs
+    jax's CUDA plugin, which a GPU machine has). {"rows": [...]} as the census writes them, or
+    {"error": why}."""
+    run = run_config(args)
+    census_formats = [f for f in ("bf16", "nvfp4") if f in formats]
+    if not census_formats:
+        return {"error": "no bf16 or nvfp4 rows"}
+    from qerl_jax.rollout import new_tokens_bucket, prompt_bucket  # noqa: PLC0415
+
+    out = f"{args.out}.census.part"
+    cmd = [
+        sys.executable, "-m", "benchmarks.devtools.hlo_census",
+        "--size", "tiny" if args.tiny else args.model,
+        "--formats", ",".join(census_formats),
+        "--batches", ",".join(str(p * g) for p, g in run["batches"]),
+        "--prompt-len", str(prompt_bucket(run["prompt_len"])),
+        "--new-slots", str(new_tokens_bucket(run["new_tokens"])),
+        "--lora-rank", str(args.lora_rank),
+        "--out", out,
+    ]  # fmt: skip
+    env = _with_repo_on_path({**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the census ran past {timeout:.0f} s"}
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return {"error": f"the census failed: {lines[-1] if lines else proc.returncode}"}
+    with open(out) as f:
+        census = json.load(f)
+    os.remove(out)
+    return census
+
+
+def attach_launches(rows: list[dict], census: dict) -> None:
+    """Sets each row's `launches_per_step` and `launches_by_kind` from the census: its bf16 rows are
+    those of backend "xla", its NVFP4 rows those of "pallas" (the backends `generate` runs them on)."""
+    backend = {"bf16": "xla", "nvfp4": "pallas"}
+    counted = {(c["format"], c["rows"]): c for c in census.get("rows", [])}
+    for row in rows:
+        c = counted.get((row.get("format"), row.get("batch")))
+        if c is not None and row.get("backend") == backend.get(row["format"]):
+            row["launches_per_step"] = c["launches"]
+            row["launches_by_kind"] = c["by_kind"]
+
+
+def report(results: list[dict], args, census: dict | None = None) -> dict:
     run = run_config(args)
     cfg = model_dict(args)
     ceilings = next((r["device_ceilings"] for r in results if "device_ceilings" in r), None)
@@ -766,6 +824,7 @@ def report(results: list[dict], args) -> dict:
                 row["fraction_of_limit"] = row["limit_step_s"] / row["decode_step_s"]
             row["weight_bytes"] = res.get("weight_bytes")
             rows.append(row)
+    attach_launches(rows, census or {})
 
     def find(fmt, backend_prefix, batch):
         for r in rows:
@@ -797,7 +856,7 @@ def report(results: list[dict], args) -> dict:
     rows.sort(key=lambda r: (r["batch"], order.get(f"{r['format']}:{r['backend']}", order["transformers"])))
     header = (
         f"{'format':<13}{'backend':<26}{'B':>5}{'ttft ms':>10}{'step ms':>9}{'dec tok/s':>11}{'e2e tok/s':>11}"
-        f"{'limit tok/s':>12}{'of limit':>9}{'weights GB':>11}{'peak GB':>9}"
+        f"{'limit tok/s':>12}{'of limit':>9}{'weights GB':>11}{'peak GB':>9}{'launches':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -810,14 +869,17 @@ def report(results: list[dict], args) -> dict:
             f"{r['ttft_s'] * 1e3:>10.1f}{r['decode_step_s'] * 1e3:>9.2f}"
             f"{r['decode_tokens_per_s']:>11.0f}{r['e2e_tokens_per_s']:>11.0f}"
             f"{r.get('limit_tokens_per_s', float('nan')):>12.0f}{r.get('fraction_of_limit', float('nan')):>9.2f}"
-            f"{gb(r.get('weight_bytes')):>11}{gb(r.get('peak_bytes')):>9}"
+            f"{gb(r.get('weight_bytes')):>11}{gb(r.get('peak_bytes')):>9}{r.get('launches_per_step', '-'):>10}"
         )
     table = "\n".join(lines)
     print(table)
     for k, v in targets.items():
         print(f"  {k}: {v:.2f}")
+    if census and "error" in census:
+        print(f"  launches per step: none ({census['error']})")
     return {
         "run": {**run, "tiny": args.tiny, "model": cfg},
+        "launch_census": {k: v for k, v in (census or {}).items() if k != "rows"},
         "device_ceilings": ceilings,
         "rows": rows,
         "ratios": targets,
@@ -855,7 +917,9 @@ def main(argv=None) -> None:
     parser.add_argument("--deadline-at", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--measure-device", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-sharing-row", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="7B", help="the Qwen2.5 size whose shapes the random model has (0.5B ... 72B)")
+    parser.add_argument(
+        "--model", default="7B", help="the Qwen2.5 size whose shapes the random model has (0.5B ... 72B)"
+    )
     parser.add_argument("--prompts", type=int, default=0, help="gsm8k workload: prompts per rollout (default 32)")
     parser.add_argument("--group", type=int, default=0, help="gsm8k workload: samples per prompt (default 8)")
     parser.add_argument("--max-new", type=int, default=0, help="gsm8k workload: the token cap (default 2048)")
@@ -954,11 +1018,8 @@ def main(argv=None) -> None:
             cmd.append("--measure-device")
         if name == "bf16:xla" and not gsm8k:
             cmd.append("--no-sharing-row")
-        env = dict(os.environ)
+        env = _with_repo_on_path(dict(os.environ))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")])
-        )
         t = time.time()
         print(f"== {name}", flush=True)
         try:
@@ -978,7 +1039,11 @@ def main(argv=None) -> None:
         results.append(res)
         for e in res.get("errors", []):
             print(f"[{name}] error: {e}", flush=True)
-    summary = gsm8k_report(results, args) if gsm8k else report(results, args)
+    if gsm8k:
+        summary = gsm8k_report(results, args)
+    else:  # the launch census compiles on the CPU: ~5-20 s a row
+        census = launch_census(args, formats, timeout=max(60.0, deadline_at + 120 - time.time()))
+        summary = report(results, args, census)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print(f"wrote {args.out}")
