@@ -430,7 +430,11 @@ class CompileTimeline:
     def _record(self, event: str, start: float, end: float, **kw: Any) -> None:
         kind = COMPILE_EVENTS.get(event)
         if kind is not None:
-            self.spans.append((kind, str(kw.get("fun_name", "?")), start, end))
+            self.spans.append((kind, self.label(kw), start, end))
+
+    def label(self, event_kw: dict[str, Any]) -> str:
+        """A span's program name (its event's `fun_name`)."""
+        return str(event_kw.get("fun_name", "?"))
 
     def summary(self, t0: float, t1: float) -> dict[str, Any]:
         """The spans that ended in [t0, t1]: per kind the summed seconds, the backend compiles' wall

@@ -24,10 +24,8 @@ from benchmarks import rollout as bench
 class ThreadTimeline(common.CompileTimeline):
     """`CompileTimeline` with each span's thread name."""
 
-    def _record(self, event: str, start: float, end: float, **kw) -> None:
-        kind = common.COMPILE_EVENTS.get(event)
-        if kind is not None:
-            self.spans.append((kind, f"{kw.get('fun_name', '?')} @{threading.current_thread().name}", start, end))
+    def label(self, event_kw: dict) -> str:
+        return f"{super().label(event_kw)} @{threading.current_thread().name}"
 
 
 def main(argv=None) -> None:
