@@ -71,6 +71,8 @@ import sys
 import time
 import traceback
 
+from benchmarks import with_repo_on_path
+
 QWEN25_7B = dict(
     vocab_size=152064,
     hidden_size=3584,
@@ -756,12 +758,6 @@ def physical_limit(cfg: dict, row: dict, weight_bytes: int, ceilings: dict, run:
     }
 
 
-def _with_repo_on_path(env: dict) -> dict:
-    """`env` with the repository first on PYTHONPATH (for the benchmark's subprocesses)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))}
-
-
 def launch_census(args, formats: list[str], timeout: float) -> dict:
     """Kernel launches per decode step of the run's bf16 and NVFP4 rows, counted on the CPU by
     `devtools/hlo_census.py` in a subprocess (XLA's GPU compiler for an H100, no device: needs
@@ -784,7 +780,7 @@ def launch_census(args, formats: list[str], timeout: float) -> dict:
         "--lora-rank", str(args.lora_rank),
         "--out", out,
     ]  # fmt: skip
-    env = _with_repo_on_path({**os.environ, "JAX_PLATFORMS": "cpu"})
+    env = with_repo_on_path({**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -1018,7 +1014,7 @@ def main(argv=None) -> None:
             cmd.append("--measure-device")
         if name == "bf16:xla" and not gsm8k:
             cmd.append("--no-sharing-row")
-        env = _with_repo_on_path(dict(os.environ))
+        env = with_repo_on_path(dict(os.environ))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
         t = time.time()
         print(f"== {name}", flush=True)

@@ -50,8 +50,8 @@ import time
 import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from benchmarks import with_repo_on_path
+
 GIB = 1024**3
 # nvidia-smi totals; XLA_PYTHON_CLIENT_MEM_FRACTION (set to 0.95 below) of them is usable.
 H100_BYTES = 81559 * 2**20
@@ -543,9 +543,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def run_worker_subprocess(args, kind: str, model: str) -> dict[str, Any]:
-    env = dict(os.environ)
+    env = with_repo_on_path(dict(os.environ))
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         result_path = f.name
     argv = [sys.executable, "-m", __spec__.name, "--worker", kind, "--model", model, "--result-file", result_path]

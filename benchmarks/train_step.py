@@ -34,7 +34,8 @@ import time
 import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks import with_repo_on_path
+
 RESULT_PREFIX = "RESULT "
 DEFAULT_CASES = "nvfp4:flash:auto,bf16:flash:auto,nvfp4:xla:full,bf16:xla:full,peer"
 
@@ -245,10 +246,8 @@ def _torch_bf16_matmul_tflops(n: int = 8192, chain: int = 16, reps: int = 5) -> 
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = with_repo_on_path(dict(os.environ))
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the "proj" and "none" cases need more than 75%
-    root = os.path.dirname(HERE)
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
