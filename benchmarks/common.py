@@ -319,16 +319,21 @@ def time_peer_train(
 # ----------------------------------------------------------------------------- rollout phases
 
 
-def decode_step_seconds(timings: list[dict[str, float]], steps: int) -> float:
-    """Seconds per decode step from warm `timed_generate` timings: (fastest full call - fastest
-    one-token call) / (steps - 1).
+def decode_step_seconds(short: list[dict[str, float]], long: list[dict[str, float]]) -> float:
+    """Seconds per decode step from warm `timed_generate` timings of calls that run a few steps
+    (`short`) and many more (`long`) on the same program: (fastest long call - fastest short call)
+    / (the long call's steps - the short call's).
 
-    Not the fastest of the per-call differences: one call's one-token run slowed by a hiccup makes
-    its difference, and so that minimum, about 0 (an H100 run reported 0.00 ms at 16 rows that way).
+    Each call's host work (per-layer weight copies, admissions, the programs' cache lookups) is
+    the same in both and cancels. It varies by 60-190 ms from call to call on an H100 at 1.5B, so
+    the one-token call's wall time, subtracted from a 32-step call's, put 1.7-2.9 ms on the same
+    2.4 ms step in different processes (RESULTS.md, ninth session).
     """
-    wall_s = min(tm["wall_s"] for tm in timings)
-    prefill_s = min(tm["prefill_s"] for tm in timings)
-    return max(wall_s - prefill_s, 1e-9) / max(steps - 1, 1)
+    steps = min(tm["steps"] for tm in long) - max(tm["steps"] for tm in short)
+    if steps < 1:
+        raise ValueError(f"the long calls must run more steps than the short ones; got {steps} more")
+    wall_s = min(tm["wall_s"] for tm in long) - min(tm["wall_s"] for tm in short)
+    return max(wall_s, 1e-9) / steps
 
 
 def timed_generate(

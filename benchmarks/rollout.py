@@ -34,10 +34,11 @@ scale (built directly in packed form, so no bf16 copy inflates the memory peak).
 256 random tokens, temperature-1 sampling with EOS ignored.
 
 Batches (prompts x group): 32 x 8 = 256 (GRPO-sized), 1 x 1 and 8 x 8 = 64 sequences, in that
-order. The cache is sized for 512 new tokens (S = 256 + 512) but only --steps (32) sampling
-steps are run and timed (a decode step costs the same at every position: static shapes read
-the whole cache), so end-to-end numbers for 512 tokens are extrapolated:
-e2e = B * 512 / (ttft + 511 * step).
+order. The cache is sized for 512 new tokens (S = 256 + 512) but only 32 and 160 sampling
+steps are run (a decode step costs the same at every position: static shapes read the whole
+cache). The step is the difference of the two calls' fastest wall times over their 128 steps
+(`common.decode_step_seconds`: each call's host work cancels), and end-to-end numbers for 512
+tokens are extrapolated: e2e = B * 512 / (ttft + 511 * step).
 
 Columns: ttft (per-layer weight copies + prefill of the distinct prompts + first token),
 decode step time, decode tokens/s, e2e tokens/s, the physical limit of a decode step =
@@ -112,8 +113,8 @@ def model_dict(args) -> dict:
     return {k: fields[k] for k in QWEN25_7B}
 
 
-FULL_RUN = dict(prompt_len=256, new_tokens=512, batches=((1, 1), (8, 8), (32, 8)), steps=32)
-TINY_RUN = dict(prompt_len=16, new_tokens=32, batches=((1, 1), (2, 2), (4, 2)), steps=8)
+FULL_RUN = dict(prompt_len=256, new_tokens=512, batches=((1, 1), (8, 8), (32, 8)), steps=32, long_steps=160)
+TINY_RUN = dict(prompt_len=16, new_tokens=32, batches=((1, 1), (2, 2), (4, 2)), steps=8, long_steps=24)
 GSM8K_RUN = dict(prompts=32, group=8, prompt_len=256, max_new=2048, lora_rank=16, median=300, cap_fraction=0.05)
 # The tiny run compacts 16 rows into 8 and 4 (the full run: 256 into generate's default 64 and 16).
 TINY_GSM8K_RUN = dict(
@@ -280,23 +281,31 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             # One row bucket: every row runs the same steps (no compaction), the decode step is timed;
             # every format with the same decode attention (--attention).
             opts = rollout.RolloutOptions(backend=backend, smaller_rows=(), decode_attention=attention)
-            kw = dict(group_size=group, max_new_tokens_per_seq=run["steps"], **lora_kw)
+            kw = dict(group_size=group, **lora_kw)
 
-            def timed(seed, ids=ids, mask=mask, kw=kw, opts=opts, **extra):
-                """One rollout on this batch -> (its output, its timings)."""
+            def timed(seed, steps=run["steps"], ids=ids, mask=mask, kw=kw, opts=opts, **extra):
+                """One rollout on this batch, each row `steps` tokens -> (its output, its timings)."""
                 options = dataclasses.replace(opts, **extra)
-                return timed_generate(config, params, ids, mask, jax.random.key(seed), sampling, **kw, options=options)
+                key = jax.random.key(seed)
+                return timed_generate(
+                    config, params, ids, mask, key, sampling, **kw, max_new_tokens_per_seq=steps, options=options
+                )
+
+            def step_seconds(**extra) -> tuple[float, list[dict]]:
+                """Warm decode step time (`decode_step_seconds`: short and long calls, args.reps of
+                each, alternating) and the short calls' timings."""
+                short, long = [], []
+                for r in range(args.reps):
+                    short.append(timed(2 + r, **extra)[1])
+                    long.append(timed(2 + r, steps=run["long_steps"], **extra)[1])
+                return decode_step_seconds(short, long), short
 
             t = time.perf_counter()
             b, first = timed(1)
             first_call = time.perf_counter() - t
-            reps = []
-            for r in range(args.reps):
-                b, tm = timed(2 + r)
-                reps.append(tm)
-            best = min(reps, key=lambda tm: tm["prefill_s"] + tm["decode_s"])
+            step_s, reps = step_seconds()
+            best = min(reps, key=lambda tm: tm["wall_s"])
             steps = best["steps"]
-            step_s = decode_step_seconds(reps, steps)
             # Time to first token: the per-layer weight copies + prefill + first sample.
             ttft = min(tm["prefill_s"] for tm in reps)
             # generate's default plan (its weight copies and memory estimate, no memory limit)
@@ -312,21 +321,22 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             )
             dense_names, wgmma_names = plan.dense_names, plan.wgmma_names
             if args.compare_wgmma and wgmma_names:  # the same rollout with the Triton kernel instead
-                tms = [timed(2 + r, wgmma_weights=False)[1] for r in range(args.reps + 1)]  # the first compiles
-                row["decode_step_s_without_wgmma"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
+                timed(1, wgmma_weights=False)  # compiles
+                row["decode_step_s_without_wgmma"] = step_seconds(wgmma_weights=False)[0]
             if args.compare_unfused and rollout.weights.fused_groups(wgmma_names):  # one kernel call per projection
                 fusable, rollout.weights.FUSED_GROUPS = rollout.weights.FUSED_GROUPS, ()
                 try:
-                    tms = [timed(2 + r)[1] for r in range(args.reps + 1)]
+                    timed(1)  # compiles
+                    row["decode_step_s_unfused"] = step_seconds()[0]
                 finally:
                     rollout.weights.FUSED_GROUPS = fusable
-                row["decode_step_s_unfused"] = min(tm["decode_s"] for tm in tms[1:]) / max(steps - 1, 1)
             row.update(
                 wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
                 decode_step_s=step_s,
                 steps=steps,
                 compile_s=first_call - (best["prefill_s"] + best["wall_s"]),
+                long_steps=run["long_steps"],
                 decode_tokens_per_s=prompts * group / step_s,
                 e2e_tokens_per_s=prompts * group * run["new_tokens"] / (ttft + (run["new_tokens"] - 1) * step_s),
                 finite_logprobs=bool(np.isfinite(np.asarray(b.logprobs)).all()),
@@ -425,7 +435,8 @@ def torch_worker(args) -> dict:
             ttft, _ = min((timed(gen_for(1)) for _ in range(args.reps)), key=lambda x: x[0])
             full, res = min((timed(gen_for(run["steps"])) for _ in range(args.reps)), key=lambda x: x[0])
             assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
-            step_s = (full - ttft) / (run["steps"] - 1)
+            long, _ = min((timed(gen_for(run["long_steps"])) for _ in range(args.reps)), key=lambda x: x[0])
+            step_s = max(long - full, 1e-9) / (run["long_steps"] - run["steps"])  # as decode_step_seconds
             row.update(
                 ttft_s=ttft,
                 decode_step_s=step_s,
@@ -891,7 +902,9 @@ def main(argv=None) -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     parser.add_argument("--workload", choices=("decode", "gsm8k"), default="decode", help="see the module doc")
-    parser.add_argument("--reps", type=int, default=None, help="warm repetitions (default: decode 2, gsm8k 0)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="warm repetitions (default: decode 3 of each step count, gsm8k 0)"
+    )
     parser.add_argument(
         "--deadline",
         type=float,
@@ -937,7 +950,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     gsm8k = args.workload == "gsm8k"
     if args.reps is None and not gsm8k:
-        args.reps = 2
+        args.reps = 3
     if args.deadline is None:
         args.deadline = 330.0 if gsm8k else 290.0
 

@@ -7,16 +7,18 @@ import pytest
 from benchmarks.common import decode_step_seconds
 
 
-def test_decode_step_from_the_fastest_calls_not_the_fastest_difference():
-    # Rep 1's one-token call hit a hiccup (0.30 s): its own difference is ~0, the minimum of the
-    # differences would report a 0 ms step. The fastest full call less the fastest one-token call
-    # gives the real one.
-    reps = [{"prefill_s": 0.10, "wall_s": 0.42}, {"prefill_s": 0.30, "wall_s": 0.30}]
-    assert decode_step_seconds(reps, steps=33) == pytest.approx((0.30 - 0.10) / 32)
+def test_decode_step_is_the_long_calls_extra_steps_and_the_host_work_cancels():
+    # 2.4 ms steps; each call's host work varies from 60 to 190 ms (as measured on an H100 at 1.5B).
+    step, host = 0.0024, [0.06, 0.19, 0.11]
+    short = [{"steps": 32, "wall_s": h + 32 * step} for h in host]
+    long = [{"steps": 160, "wall_s": h + 160 * step} for h in reversed(host)]
+    assert decode_step_seconds(short, long) == pytest.approx(step)
 
 
-def test_decode_step_never_zero_or_negative():
-    assert decode_step_seconds([{"prefill_s": 0.5, "wall_s": 0.4}], steps=2) > 0
+def test_decode_step_never_zero_or_negative_and_needs_more_long_steps():
+    assert decode_step_seconds([{"steps": 8, "wall_s": 0.5}], [{"steps": 24, "wall_s": 0.4}]) > 0
+    with pytest.raises(ValueError, match="more steps"):
+        decode_step_seconds([{"steps": 8, "wall_s": 0.1}], [{"steps": 8, "wall_s": 0.2}])
 
 
 def test_covered_counts_overlapping_spans_once():

@@ -146,7 +146,9 @@ def h100_device(spec_path: str = SPEC):
 @contextlib.contextmanager
 def as_if_hopper():
     """While tracing, the programs are those of the H100 they are compiled for: `wgmma_nvfp4.available()`
-    is true and the Pallas Triton kernels are lowered as kernels, not for the CPU's interpreter."""
+    is true and the Pallas Triton kernels are lowered as kernels, not for the CPU's interpreter, for
+    compute capability 9.0 (jax 0.10 assumes it without a GPU; jax >= 0.11 asks its `gpu_info` for
+    the GPU, which fails without one)."""
     from pallas_kernels import wgmma_nvfp4  # noqa: PLC0415
 
     # the modules (the package exports functions of the same names)
@@ -156,11 +158,20 @@ def as_if_hopper():
     for module in triton_modules:
         module._resolve_interpret = lambda interpret: False if interpret is None else bool(interpret)
     try:
+        gpu_info = importlib.import_module("jax._src.pallas.triton.gpu_info")
+    except ImportError:
+        gpu_info = None
+    if gpu_info is not None:
+        get_gpu_info, h100 = gpu_info.get_gpu_info, gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+        gpu_info.get_gpu_info = lambda: h100
+    try:
         yield
     finally:
         wgmma_nvfp4.available = available
         for module, resolve in zip(triton_modules, resolves):
             module._resolve_interpret = resolve
+        if gpu_info is not None:
+            gpu_info.get_gpu_info = get_gpu_info
 
 
 def add_rollout_args(parser: argparse.ArgumentParser, *, size: str, rows: int, new_slots: int) -> None:
