@@ -433,10 +433,11 @@ def torch_worker(args) -> dict:
             gen_for = lambda n, ids=ids, group=group: lambda: run_generate(ids, group, n)  # noqa: E731
             row["first_call_s"], _ = timed(gen_for(3))  # warm-up (and compile)
             ttft, _ = min((timed(gen_for(1)) for _ in range(args.reps)), key=lambda x: x[0])
-            full, res = min((timed(gen_for(run["steps"])) for _ in range(args.reps)), key=lambda x: x[0])
+            calls = {n: [timed(gen_for(n)) for _ in range(args.reps)] for n in (run["steps"], run["long_steps"])}
+            res = calls[run["steps"]][-1][1]
             assert res.shape == (prompts * group, run["prompt_len"] + run["steps"]), res.shape
-            long, _ = min((timed(gen_for(run["long_steps"])) for _ in range(args.reps)), key=lambda x: x[0])
-            step_s = max(long - full, 1e-9) / (run["long_steps"] - run["steps"])  # as decode_step_seconds
+            short, long = ([{"steps": n, "wall_s": wall} for wall, _ in calls[n]] for n in calls)
+            step_s = common.decode_step_seconds(short, long)
             row.update(
                 ttft_s=ttft,
                 decode_step_s=step_s,
