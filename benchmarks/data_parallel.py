@@ -1,20 +1,23 @@
-"""Data-parallel scaling: rollout and GRPO train step on all local GPUs vs one, same batch.
+"""Data-parallel scaling of the GRPO step users run: whole long-tailed rollouts + the train step.
 
-    python -m benchmarks.data_parallel --out $OUT/dp.json        # e.g. 2 x H200, 7B
+    python -m benchmarks.data_parallel --out $OUT/dp.json                 # all local GPUs: 1, 2, 4, ...
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-      python -m benchmarks.data_parallel --tiny --out /tmp/dp.json   # CPU smoke test
+      python -m benchmarks.data_parallel --tiny --out /tmp/dp.json      # CPU smoke test
 
-A Qwen2.5-shaped random NVFP4 policy (benchmarks/common.py) with LoRA is run twice on
-the same inputs: on one device, and on a ("data", "model") = (n, 1) mesh of all n devices
-(`qerl_jax.sharding`: params replicated, rollout rows and training sequences split over
-"data" through `generate(options=RolloutOptions(batch_sharding=...))` and `shard_batch`; XLA all-reduces the LoRA
-gradients). Rollout: prompts x group sequences, --decode-steps sampling steps with the cache
-sized for --max-new-tokens (a step costs the same at every position), the second of two
-identical calls timed. Train: one DAPO step on prompt + new-token sequences (micro-batches,
-per-layer remat), the second of two steps timed. Reported: times, tokens/s, speed-up n-GPU
-vs 1-GPU on the same batch (strong scaling) and its efficiency (speed-up / n), throughput
-with n times the batch (weak scaling: the same rows per device), and whether the sampled
-tokens are equal.
+A Qwen2.5-shaped random NVFP4 policy with LoRA (benchmarks/common.py) on the recipe's workload
+(`benchmarks.rollout`'s gsm8k: prompts x group sequences, long-tailed completion lengths up to
+--max-new, continuous batching with refills and compaction). For each device count n in
+1, 2, 4, ... (up to the local GPUs), on a ("data", "model") = (n, 1) mesh, one process:
+
+- `shards` (the run's path, `qerl_jax.rollout.data_parallel`): each device decodes its block of
+  the prompts with its own scheduler; then the packed DAPO train step with the batch split over
+  "data";
+- `one call` (the smallest n > 1; the path before, kept as the baseline): one `generate` call whose rows are
+  sharded over "data" (`RolloutOptions(batch_sharding=...)`).
+
+Strong scaling: the same batch on n devices; weak scaling: n times the prompts. Each rollout is
+the second of two calls (the first compiles), the train step likewise. The step = rollout +
+train. Reported: a table and a JSON of seconds, speed-ups and completions per second.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from qerl_jax import sharding  # noqa: E402
-from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: E402
-from qerl_jax.optim import make_optimizer  # noqa: E402
-from qerl_jax.rl import packing  # noqa: E402
-from qerl_jax.rl import step as rl_step  # noqa: E402
-from qerl_jax.rl.losses import LossConfig  # noqa: E402
-from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate  # noqa: E402
+from benchmarks.rollout import completion_lengths
+from qerl_jax import compile_cache, sharding
+from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
+from qerl_jax.optim import make_optimizer
+from qerl_jax.rl import packing
+from qerl_jax.rl import step as rl_step
+from qerl_jax.rl.losses import LossConfig
+from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate, to_train_batch
+from qerl_jax.rollout.data_parallel import generate_data_parallel
 
 
 def _timed(fn):
@@ -44,162 +49,121 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _inputs(config, prompts: int, args):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, config.vocab_size, (prompts, args.prompt_len)).astype(np.int32)
+    lengths = completion_lengths(prompts * args.group, median=args.median, max_new=args.max_new, cap_fraction=0.05)
+    return ids, np.ones_like(ids), lengths
+
+
+def _train_batch(out, args) -> dict[str, np.ndarray]:
+    batch = {k: np.asarray(v) for k, v in to_train_batch(out).items()}
+    batch["advantages"] = np.random.default_rng(2).standard_normal(batch["input_ids"].shape[0]).astype(np.float32)
+    return packing.pack_batch(batch, args.prompt_len + args.max_new, rows_multiple=args.micro_batch_size)
+
+
+def measure(config, params, lora, n: int, prompts: int, path: str, args) -> dict:
+    """Rollout, train and step seconds of `prompts` x group sequences on the first n devices."""
+    mesh = sharding.make_mesh(n, 1, devices=jax.devices()[:n])
+    policy = sharding.shard_params(with_lora(params, lora), mesh, "tp")
+    frozen = sharding.shard_params(params, mesh, "tp")
+    ids, mask, lengths = _inputs(config, prompts, args)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new, ignore_eos=True)
+    backend = "xla" if jax.default_backend() == "cpu" else "pallas"
+    kw = dict(group_size=args.group, lora_scale=lora_scale(args.lcfg), max_new_tokens_per_seq=lengths)
+    if path == "shards":
+        run = lambda: generate_data_parallel(  # noqa: E731
+            config, policy, ids, mask, jax.random.key(3), sampling, mesh=mesh, options=RolloutOptions(backend=backend),
+            **kw,
+        )  # fmt: skip
+    else:
+        opts = RolloutOptions(backend=backend, batch_sharding=sharding.data_sharding(mesh))
+        run = lambda: generate(config, policy, ids, mask, jax.random.key(3), sampling, options=opts, **kw)  # noqa: E731
+    out, roll_s = _timed(run)
+    optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=100)
+    step = rl_step.make_train_step(
+        config, LossConfig(kind="dapo"), optimizer, lora_scale=lora_scale(args.lcfg), backend=backend, remat=True,
+        micro_batch_size=args.micro_batch_size, logprob_chunk=args.logprob_chunk,
+    )  # fmt: skip
+    batch = sharding.shard_batch(_train_batch(out, args), mesh)
+    lora_n = sharding.shard_like_lora(lora, mesh, "tp")
+    (_, metrics), train_s = _timed(lambda: step(rl_step.init_train_state(lora_n, optimizer), frozen, batch))
+    seqs = prompts * args.group
+    res = dict(
+        devices=n, path=path, prompts=prompts, sequences=seqs, rollout_s=roll_s, train_s=train_s,
+        step_s=roll_s + train_s, completions_per_s=seqs / (roll_s + train_s), loss=float(metrics["loss"]),
+        tokens=np.asarray(out.tokens), lengths=int(lengths.sum()),
+    )  # fmt: skip
+    print(json.dumps({k: v for k, v in res.items() if k != "tokens"}), flush=True)
+    return res
+
+
 def run(args) -> dict:
-    devices = jax.devices()
-    n = len(devices)
-    if n < 2:
-        raise SystemExit(f"needs at least 2 devices, found {n} ({devices})")
+    n_max = len(jax.devices())
+    counts = [n for n in (1, 2, 4, 8) if n <= n_max and n <= args.max_devices]
     config = common.model_config("tiny" if args.tiny else args.model)
     params = common.random_params(config, quant=args.quant, seed=0)
-    lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
-    lora = init_lora(jax.random.key(1), config, lcfg)
-    # Non-zero B so the adapters take part in the forward like in training.
+    args.lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+    lora = init_lora(jax.random.key(1), config, args.lcfg)
     lora = jax.tree.map(lambda x: x + 1e-3 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), lora)
-    scale = lora_scale(lcfg)
-    backend = "xla" if jax.default_backend() == "cpu" else "pallas"
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, config.vocab_size, (args.prompts, args.prompt_len)).astype(np.int32)
-    mask = np.ones_like(ids)
-    rows = args.prompts * args.group
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.decode_steps, ignore_eos=True)
-    optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=100)
-    t_total = args.prompt_len + args.max_new_tokens
-    # The training loop's layout (`rl.packing`), one sequence per row: every row is full length.
-    batch = packing.pack_batch(
-        common.random_rl_batch(config, batch=rows, seq_len=t_total, prompt_len=args.prompt_len),
-        t_total,
-        rows_multiple=args.micro_batch_size,
-        rows=[[i] for i in range(rows)],
-    )
-    mesh = sharding.make_mesh(n, 1)
-    report = {
-        "devices": [str(d) for d in devices],
-        "device_kind": devices[0].device_kind,
-        "model": "tiny" if args.tiny else args.model,
-        "quant": args.quant,
-        "backend": backend,
+    rows = []
+    for n in counts:
+        rows.append(measure(config, params, lora, n, args.prompts, "shards", args))  # strong scaling
+        if n > 1:
+            rows.append(measure(config, params, lora, n, args.prompts * n, "shards", args))  # weak scaling
+            if not args.skip_one_call and n == counts[1]:
+                rows.append(measure(config, params, lora, n, args.prompts, "one call", args))
+    one = rows[0]
+    for r in rows:
+        r["step_speedup"] = one["step_s"] / r["step_s"] if r["prompts"] == one["prompts"] else None
+        r["throughput_vs_1"] = r["completions_per_s"] / one["completions_per_s"]
+        r["tokens_equal_1"] = bool(r["prompts"] == one["prompts"] and np.array_equal(r["tokens"], one["tokens"]))
+    for r in rows:
+        del r["tokens"]
+    return {
+        "model": "tiny" if args.tiny else args.model, "quant": args.quant, "device_kind": jax.devices()[0].device_kind,
+        "group": args.group, "prompt_len": args.prompt_len, "max_new": args.max_new, "median": args.median,
         "rows": rows,
-        "prompt_len": args.prompt_len,
-        "decode_steps": args.decode_steps,
-        "max_new_tokens": args.max_new_tokens,
-        "train_seq_len": t_total,
-        "micro_batch_size": args.micro_batch_size,
-    }
+    }  # fmt: skip
 
-    def one_mode(name: str, place, batch_sharding):
-        policy = place(with_lora(params, lora))
-        kw = dict(group_size=args.group, lora_scale=scale)
-        kw["options"] = RolloutOptions(backend=backend, batch_sharding=batch_sharding)
-        out, roll_s = _timed(lambda: generate(config, policy, ids, mask, jax.random.key(3), sampling, **kw))
-        frozen = place({"base": params["base"], "norms": params["norms"]})
-        step = rl_step.make_train_step(
-            config,
-            LossConfig(kind="dapo"),
-            optimizer,
-            lora_scale=scale,
-            backend=backend,
-            remat=True,
-            micro_batch_size=args.micro_batch_size,
-            logprob_chunk=args.logprob_chunk,
+
+def table(report: dict) -> str:
+    head = f"{'GPUs':>4} {'path':9} {'prompts':>7} {'rollout s':>9} {'train s':>8} {'step s':>7} {'speed-up':>8} {'compl/s':>8} {'x 1 GPU':>7}"
+    lines = [f"{report['model']} {report['quant']} on {report['device_kind']}, group {report['group']}, up to "
+             f"{report['max_new']} new tokens (median {report['median']})", head]  # fmt: skip
+    for r in report["rows"]:
+        speed = f"{r['step_speedup']:.2f}x" if r["step_speedup"] is not None else "-"
+        lines.append(
+            f"{r['devices']:>4} {r['path']:9} {r['prompts']:>7} {r['rollout_s']:9.2f} {r['train_s']:8.2f} "
+            f"{r['step_s']:7.2f} {speed:>8} {r['completions_per_s']:8.1f} {r['throughput_vs_1']:6.2f}x"
         )
-        train_batch = sharding.shard_batch(batch, mesh) if batch_sharding is not None else jax.device_put(batch)
-
-        def train_once():
-            state = place(rl_step.init_train_state(lora, optimizer))
-            return step(state, frozen, train_batch)
-
-        (state, metrics), train_s = _timed(train_once)
-        res = {}
-        if batch_sharding is not None:  # weak scaling: n times the sequences, the same rows per device
-            ids_n, mask_n = np.tile(ids, (n, 1)), np.tile(mask, (n, 1))
-            _, weak_roll_s = _timed(lambda: generate(config, policy, ids_n, mask_n, jax.random.key(3), sampling, **kw))
-            batch_n = sharding.shard_batch({k: np.concatenate([v] * n) for k, v in batch.items()}, mesh)
-            _, weak_train_s = _timed(lambda: step(place(rl_step.init_train_state(lora, optimizer)), frozen, batch_n))
-            res.update(
-                weak_rollout_tokens_per_s=n * rows * args.decode_steps / weak_roll_s,
-                weak_train_tokens_per_s=n * rows * t_total / weak_train_s,
-                weak_rollout_s=weak_roll_s,
-                weak_train_s=weak_train_s,
-            )
-        res |= {
-            "rollout_s": roll_s,
-            "rollout_tokens_per_s": rows * args.decode_steps / roll_s,
-            "train_s": train_s,
-            "train_tokens_per_s": rows * t_total / train_s,
-            "loss": float(metrics["loss"]),
-        }
-        print(name, json.dumps(res), flush=True)
-        return res, np.asarray(out.tokens), state
-
-    single, tokens_1, state_1 = one_mode("1-device", lambda t: jax.device_put(t, devices[0]), None)
-    replicated = sharding.replicated(mesh)
-    dp, tokens_n, state_n = one_mode(
-        f"{n}-device", lambda t: jax.device_put(t, replicated), sharding.data_sharding(mesh)
-    )
-    report["one_device"], report["data_parallel"] = single, dp
-    # Bit-equal on CPU (tests/test_sharding.py); on GPUs the per-device batch changes the matmul
-    # tiling, so logits differ in the last bits and temperature-1 samples drift apart.
-    report["tokens_equal"] = bool(np.array_equal(tokens_1, tokens_n))
-    report["token_agreement"] = float((tokens_1 == tokens_n).mean())
-    report["first_token_agreement"] = float((tokens_1[:, 0] == tokens_n[:, 0]).mean())
-    report["lora_max_abs_diff_after_step"] = float(
-        max(
-            np.abs(np.asarray(a) - np.asarray(b)).max()
-            for a, b in zip(jax.tree.leaves(state_1.lora), jax.tree.leaves(state_n.lora))
-        )
-    )
-    for phase in ("rollout", "train"):
-        speedup = single[f"{phase}_s"] / dp[f"{phase}_s"]
-        report[f"{phase}_speedup"] = speedup
-        report[f"{phase}_efficiency"] = speedup / n
-        weak = dp[f"weak_{phase}_tokens_per_s"] / single[f"{phase}_tokens_per_s"]
-        report[f"{phase}_weak_speedup"] = weak
-    step_1 = single["rollout_s"] * args.max_new_tokens / args.decode_steps + single["train_s"]
-    step_n = dp["rollout_s"] * args.max_new_tokens / args.decode_steps + dp["train_s"]
-    report["grpo_step_speedup"] = step_1 / step_n  # rollout extrapolated to max_new_tokens
-    weak_n = dp["weak_rollout_s"] * args.max_new_tokens / args.decode_steps + dp["weak_train_s"]
-    report["grpo_step_weak_throughput_speedup"] = n * step_1 / weak_n
-    return report
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="7B")
+    p.add_argument("--model", default="1.5B")
     p.add_argument("--quant", default="nvfp4")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--max-new", type=int, default=2048)
+    p.add_argument("--median", type=float, default=300.0)
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--logprob-chunk", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--logprob-chunk", type=int, default=512)
+    p.add_argument("--max-devices", type=int, default=8)
+    p.add_argument("--skip-one-call", action="store_true", help="leave out the one-call baseline rows")
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (CPU smoke test)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    # Each device compiles the shard's programs; the persistent cache serves the later ones.
+    compile_cache.enable_compilation_cache(compile_cache.cache_dir(""))
     if args.tiny:
-        args.prompts, args.group, args.prompt_len, args.max_new_tokens, args.decode_steps = 2, 4, 16, 16, 8
+        args.prompts, args.group, args.prompt_len, args.max_new, args.median = 2, 4, 16, 16, 6.0
         args.micro_batch_size, args.logprob_chunk = 2, 8
     report = run(args)
-    print(
-        f"\n{report['model']} {report['quant']} on {len(report['devices'])} x {report['device_kind']}: "
-        f"{report['rows']} sequences\n"
-        f"{'phase':8} {'1 device s':>11} {'n devices s':>12} {'speed-up':>9} {'efficiency':>10} "
-        f"{'n x batch: throughput':>22}"
-    )
-    for phase in ("rollout", "train"):
-        print(
-            f"{phase:8} {report['one_device'][phase + '_s']:11.2f} {report['data_parallel'][phase + '_s']:12.2f} "
-            f"{report[phase + '_speedup']:8.2f}x {report[phase + '_efficiency']:10.0%} "
-            f"{report[phase + '_weak_speedup']:21.2f}x"
-        )
-    print(
-        f"GRPO step (rollout extrapolated to {report['max_new_tokens']} tokens): same batch {report['grpo_step_speedup']:.2f}x, "
-        f"n x batch throughput {report['grpo_step_weak_throughput_speedup']:.2f}x"
-    )
-    print(
-        f"sampled tokens equal: {report['tokens_equal']}; LoRA after one step max |diff| {report['lora_max_abs_diff_after_step']:.2e}"
-    )
+    print("\n" + table(report))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from absl import logging as absl_logging
 from orbax.checkpoint._src import asyncio_utils
 
@@ -155,13 +156,15 @@ class Checkpointer:
                 failures.append((step, f"{type(e).__name__}: {reason[:200]}"))
                 continue
             skipped = []
-            for bad, why in failures:
+            for bad, why in failures if jax.process_index() == 0 else ():  # one process moves them
                 moved = os.path.join(self.directory, f"{bad}.unreadable")
                 while os.path.exists(moved):
                     moved += "+"
                 os.replace(os.path.join(self.directory, str(bad)), moved)
                 skipped.append(f"step {bad}: {why} (moved to {moved})")
             if failures:
+                if jax.process_count() > 1:
+                    multihost_utils.sync_global_devices("qerl-unreadable-checkpoints-moved")
                 self._manager.reload()
             return Restored(step=step, state=state, meta=meta, skipped=skipped)
         if failures:

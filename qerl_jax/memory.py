@@ -446,7 +446,7 @@ def device_memory_bytes(device=None) -> int | None:
     """
     import jax  # noqa: PLC0415 (the planning itself needs no jax)
 
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 (some backends raise instead of returning None)

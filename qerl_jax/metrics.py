@@ -16,7 +16,7 @@ import numpy as np
 
 def device_memory_stats() -> dict[str, float]:
     """Bytes in use / peak on the first device, where the backend reports them (GPU; not CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     out = {}
     if "bytes_in_use" in stats:
         out["memory/bytes_in_use"] = float(stats["bytes_in_use"])
@@ -107,6 +107,19 @@ class MetricWriter:
         with self._io():
             self._events.close()
             self._jsonl.close()
+
+
+class NullWriter:
+    """A `MetricWriter` that writes nothing: the processes of a multi-process run but the first."""
+
+    def scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
+        del step, metrics
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        del step, tag, text
+
+    def close(self) -> None:
+        pass
 
 
 def _drop_jsonl_rows_from(path: str, step: int) -> None:

@@ -246,24 +246,27 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def shard_batch(tree: Any, mesh: Mesh, batch_size: int | None = None) -> Any:
-    """Places every array of `tree` whose leading axis is the batch over "data"; others replicated.
+    """Places a batch of host arrays on the mesh: every array whose leading axis divides by the
+    "data" axis is split along it (a packed train batch's rows [R, L] and its sequences [B, L]
+    alike, so each device computes its share of every micro-batch); the others are replicated.
 
-    batch_size: the batch length (default: the leading dimension of the first array leaf).
-    It must divide by the "data" axis size.
+    Every process passes the same host values and gets the global arrays (each device's slice
+    is taken from them: `jax.make_array_from_callback`), so this serves multi-process runs too.
+    batch_size: a leading length that must divide (default: the first array leaf's); an
+    indivisible one is an error.
     """
     leaves = [x for x in jax.tree.leaves(tree) if np.ndim(x) > 0]
-    if batch_size is None:
-        if not leaves:
-            return jax.device_put(tree, replicated(mesh))
-        batch_size = np.shape(leaves[0])[0]
     data = mesh.shape["data"]
-    if batch_size % data:
+    if batch_size is None and leaves:
+        batch_size = np.shape(leaves[0])[0]
+    if batch_size is not None and batch_size % data:
         raise ValueError(f"batch size {batch_size} does not divide by the mesh's data axis ({data} devices)")
 
     def place(x):
-        if np.ndim(x) > 0 and np.shape(x)[0] == batch_size:
-            return jax.device_put(x, data_sharding(mesh, np.ndim(x)))
-        return jax.device_put(x, replicated(mesh))
+        x = np.asarray(x)
+        split = x.ndim > 0 and x.shape[0] % data == 0
+        where = data_sharding(mesh, x.ndim) if split else replicated(mesh)
+        return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
 
     return jax.tree.map(place, tree)
 
@@ -287,6 +290,8 @@ def maybe_initialize_distributed() -> bool:
     with more than one task (SLURM_NTASKS > 1): JAX's cluster detection finds the rest.
     Otherwise it does nothing (one process drives all its local GPUs anyway).
     """
+    # CPU devices of several processes talk through gloo (GPUs through NCCL, unaffected by this).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     num = _env_int("QERL_NUM_PROCESSES")
     num = _env_int("JAX_NUM_PROCESSES") if num is None else num
     pid = _env_int("QERL_PROCESS_ID")

@@ -10,9 +10,12 @@ reproduces an uninterrupted one.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import os
 import re
+import tempfile
 import time
 from typing import Any
 
@@ -26,6 +29,7 @@ from tqdm.auto import tqdm
 from qerl_jax import (
     aqn,
     compile_cache,
+    distributed,
     evaluation,
     lora,
     memory,
@@ -34,7 +38,6 @@ from qerl_jax import (
     run_config,
     sharding,
     validate,
-    workdir,
 )
 from qerl_jax.checkpoint import (
     Checkpointer,
@@ -46,11 +49,12 @@ from qerl_jax.checkpoint import (
 )
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
 from qerl_jax.errors import UserFacingError
-from qerl_jax.metrics import MetricWriter, device_memory_stats
+from qerl_jax.metrics import MetricWriter, NullWriter, device_memory_stats
 from qerl_jax.model_io.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
+from qerl_jax.rollout import data_parallel
 from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate, to_train_batch
 from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config, sampling_config
 
@@ -78,11 +82,12 @@ def collect_experience(
     loader: PromptLoader,
     pool: reward_pool.RewardPool,
     key,
-    batch_sharding: jax.sharding.Sharding | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Rollouts + rewards for `prompts_per_step` groups (DAPO: only groups with varied rewards).
 
-    batch_sharding: rollout rows sharded over the mesh's "data" axis (data-parallel rollouts).
+    mesh: each data shard samples its block of the prompts (`rollout.data_parallel`), and each
+    process scores its own shards' completions; every process then holds the whole step's.
     """
     g = cfg.rollout.group_size
     want = cfg.rollout.prompts_per_step
@@ -104,7 +109,8 @@ def collect_experience(
         if len(tok.kept_indices) == 0:
             continue
         t0 = time.perf_counter()
-        batch = generate(
+        sample = generate if mesh is None else functools.partial(data_parallel.generate_data_parallel, mesh=mesh)
+        batch = sample(
             policy.config,
             rollout_params,
             tok.input_ids,
@@ -114,9 +120,7 @@ def collect_experience(
             group_size=g,
             lora_scale=lora.lora_scale(cfg.lora),
             max_batch=cfg.rollout.max_batch or None,
-            options=RolloutOptions(
-                backend=policy.backend, batch_sharding=batch_sharding, min_prompt_len=cfg.data.max_prompt_len
-            ),
+            options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
         )
         jax.block_until_ready(batch.tokens)
         timing["rollout"] += time.perf_counter() - t0
@@ -129,9 +133,7 @@ def collect_experience(
         )
         source_rows = np.repeat(tok.kept_indices, g)  # dataset row of each sequence
         answers = [prompts["answer"][i] for i in source_rows]
-        each = pool.score_each(
-            completions, answers, [name for name, _ in reward_spec], fields=_reward_fields(prompts, source_rows)
-        )
+        each = _score(pool, completions, answers, reward_spec, _reward_fields(prompts, source_rows), mesh, g)
         all_each.append(each)
         raw = np.asarray([w for _, w in reward_spec], np.float32) @ each
         timing["reward"] += time.perf_counter() - t0
@@ -191,6 +193,21 @@ def collect_experience(
         groups_kept=kept_count,
     )
     return exp, stats
+
+
+def _score(pool, completions, answers, reward_spec, fields, mesh, group_size: int) -> np.ndarray:
+    """float32 [rewards, N]: each reward of each completion; with a mesh, each process scores its
+    own shards' rows and the scores are shared."""
+    names = [name for name, _ in reward_spec]
+    if mesh is None:
+        return pool.score_each(completions, answers, names, fields=fields)
+    mine = data_parallel.local_rows(mesh, len(completions) // group_size, group_size)
+    rows = np.flatnonzero(mine)
+    scores = np.zeros((len(names), len(completions)), np.float32)
+    scores[:, rows] = pool.score_each(
+        [completions[r] for r in rows], [answers[r] for r in rows], names, fields=[fields[r] for r in rows]
+    )
+    return data_parallel.share_rows(scores, mine)
 
 
 def _reward_fields(prompts: dict[str, Any], source_rows: np.ndarray) -> list[dict[str, Any]]:
@@ -330,36 +347,35 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     run = run_config.build(cfg, "train")
-    with workdir.lock(run.workdir):
-        return _train(run, t_start)
+    distributed.initialize()
+    mesh = distributed.run_mesh(run.mesh.data, run.mesh.model, run.rollout.prompts_per_step)
+    with distributed.primary_lock(run.workdir):
+        try:
+            return _train(run, t_start, mesh)
+        except jax.errors.JaxRuntimeError as e:
+            distributed.stop_if_peer_lost(e)
+            raise
 
 
-def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
+def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
     os.makedirs(cfg.workdir, exist_ok=True)
     if cfg.compile_cache:
         compile_cache.enable_compilation_cache(compile_cache.cache_dir(cfg.compile_cache_dir))
-    sharding.maybe_initialize_distributed()
-    policy = load_policy(cfg)
-    mesh = None
-    if cfg.mesh.data * cfg.mesh.model != 1:
-        try:
-            mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
-        except ValueError as e:
-            raise UserFacingError(f"config.mesh: {e}") from None
-    cfg = _check_memory(cfg, policy, data_devices=mesh.shape["data"] if mesh is not None else 1)
+    policy = distributed.primary_first(lambda: load_policy(cfg))  # a tiny model or GGUF conversion is written once
+    data_shards = mesh.shape["data"] if mesh is not None else 1
+    cfg = _check_memory(cfg, policy, data_devices=data_shards)
     lcfg = cfg.lora
-    if cfg.mesh.data > 1 and cfg.rl.micro_batch_size % cfg.mesh.data:
+    if cfg.rl.micro_batch_size % data_shards:
         raise UserFacingError(
-            f"rl.micro_batch_size ({cfg.rl.micro_batch_size}) must be a multiple of mesh.data ({cfg.mesh.data}): "
+            f"rl.micro_batch_size ({cfg.rl.micro_batch_size}) must be a multiple of mesh.data ({data_shards}): "
             "each micro-batch is split over the data-parallel devices"
         )
     if mesh is not None:
         policy.frozen = sharding.shard_params(policy.frozen, mesh, "tp")
         tqdm.write(
-            f"mesh {dict(mesh.shape)}: base weights tensor-parallel over 'model', rollouts and training batches "
-            "data-parallel over 'data'"
+            f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): base weights tensor-parallel over "
+            "'model', each 'data' shard rolling out its own prompts, training batches data-parallel over 'data'"
         )
-    batch_sharding = sharding.data_sharding(mesh) if mesh is not None and cfg.mesh.data > 1 else None
     acfg = cfg.aqn
     total = cfg.train.total_steps
     optimizer, lr_fn = optimizer_from_config(cfg)
@@ -394,7 +410,9 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
         except CheckpointMismatchError as e:
             raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
 
-    writer = MetricWriter(os.path.join(cfg.workdir, "tensorboard"), purge_step=start if cfg.resume else None)
+    primary = distributed.is_primary()
+    logdir = os.path.join(cfg.workdir, "tensorboard")
+    writer = MetricWriter(logdir, purge_step=start if cfg.resume else None) if primary else NullWriter()
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}
@@ -403,10 +421,10 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
         compiling = None
         if start < end:
             spec_batch = train_batch_like(cfg)
-            if batch_sharding is not None:
+            if mesh is not None:
                 spec_batch = sharding.shard_batch(spec_batch, mesh)
             compiling = _precompile_in_background(train_step, state, policy.frozen, spec_batch)
-        bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True)
+        bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True, disable=not primary)
         for step in bar:
             t_step = time.perf_counter()
             sigma = float(aqn.aqn_sigma(acfg, step))
@@ -418,7 +436,7 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
             pool_before = dict(pool.stats)
             try:
                 exp, metrics = collect_experience(
-                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), batch_sharding
+                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), mesh
                 )
             except MemoryError as e:
                 raise UserFacingError(f"out of device memory in the rollout: {e}") from None
@@ -432,7 +450,8 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
                 metrics.update(_rollout_metrics(exp))
                 t0 = time.perf_counter()
                 batch = make_train_batch(cfg, exp)
-                if batch_sharding is not None:
+                counts = packing.token_counts(batch)
+                if mesh is not None:
                     batch = sharding.shard_batch(batch, mesh)
                 _await_precompile(compiling)
                 compiling = None
@@ -452,7 +471,6 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
                 metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
                 metrics["train/skipped_total"] = float(state.total_skips)  # non-finite steps so far
                 metrics["time/train_s"] = dt
-                counts = packing.token_counts(batch)
                 metrics["train/tokens_per_s"] = counts["real"] / max(dt, 1e-9)
                 metrics["train/packed_fill"] = counts["real"] / max(counts["computed"], 1)
                 if cfg.train.sample_every and step % cfg.train.sample_every == 0:
@@ -484,25 +502,29 @@ def _train(cfg: RunConfig, t_start: float) -> dict[str, Any]:
                 end = done
                 break
             if cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total:
-                _periodic_eval(cfg, policy, state, writer, done)
+                _periodic_eval(cfg, policy, state, writer, done, mesh)
     if end == total:
         if cfg.eval.num_examples:
-            eval_metrics = _periodic_eval(cfg, policy, state, writer, total)
-        try:
-            export_peft_adapter(
-                jax.device_get(state.lora),
-                os.path.join(cfg.workdir, "adapter"),
-                norms=jax.device_get(state.norms),
-                rank=lcfg.rank,
-                alpha=lcfg.alpha,
-                rslora=lcfg.rslora,
-                base_model_name_or_path=os.path.abspath(policy.model_dir),
-            )
-        except AdapterWriteError as e:
-            raise UserFacingError(f"{e}; the run's last checkpoint in {ckpt.directory} is intact") from None
+            eval_metrics = _periodic_eval(cfg, policy, state, writer, total, mesh)
+        trained_lora, trained_norms = distributed.host_copy((state.lora, state.norms))
+        if primary:
+            try:
+                export_peft_adapter(
+                    trained_lora,
+                    os.path.join(cfg.workdir, "adapter"),
+                    norms=trained_norms,
+                    rank=lcfg.rank,
+                    alpha=lcfg.alpha,
+                    rslora=lcfg.rslora,
+                    base_model_name_or_path=os.path.abspath(policy.model_dir),
+                )
+            except AdapterWriteError as e:
+                raise UserFacingError(f"{e}; the run's last checkpoint in {ckpt.directory} is intact") from None
     writer.close()
     ckpt.close()
-    tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))
+    distributed.barrier("qerl-run-end")  # a peer lost near the end is one line here, not an abort at exit
+    if primary:
+        tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))
     return metrics
 
 
@@ -659,16 +681,23 @@ def _samples_markdown(exp: Experience, n: int = 2) -> str:
     return "\n\n---\n\n".join(out)
 
 
-def _periodic_eval(cfg: RunConfig, policy: Policy, state, writer: MetricWriter, step: int) -> dict[str, float]:
+def _periodic_eval(cfg: RunConfig, policy: Policy, state, writer, step: int, mesh=None) -> dict[str, float]:
+    """Evaluation of the current adapter, on this process's first data shard. Every process of a
+    multi-process run evaluates (they stay in step); the primary's outputs are kept."""
     params = lora.with_lora(policy.frozen, state.lora, state.norms)
-    output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
-    summary = evaluation.evaluate_params(
-        cfg,
-        policy,
-        params,
-        lora_scale=lora.lora_scale(cfg.lora),
-        output_dir=output_dir,
-        writer=writer,
-        step=step,
-    )
+    if mesh is not None:
+        params = data_parallel.on_submesh(params, data_parallel.local_shards(mesh)[0][1])
+    with contextlib.ExitStack() as stack:
+        output_dir = os.path.join(cfg.workdir, "eval", f"step_{step}")
+        if not distributed.is_primary():
+            output_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="qerl-eval-"))
+        summary = evaluation.evaluate_params(
+            cfg,
+            policy,
+            params,
+            lora_scale=lora.lora_scale(cfg.lora),
+            output_dir=output_dir,
+            writer=writer,
+            step=step,
+        )
     return summary["metrics"]

@@ -270,6 +270,16 @@ def test_data_parallel_rollout_tokens_equal_one_device(four_device_results, mode
     assert r["dp_tokens_equal"], r
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("mesh_shape", ["2x2", "4x1"])
+def test_per_shard_rollouts_equal_one_call(four_device_results, mode, mesh_shape):
+    """generate_data_parallel (a generate call per data shard, in threads) draws the tokens one call
+    over the whole batch draws, with tensor-parallel shards (2 x 2) and one device per shard (4 x 1)."""
+    r = four_device_results["rollout"][mode][f"shards_{mesh_shape}"]
+    assert r["tokens_equal"] and r["prompt_index_equal"] and r["prompts_equal"], r
+    assert r["logp_max_abs_diff"] < 1e-4, r
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -291,6 +301,7 @@ def _worker() -> dict:
     from qerl_jax.rl.packing import pack_batch
     from qerl_jax.rl.step import init_train_state, make_train_step
     from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate
+    from qerl_jax.rollout.data_parallel import generate_data_parallel
 
     start = [time.perf_counter()]
 
@@ -445,6 +456,21 @@ def _worker() -> dict:
             options=RolloutOptions(cache_dtype=jnp.float32, batch_sharding=sharding.data_sharding(mesh)),
         )
         out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
+        # Each data shard its own generate call (threads), over a 2 x 2 (tensor parallel shards) and a 4 x 1 mesh.
+        for name, shape in (("shards_2x2", (2, 2)), ("shards_4x1", (4, 1))):
+            m = sharding.make_mesh(*shape)
+            four_ids, four_mask = np.concatenate([prompt_ids, ids[2:4, :6]]), np.concatenate([prompt_mask, mask[2:4, :6]])
+            ref4 = generate(config, full, four_ids, four_mask, jax.random.key(3), sampling, **kw, options=f32)
+            got4 = generate_data_parallel(
+                config, sharding.shard_params(full, m, "tp"), four_ids, four_mask, jax.random.key(3), sampling,
+                mesh=m, **kw, options=f32,
+            )  # fmt: skip
+            out["rollout"][mode][name] = {
+                "tokens_equal": bool(np.array_equal(np.asarray(ref4.tokens), np.asarray(got4.tokens))),
+                "logp_max_abs_diff": float(np.abs(np.asarray(ref4.logprobs) - np.asarray(got4.logprobs)).max()),
+                "prompt_index_equal": bool(np.array_equal(np.asarray(ref4.prompt_index), np.asarray(got4.prompt_index))),
+                "prompts_equal": bool(np.array_equal(np.asarray(ref4.prompt_ids), np.asarray(got4.prompt_ids))),
+            }
         _tick(f"rollout {mode}")
     # Row shards of a data sharding, also for a data axis that is not a power of two.
     from qerl_jax.rollout.sampler import _row_shards

@@ -19,6 +19,8 @@ rollout, LossConfig(old_logp_source="current") reproduces TRL's on-policy ratio 
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, Iterator
 
 import jax
@@ -110,6 +112,8 @@ def validate_batch(batch: dict[str, Any], micro_batch_size: int | None, ref_logp
         raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}; expected {(b, length)} (like old_logp)")
     if micro_batch_size is not None and r % micro_batch_size:
         raise ValueError(f"packed rows {r} are not a multiple of micro_batch_size={micro_batch_size}")
+    if not all(_fetchable(batch[k]) for k in ("response_mask", "token_index")):
+        return r, length, b  # a multi-process run's global arrays: its host batch was built valid (rl.packing)
     resp = np.asarray(batch["response_mask"]).astype(bool)
     if resp[:, 0].any():
         raise ValueError("batch['response_mask'][:, 0] is set: position 0 has no log-prob (it has no prefix)")
@@ -121,6 +125,10 @@ def validate_batch(batch: dict[str, Any], micro_batch_size: int | None, ref_logp
     return r, length, b
 
 
+def _fetchable(x) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
 def train_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
     """The batch's BATCH_KEYS as the jitted step takes them: int32 input_ids / segment_ids / token_index,
     float32 response_mask / old_logp / advantages."""
@@ -130,12 +138,16 @@ def train_arrays(batch: dict[str, Any]) -> dict[str, jax.Array]:
 
 def _micro_rows(x: jax.Array, rows: slice) -> jax.Array:
     """Rows of a packed [R, L] array with its sharding kept: a data-parallel batch's micro-batch is
-    split over the devices (a plain slice would leave it on the devices holding those rows)."""
-    part = x[rows]
-    sharding = x.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
-        part = jax.device_put(part, sharding)
-    return part
+    split over the devices (a plain slice would leave it on the devices holding those rows). One
+    program per (micro-batch size, sharding), the first row an argument; it also slices a
+    multi-process run's global arrays."""
+    return _row_slicer(rows.stop - rows.start, x.sharding)(x, jnp.int32(rows.start))
+
+
+@functools.lru_cache(maxsize=16)
+def _row_slicer(size: int, sharding: jax.sharding.Sharding):
+    keep = sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+    return jax.jit(lambda x, first: jax.lax.dynamic_slice_in_dim(x, first, size), out_shardings=keep)
 
 
 def minibatches(batch: dict[str, Any], num: int) -> Iterator[dict[str, Any]]:

@@ -165,9 +165,17 @@ def estimate_rollout_bytes(
     ).total
 
 
+def current_device() -> jax.Device:
+    """The device new arrays go to in this thread: `jax.default_device`'s, else this process's first."""
+    chosen = jax.config.jax_default_device
+    return chosen if isinstance(chosen, jax.Device) else jax.local_devices()[0]
+
+
 def device_free_bytes(device: jax.Device | None = None) -> int | None:
-    """bytes_limit - bytes_in_use of the device, or None where the backend does not report it."""
-    device = device or jax.devices()[0]
+    """bytes_limit - bytes_in_use of the device (default: this thread's default device, as
+    `jax.default_device` sets it for a data shard's rollout, else this process's first), or None
+    where the backend does not report it."""
+    device = device or current_device()
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 (some backends raise instead of returning None)

@@ -336,6 +336,7 @@ def generate(
     lora_scale: float = 1.0,
     max_batch: int | None = None,
     max_new_tokens_per_seq: Sequence[int] | np.ndarray | None = None,
+    seq_offset: int = 0,
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
@@ -352,6 +353,9 @@ def generate(
         or takes all B * G where the device reports no memory (CPU).
       max_new_tokens_per_seq: int [B * G] each sequence's token limit (<= max_new_tokens); a
         sequence stopped by it is truncated, like one stopped by max_new_tokens.
+      seq_offset: the PRNG stream of output row r is seq_offset + r: a call that samples one
+        block of a larger batch (a data shard's, `rollout.data_parallel`) draws the tokens the
+        whole batch's call would draw for those rows.
       options: the engine's choices (`RolloutOptions`: backend, cache dtype, memory budget,
         row sharding, weight copies, compaction buckets, decode attention).
 
@@ -368,6 +372,8 @@ def generate(
         raise ValueError(f"group_size must be >= 1; got {group_size}")
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
+    if seq_offset < 0:
+        raise ValueError(f"seq_offset must be >= 0; got {seq_offset}")
     ids_np = np.asarray(prompt_ids)
     mask_np = np.asarray(prompt_mask)
     lengths = _check_prompts(config, ids_np, mask_np, sampling.max_new_tokens)
@@ -423,6 +429,7 @@ def generate(
             args = _admission(
                 ids_np, mask_np, prompt_of_seq, limits, seqs[i : i + plan.admit_rows], dest[i : i + plan.admit_rows],
                 rows=sched.rows, admit_rows=plan.admit_rows, admit_prompts=plan.admit_prompts, share=options.share_prefill,
+                seq_offset=seq_offset,
             )  # fmt: skip
             cache, rows = programs.admit(
                 static, run_params, cache, rows, *map(put, args), key, stop_V, np.int32(pad_id)
@@ -481,10 +488,10 @@ def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_s
             future.result()
 
 
-def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share):
+def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share, seq_offset=0):
     """The host arrays of one `programs.admit` call: (ids, mask, src, dest, seq, limit), padded
     to admit_prompts prompts (filler: one real pad token) and admit_rows sequences (dest = rows:
-    dropped)."""
+    dropped); seq is each sequence's PRNG stream, seq_offset + its index."""
     p = ids_np.shape[1]
     prompts = np.unique(prompt_of_seq[seqs]) if share else prompt_of_seq[seqs]
     ids = np.zeros((admit_prompts, p), np.int32)
@@ -498,7 +505,7 @@ def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admi
     dest_k = np.full((admit_rows,), rows, np.int32)
     dest_k[:count] = dest
     seq_k = np.zeros((admit_rows,), np.uint32)
-    seq_k[:count] = seqs
+    seq_k[:count] = seqs + seq_offset
     limit_k = np.ones((admit_rows,), np.int32)
     limit_k[:count] = limits[seqs]
     return ids, mask, src, dest_k, seq_k, limit_k

@@ -1,0 +1,197 @@
+"""Data-parallel rollouts: every data shard of a mesh decodes its own block of prompts.
+
+    batch = generate_data_parallel(config, params, prompt_ids, prompt_mask, key, sampling,
+                                   mesh=mesh, group_size=8)
+
+The B prompts are cut into `mesh.shape["data"]` contiguous blocks (`prompt_blocks`), so a
+prompt's group never spans two shards and its advantages need no communication. A shard is one
+row of the mesh: its `model` devices (tensor parallel within the shard, or one device). Each
+shard this process holds (`local_shards`) runs `generate` on its own devices in its own thread,
+with its own continuous-batching scheduler and programs, over a zero-copy view of the
+parameters on its devices (`on_submesh`): nothing crosses shards while decoding. The blocks'
+results are gathered once, in prompt order, on every process (`gather_blocks`).
+
+Each block samples with `seq_offset` = its first row, so the tokens equal those of one
+`generate` call over the whole batch with the same key (up to the float error of other row
+buckets).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qerl_jax.rollout.batch import RolloutBatch
+from qerl_jax.rollout.sampler import RolloutOptions, generate
+
+PER_ROW = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
+
+
+def prompt_blocks(num_prompts: int, shards: int) -> list[slice]:
+    """Contiguous blocks of prompts, one per shard, sizes differing by at most one (earlier larger)."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1; got {shards}")
+    bounds = np.cumsum([0] + [len(b) for b in np.array_split(np.arange(num_prompts), shards)])
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def local_shards(mesh: Mesh) -> list[tuple[int, Mesh]]:
+    """(data index, a 1 x model sub-mesh) of each mesh row whose devices are all this process's."""
+    mine = set(jax.local_devices())
+    out = []
+    for d, row in enumerate(mesh.devices):
+        if all(dev in mine for dev in row):
+            out.append((d, Mesh(np.asarray(row).reshape(1, -1), mesh.axis_names)))
+        elif any(dev in mine for dev in row):
+            raise ValueError(
+                f"mesh row {d} mixes this process's devices with others': a data shard's model devices must be one "
+                "process's (mesh.model must divide the devices per process)"
+            )
+    return out
+
+
+def on_submesh(tree: Any, sub: Mesh) -> Any:
+    """`tree`'s arrays on `sub`'s devices, without copying: each leaf must be replicated over the
+    mesh's "data" axis (the base, norms and LoRA are: tensor parallel over "model" at most)."""
+    devices = list(sub.devices.flat)
+
+    def view(x):
+        if not isinstance(x, jax.Array):
+            return x
+        named = isinstance(x.sharding, NamedSharding)
+        if not named and not x.sharding.is_fully_replicated:
+            raise ValueError(f"on_submesh needs NamedSharding or replicated arrays; got {x.sharding}")
+        spec = x.sharding.spec if named else P()
+        if "data" in jax.tree.leaves(tuple(spec)):
+            raise ValueError(f"on_submesh needs arrays replicated over 'data'; got one sharded as {spec}")
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        if not all(d in by_device for d in devices):  # e.g. a small array on one device: copied
+            return jax.device_put(x, NamedSharding(sub, spec))
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(sub, spec), [by_device[d] for d in devices]
+        )
+
+    return jax.tree.map(view, tree)
+
+
+def local_rows(mesh: Mesh, num_prompts: int, group_size: int) -> np.ndarray:
+    """bool [num_prompts * group_size]: the rows this process's shards sample."""
+    blocks = prompt_blocks(num_prompts, mesh.shape["data"])
+    mine = np.zeros((num_prompts * group_size,), bool)
+    for d, _ in local_shards(mesh):
+        mine[blocks[d].start * group_size : blocks[d].stop * group_size] = True
+    return mine
+
+
+def share_rows(values_xN: np.ndarray, mine_N: np.ndarray) -> np.ndarray:
+    """Per-row values [..., N] that each process computed for its own rows (`local_rows`), complete
+    on every process."""
+    if jax.process_count() == 1:
+        return values_xN
+    own = np.where(mine_N, values_xN, 0).astype(values_xN.dtype)
+    return multihost_utils.process_allgather(own).sum(axis=0, dtype=values_xN.dtype)
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    return np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)]) if x.shape[0] < rows else x
+
+
+def gather_blocks(blocks: dict[int, dict[str, np.ndarray]], num_shards: int) -> list[dict[str, np.ndarray]]:
+    """Every shard's arrays on every process, in shard order: `blocks` holds this process's shards
+    ({data index: {name: array}}, arrays of a name alike but for their leading axis); in a
+    multi-process run they are exchanged once (`multihost_utils.process_allgather`)."""
+    if jax.process_count() == 1:
+        return [blocks[d] for d in range(num_shards)]
+    some = next(iter(blocks.values()))
+    names = sorted(some)
+    counts = np.zeros((num_shards, len(names)), np.int64)
+    for d, arrays in blocks.items():
+        counts[d] = [arrays[n].shape[0] for n in names]
+    counts = multihost_utils.process_allgather(counts).sum(axis=0)  # each process fills its own rows
+    gathered = {}
+    for i, name in enumerate(names):
+        rows = int(counts[:, i].max())
+        local = np.zeros((num_shards, rows, *some[name].shape[1:]), some[name].dtype)
+        for d, arrays in blocks.items():
+            local[d] = _pad_rows(arrays[name], rows)
+        everyone = multihost_utils.process_allgather(local)  # zeros where another process holds the shard
+        gathered[name] = everyone.any(axis=0) if local.dtype == bool else everyone.sum(axis=0, dtype=local.dtype)
+    return [{n: gathered[n][d, : counts[d, i]] for i, n in enumerate(names)} for d in range(num_shards)]
+
+
+def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
+    out = {f: np.asarray(getattr(batch, f)) for f in PER_ROW}
+    out["steps"] = np.asarray(batch.steps)
+    return out
+
+
+def concat_blocks(parts: list[dict[str, np.ndarray]], group_size: int) -> RolloutBatch:
+    """One RolloutBatch of the blocks in order: prompts left-padded to the widest block's,
+    prompt_index made global."""
+    width = max(p["prompt_ids"].shape[1] for p in parts)
+    left = lambda x: np.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731
+    first, fields = 0, {f: [] for f in (*PER_ROW, "steps")}
+    for p in parts:
+        for f in fields:
+            x = p[f]
+            fields[f].append(left(x) if f in ("prompt_ids", "prompt_mask") else x + first if f == "prompt_index" else x)
+        first += p["lengths"].shape[0] // group_size
+    return RolloutBatch(**{f: jnp.asarray(np.concatenate(v)) for f, v in fields.items()}, group_size=group_size)
+
+
+def generate_data_parallel(
+    config,
+    params: dict[str, Any],
+    prompt_ids,
+    prompt_mask,
+    key: jax.Array,
+    sampling,
+    *,
+    mesh: Mesh,
+    group_size: int = 1,
+    lora_scale: float = 1.0,
+    max_batch: int | None = None,
+    max_new_tokens_per_seq=None,
+    options: RolloutOptions = RolloutOptions(),
+) -> RolloutBatch:
+    """`generate` over the mesh's data shards (module doc); the same arguments, and the same
+    RolloutBatch on every process. max_batch and the memory budget are per shard."""
+    limits = None if max_new_tokens_per_seq is None else np.asarray(max_new_tokens_per_seq)
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    if ids.ndim != 2 or ids.shape[0] < mesh.shape["data"]:
+        raise ValueError(
+            f"a data-parallel rollout needs at least one prompt per data shard: {ids.shape[0] if ids.ndim else 0} "
+            f"prompts for {mesh.shape['data']} shards"
+        )
+    blocks = prompt_blocks(ids.shape[0], mesh.shape["data"])
+    key = np.asarray(jax.random.key_data(key)), jax.random.key_impl(key)
+
+    def run(d: int, sub: Mesh) -> dict[str, np.ndarray]:
+        block = blocks[d]
+        device = sub.devices.flat[0]
+        shard_options = options
+        if sub.devices.size > 1:  # rows replicated over the shard's tensor-parallel devices
+            shard_options = dataclasses.replace(options, batch_sharding=NamedSharding(sub, P()))
+        with jax.default_device(device):
+            shard_key = jax.device_put(jax.random.wrap_key_data(key[0], impl=key[1]), NamedSharding(sub, P()))
+            batch = generate(
+                config, on_submesh(params, sub), ids[block], mask[block], shard_key, sampling,
+                group_size=group_size, lora_scale=lora_scale, max_batch=max_batch,
+                max_new_tokens_per_seq=None if limits is None else limits[block.start * group_size : block.stop * group_size],
+                seq_offset=block.start * group_size, options=shard_options,
+            )  # fmt: skip
+            return _host(batch)
+
+    shards = local_shards(mesh)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="rollout-shard") as pool:
+        futures = {d: pool.submit(run, d, sub) for d, sub in shards}
+        local = {d: f.result() for d, f in futures.items()}
+    return concat_blocks(gather_blocks(local, len(blocks)), group_size)

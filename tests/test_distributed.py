@@ -1,0 +1,181 @@
+"""Multi-process runs on localhost CPU devices (`qerl_jax.distributed`, jax.distributed + gloo).
+
+The reference is one process with two forced host devices and mesh.data = 2 (itself equal to
+one device: the per-shard rollouts draw one call's tokens). A two-process run (one device
+each) must give the same rewards, losses and adapter. One of its processes is killed after the
+first checkpoint: the other stops (no hang), and both resumed finish the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+STEPS = ("--config.train.total_steps=4", "--config.train.checkpoint_every=1", "--config.eval.num_examples=0")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int = 1, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_", "JAX_COORDINATOR", "JAX_NUM_PROC"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=REPO)
+    env.update(extra)
+    return env
+
+
+def _main(workdir: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}", *flags]
+
+
+def _launch_pair(workdir: str, *flags: str, mesh: str = "--config.mesh.data=2") -> list[subprocess.Popen]:
+    port = _port()
+    procs = []
+    for pid in range(2):
+        env = _env(QERL_NUM_PROCESSES="2", QERL_PROCESS_ID=str(pid), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+        procs.append(
+            subprocess.Popen(
+                _main(workdir, mesh, *flags), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    return procs
+
+
+def _finish(procs, timeout=400) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            pytest.fail(f"a process of the run hung:\n{err[-3000:]}")
+        out.append((p.returncode, err))
+    return out
+
+
+def _scalars(workdir: str) -> dict[int, dict]:
+    rows = {}
+    with open(os.path.join(workdir, "tensorboard", "scalars.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            rows[row["step"]] = row
+    return rows
+
+
+def _adapter(workdir: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(workdir, "adapter", "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The one-process mesh run, and the two-process run with one process killed after the first
+    checkpoint, then resumed."""
+    root = tmp_path_factory.mktemp("distributed")
+    single = str(root / "single")
+    proc = subprocess.run(
+        _main(single, "--config.mesh.data=2", *STEPS), cwd=REPO, env=_env(devices=2), capture_output=True, text=True,
+        timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    multi = str(root / "multi")
+    procs = _launch_pair(multi, *STEPS)
+    first = os.path.join(multi, "checkpoints", "1")
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(first) and time.monotonic() < deadline and procs[1].poll() is None:
+        time.sleep(0.1)
+    assert os.path.isdir(first), "the two-process run wrote no first checkpoint"
+    procs[1].send_signal(signal.SIGKILL)
+    t_kill = time.monotonic()
+    killed = _finish(procs, timeout=240)
+    survivor_seconds = time.monotonic() - t_kill
+
+    resumed = _finish(_launch_pair(multi, *STEPS, "--config.resume=True"))
+    return dict(single=single, multi=multi, killed=killed, survivor_seconds=survivor_seconds, resumed=resumed)
+
+
+def test_a_killed_process_stops_the_other_without_a_hang(runs):
+    """The survivor ends, naming the lost peer: with our one line where a collective fails at once
+    (gloo on a live connection), else by jax's coordination service once the peer's heartbeats
+    stop (it terminates the process: "another task died")."""
+    (code0, err0), (code1, _) = runs["killed"]
+    assert code1 == -signal.SIGKILL
+    if code0 == 0:  # process 0 had finished the whole run before the kill reached its peer
+        pytest.skip("the run ended before the kill")
+    assert code0 != 0 and runs["survivor_seconds"] < 200, err0[-2000:]
+    ours = [line for line in err0.splitlines() if line.startswith("error:")]
+    if code0 == 2:
+        assert len(ours) == 1 and "another process of this run stopped" in ours[0], err0[-2000:]
+    else:
+        assert "another task died" in err0, err0[-2000:]
+
+
+def test_resumed_two_process_run_equals_the_one_process_mesh_run(runs):
+    assert [code for code, _ in runs["resumed"]] == [0, 0], runs["resumed"][0][1][-3000:]
+    single, multi = _scalars(runs["single"]), _scalars(runs["multi"])
+    assert sorted(single) == sorted(multi) == [0, 1, 2, 3]
+    for step in single:
+        for name in ("reward/mean", "reward/mean_sampled", "train/loss", "train/grad_norm", "rollout/response_length_mean"):
+            assert multi[step][name] == pytest.approx(single[step][name], rel=1e-4, abs=1e-6), (step, name)
+    a, b = _adapter(runs["single"]), _adapter(runs["multi"])
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_only_the_first_process_writes_logs_and_holds_the_lock(runs):
+    multi = runs["multi"]
+    assert os.path.isfile(os.path.join(multi, "adapter", "adapter_model.safetensors"))
+    event_files = [n for n in os.listdir(os.path.join(multi, "tensorboard")) if n.startswith("events")]
+    assert len(event_files) == 2  # one per invocation of the primary (the killed one and the resumed one)
+
+
+def test_a_held_workdir_stops_every_process_with_one_line(tmp_path):
+    from qerl_jax import workdir
+
+    with workdir.lock(str(tmp_path)):
+        results = _finish(_launch_pair(str(tmp_path), *STEPS), timeout=120)
+    for code, err in results:
+        assert code == 2, err[-2000:]
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            next(line for line in err.splitlines() if line.startswith("error:"))
+        ]
+        assert "is in use by another run" in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "tiny_model")
+
+
+@pytest.mark.parametrize(
+    "env, flags, expected",
+    [
+        (dict(QERL_NUM_PROCESSES="2", QERL_PROCESS_ID="5", JAX_COORDINATOR_ADDRESS="127.0.0.1:1"), (), "QERL_PROCESS_ID=5"),
+        (dict(QERL_NUM_PROCESSES="2", QERL_PROCESS_ID="0"), (), "JAX_COORDINATOR_ADDRESS"),
+        ({}, ("--config.mesh.data=4",), "config.mesh: mesh.data=4 x mesh.model=1 = 4 devices, but 1 are available"),
+        ({}, ("--config.mesh.data=-1", "--config.rollout.prompts_per_step=3", "--config.rl.micro_batch_size=4"), "prompts_per_step = 3"),
+    ],
+)
+def test_bad_multi_process_settings_are_one_line_before_anything_is_written(tmp_path, env, flags, expected):
+    devices = 2 if "--config.mesh.data=-1" in flags else 1
+    proc = subprocess.run(
+        _main(str(tmp_path / "run"), *flags), cwd=REPO, env=_env(devices=devices, **env), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "run")
