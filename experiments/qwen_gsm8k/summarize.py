@@ -126,11 +126,11 @@ def growth(reward: np.ndarray, threshold: float, window: int) -> dict[str, float
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
-def paired(runs: dict, b: str, a: str, key: str = "reward", start: int = 0) -> dict | None:
+def paired(runs: dict, b: str, a: str, key: str = "reward", start: int = 0, end: int | None = None) -> dict | None:
     """Arm b minus arm a at the same step of the same seed: runs of one seed sample the same prompts
     at each step whatever the arm, so the step's prompt difficulty cancels in the difference.
 
-    Per seed both arms ran, over the steps from `start` both reached (3 at least): the difference's
+    Per seed both arms ran, over the steps from `start` (to `end`) both reached (3 at least): the difference's
     mean (level) and least-squares slope per 100 steps (growth), each with its within-run standard
     error (`stats.mean_within`, `stats.slope_within`). Over seeds: `level` and `slope`, the rule v3
     intervals (`stats.over_seeds`); `se` and `slope_se` are the between-seed standard errors alone
@@ -138,7 +138,7 @@ def paired(runs: dict, b: str, a: str, key: str = "reward", start: int = 0) -> d
     per_seed: dict[str, list] = {k: [] for k in ("seeds", "counts", "levels", "level_se", "slopes", "slope_se", "rho")}
     for seed in sorted(set(runs.get(a, {})) & set(runs.get(b, {}))):
         ca, cb = runs[a][seed]["curves"][key], runs[b][seed]["curves"][key]
-        n = min(len(ca), len(cb))
+        n = min(len(ca), len(cb), len(ca) if end is None else end)
         d = cb[start:n] - ca[start:n]
         steps = np.arange(start, n)[np.isfinite(d)]
         d = d[np.isfinite(d)]
