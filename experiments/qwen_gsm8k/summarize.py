@@ -449,23 +449,23 @@ def _claims(runs: dict, entropy, per_run: dict, final: dict, gains: dict) -> dic
 
 def _claims_by_rule(runs: dict, slopes: dict, final: dict) -> dict[str, dict[str, str]]:
     """The verdicts of (b)-(d) under the earlier rules v1 and v2 (PROTOCOL.md's history)."""
-    def have(*arms):
-        return [a for a in arms if a in runs]
 
-    refs = have("bf16", "bf16_lr5e-6")
-    d_v1 = combine([verdict_v1(final[a], final["nvfp4_aqn"], strict=False) for a in refs]) if "nvfp4_aqn" in runs else "not measured"
-    v1 = {
-        "b": combine([verdict_v1(slopes[a], slopes["nvfp4"], strict=False) for a in refs]) if "nvfp4" in runs else "not measured",
-        "c": verdict_v1(slopes["nvfp4"], slopes["nvfp4_aqn"], strict=True) if have("nvfp4", "nvfp4_aqn") == ["nvfp4", "nvfp4_aqn"] else "not measured",
-        "d": d_v1,
+    def over(b: str, refs: tuple[str, ...], verdict) -> str:
+        present = [a for a in refs if a in runs]
+        return combine([verdict(b, a) for a in present]) if b in runs and present else "not measured"
+
+    def v1(values: dict, strict: bool):
+        return lambda b, a: verdict_v1(values[a], values[b], strict=strict)
+
+    def v2(b: str, a: str) -> str:
+        return judge_paired(b, a, paired(runs, b, a), what="reward")["verdict"]
+
+    refs = ("bf16", "bf16_lr5e-6")
+    d = over("nvfp4_aqn", refs, v1(final, False))  # v2 kept v1's rule for (d)
+    return {
+        "v1": {"b": over("nvfp4", refs, v1(slopes, False)), "c": over("nvfp4_aqn", ("nvfp4",), v1(slopes, True)), "d": d},
+        "v2": {"b": over("nvfp4", refs, v2), "c": over("nvfp4_aqn", ("nvfp4",), v2), "d": d},
     }
-    v2_part = lambda b, a: judge_paired(b, a, paired(runs, b, a), what="reward")["verdict"]  # noqa: E731
-    v2 = {
-        "b": combine([v2_part("nvfp4", a) for a in refs]) if "nvfp4" in runs else "not measured",
-        "c": v2_part("nvfp4_aqn", "nvfp4") if have("nvfp4", "nvfp4_aqn") == ["nvfp4", "nvfp4_aqn"] else "not measured",
-        "d": d_v1,  # v2 kept v1's rule for (d)
-    }
-    return {"v1": v1, "v2": v2}
 
 
 def _arms(runs: dict, per_run: dict, base_evals: dict, n_common: int, steps: int, threshold: float):
