@@ -128,6 +128,9 @@ def worker_train(exp: Experiment, args) -> None:
     """Trains (resuming) until the run's last step or the deadline; evaluates a finished run."""
     from qerl_jax import evaluation, train  # noqa: PLC0415
 
+    if exp.same_code:  # a worker started later in a call imports the tree as it is then
+        path = os.path.join(args.out, "experiment.json")
+        check_same_code(exp, json.load(open(path)), code_sha256(), path)
     cfg = run_config(exp, args, args.arm, args.seed)
     reserve = 0.0 if args.tiny else exp.train_reserve_minutes
     cfg.train.stop_after_minutes = _deadline_minutes(args.deadline, reserve)
@@ -328,6 +331,15 @@ def code_sha256(repo: str = REPO) -> str:
     return h.hexdigest()
 
 
+def check_same_code(exp: Experiment, recorded: dict, code: str, path: str) -> None:
+    """With `exp.same_code`, one line and exit 2 when the tree differs from the one `recorded` (experiment.json)."""
+    if exp.same_code and recorded.get("code", code) != code:
+        _fail(
+            f"{path} records the source tree {recorded['code'][:12]}, this tree is {code[:12]}: every run of "
+            f"{exp.name} comes from one tree (check out that tree, or use another --out)"
+        )
+
+
 def _check_experiment_file(exp: Experiment, args) -> str:
     """Same --steps / --tiny / model on every call of one --out (the schedules depend on them), and
     with `exp.same_code` the same source tree; returns this tree's `code_sha256`."""
@@ -338,11 +350,7 @@ def _check_experiment_file(exp: Experiment, args) -> str:
         before = json.load(open(path))
         if {k: before.get(k) for k in here} != here or before.get("sha256", sha) != sha:
             sys.exit(f"{path} records {before}; this call has {here} (sha256 {sha}): use another --out")
-        if exp.same_code and before.get("code", code) != code:
-            _fail(
-                f"{path} records the source tree {before['code'][:12]}, this tree is {code[:12]}: every run of "
-                f"{exp.name} comes from one tree (check out that tree, or use another --out)"
-            )
+        check_same_code(exp, before, code, path)
     else:
         os.makedirs(args.out, exist_ok=True)
         json.dump({**here, "sha256": sha, "code": code}, open(path, "w"))

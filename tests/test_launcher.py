@@ -54,6 +54,11 @@ def test_an_experiment_records_its_tree_and_one_with_same_code_refuses_another(t
     err = capsys.readouterr().err
     assert e.value.code == 2 and "records the source tree 000000000000" in err and err.count("\n") == 1
     assert not (out / "commands.txt").exists() and not (out / "logs").exists()
+    worker = ["--worker", "train", "--arm", "sigma0", "--seed", "0", "--gguf", str(gguf), "--out", str(out), "--deadline", "0"]
+    with pytest.raises(SystemExit) as e:  # a worker started later in a call checks the tree too
+        launcher.main(DOSE, "", worker)
+    assert e.value.code == 2 and "records the source tree" in capsys.readouterr().err
+    assert not (out / "runs").exists()
 
 
 def test_bad_gpu_count_is_one_line(tmp_path, capsys):
