@@ -1,7 +1,9 @@
-"""One GPU, many runs side by side: the launcher behind experiments/fidelity and experiments/qwen_gsm8k.
+"""Many runs side by side on one GPU or several: the launcher behind experiments/fidelity,
+experiments/qwen_gsm8k and experiments/aqn_dose.
 
 An `Experiment` names a config module with `ARMS` and `get_config(arm)`; the launcher starts one
-process per unfinished stage, all at once, sharing one GPU:
+process per unfinished stage, all at once, sharing one GPU (or, with --gpus N, each process on the
+least busy of N GPUs through CUDA_VISIBLE_DEVICES):
 - "base": greedy pass@1 of the untrained model in bf16 and NVFP4 (the eval command's
   `qerl_jax.evaluation`) and claim (a): the same prompts sampled with the same keys from the
   bf16, NVFP4 and NVFP4 + AQN(sigma_start) policies, the per-token entropy of each (exact, from a
@@ -12,7 +14,9 @@ process per unfinished stage, all at once, sharing one GPU:
   A run that finishes is then evaluated greedily on the experiment's final datasets.
 Each process stops cleanly (checkpointed, scalars flushed) before --max-minutes; the launcher
 kills what is still running 20 s before it. The same command again resumes: finished stages are
-skipped, runs continue from their checkpoints. `<out>/calls.jsonl` records each call's wall time.
+skipped, runs continue from their checkpoints. `<out>/calls.jsonl` records each call's wall time
+and the hash of the source tree it ran (`code_sha256`); an experiment with `same_code` refuses a
+call from another tree than the one its `experiment.json` recorded.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -38,6 +43,9 @@ STAGGER_MAX_MINUTES = 8.0
 # A process waiting for a slot does not start with less than this left (compiling, one step, the checkpoint).
 START_MIN_MINUTES = 3.0
 LIGHT_SKIP = {"checkpoints", "adapter", "jax_cache", "tiny_model"}
+# What a run computes with: the library, the kernels, the configs and this launcher (`code_sha256`).
+CODE_DIRS = ("qerl_jax", "pallas_kernels", "configs")
+CODE_FILES = (os.path.join("experiments", "launcher.py"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,8 @@ class Experiment:
       next call (where it runs first).
     default_gguf: returns the model file when --gguf is not given (None: --gguf is required).
     summarize: (out, results) -> summary dict.
+    stages: the stages it has ("base" needs the arms bf16, nvfp4 and nvfp4_aqn).
+    same_code: every call of one --out must run the source tree its first call ran.
     """
 
     name: str
@@ -67,6 +77,8 @@ class Experiment:
     eval_minutes: float = 1.0
     max_mem_fraction: float = 0.3
     default_gguf: Callable[[], str] | None = None
+    stages: tuple[str, ...] = ("base", "train")
+    same_code: bool = False
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -116,6 +128,9 @@ def worker_train(exp: Experiment, args) -> None:
     """Trains (resuming) until the run's last step or the deadline; evaluates a finished run."""
     from qerl_jax import evaluation, train  # noqa: PLC0415
 
+    if exp.same_code:  # a worker started later in a call imports the tree as it is then
+        path = os.path.join(args.out, "experiment.json")
+        check_same_code(exp, json.load(open(path)), code_sha256(), path)
     cfg = run_config(exp, args, args.arm, args.seed)
     reserve = 0.0 if args.tiny else exp.train_reserve_minutes
     cfg.train.stop_after_minutes = _deadline_minutes(args.deadline, reserve)
@@ -193,7 +208,10 @@ def worker_base(exp: Experiment, args) -> None:
     samples = {}
     key = jax.random.key(1234)
     for name in BASE_MODELS:
-        cfg = typed.from_config_dict(run_config(exp, args, name, 0))
+        run_cfg = run_config(exp, args, name, 0)
+        if exp.final_eval_datasets:  # the base models are scored on what the trained runs are (MATH500 too)
+            run_cfg.eval.datasets = tuple(exp.final_eval_datasets)
+        cfg = typed.from_config_dict(run_cfg)
         if name != "nvfp4_aqn":
             policy = load_policy(cfg)
             summary_file = os.path.join(out_dir, name, "summary.json")
@@ -296,18 +314,47 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _check_experiment_file(args) -> None:
-    """Same --steps / --tiny / model on every call of one --out (the schedules depend on them)."""
+def code_sha256(repo: str = REPO) -> str:
+    """sha256 over the paths and contents of the source a run computes with (CODE_DIRS' .py files, CODE_FILES)."""
+    rel = list(CODE_FILES) + [
+        os.path.relpath(os.path.join(d, name), repo)
+        for top in CODE_DIRS
+        for d, _, names in os.walk(os.path.join(repo, top))
+        for name in names
+        if name.endswith(".py")
+    ]
+    h = hashlib.sha256()
+    for path in sorted(rel):
+        h.update(path.encode() + b"\0")
+        with open(os.path.join(repo, path), "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def check_same_code(exp: Experiment, recorded: dict, code: str, path: str) -> None:
+    """With `exp.same_code`, one line and exit 2 when the tree differs from the one `recorded` (experiment.json)."""
+    if exp.same_code and recorded.get("code", code) != code:
+        _fail(
+            f"{path} records the source tree {recorded['code'][:12]}, this tree is {code[:12]}: every run of "
+            f"{exp.name} comes from one tree (check out that tree, or use another --out)"
+        )
+
+
+def _check_experiment_file(exp: Experiment, args) -> str:
+    """Same --steps / --tiny / model on every call of one --out (the schedules depend on them), and
+    with `exp.same_code` the same source tree; returns this tree's `code_sha256`."""
     path = os.path.join(args.out, "experiment.json")
     here = {"steps": args.steps, "tiny": args.tiny, "gguf": os.path.basename(args.gguf)}
-    sha = file_sha256(args.gguf)
+    sha, code = file_sha256(args.gguf), code_sha256()
     if os.path.isfile(path):
         before = json.load(open(path))
         if {k: before.get(k) for k in here} != here or before.get("sha256", sha) != sha:
             sys.exit(f"{path} records {before}; this call has {here} (sha256 {sha}): use another --out")
+        check_same_code(exp, before, code, path)
     else:
         os.makedirs(args.out, exist_ok=True)
-        json.dump({**here, "sha256": sha}, open(path, "w"))
+        json.dump({**here, "sha256": sha, "code": code}, open(path, "w"))
+    return code
 
 
 def _take_base_from(args) -> None:
@@ -343,6 +390,8 @@ def _check_args(exp: Experiment, args) -> None:
         _fail(f"--steps must be >= 1 and --max-minutes > 0 (got {args.steps}, {args.max_minutes})")
     if args.parallel < 0:
         _fail(f"--parallel {args.parallel}: expected 0 (all at once) or a positive number of processes")
+    if args.gpus < 1:
+        _fail(f"--gpus {args.gpus}: expected the number of GPUs to spread the processes over (>= 1)")
     train_runs(exp, args)
     if args.base_from:
         for name in ("experiment.json", os.path.join("base", "entropy.json")):
@@ -375,7 +424,7 @@ def launch(exp: Experiment, args) -> int:
     start = time.time()
     deadline = start + 60 * args.max_minutes - KILL_MARGIN_S
     _check_args(exp, args)
-    _check_experiment_file(args)
+    code = _check_experiment_file(exp, args)
     with open(os.path.join(args.out, "commands.txt"), "a") as f:
         f.write(" ".join(["python", "-m", exp.module, *sys.argv[1:]]) + "\n")
     if args.base_from:
@@ -391,7 +440,7 @@ def launch(exp: Experiment, args) -> int:
     progress = {job: _progress(args, job[1], job[2]) for job in jobs if job[0] == "train"}
     jobs = queue_order(jobs, progress)
     slots = min(args.parallel or len(jobs), len(jobs))
-    fraction = args.mem_fraction or min(exp.max_mem_fraction, 0.8 / slots)
+    fraction = args.mem_fraction or mem_fraction(slots, args.gpus, exp.max_mem_fraction)
     env = {
         **os.environ,
         "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{fraction:.4f}",
@@ -408,10 +457,17 @@ def launch(exp: Experiment, args) -> int:
         cmd += ["--entropy-prompts", str(args.entropy_prompts), "--entropy-group", str(args.entropy_group)]
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--arm", arm, "--seed", str(seed)] if stage == "train" else []
-        log = open(os.path.join(log_dir, f"{name}.log"), "a")
-        started[job] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
+        job_env = env
+        if args.gpus > 1:
+            busy = [gpu_of[j] for j, (_, p, _) in started.items() if p.poll() is None]
+            gpu_of[job] = least_busy_gpu(busy, args.gpus)
+            job_env = {**env, "CUDA_VISIBLE_DEVICES": str(gpu_of[job])}
+            name = f"{name} (GPU {gpu_of[job]})"
+        log = open(os.path.join(log_dir, f"{name.split(' ')[0]}.log"), "a")
+        started[job] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env, cwd=REPO), log)
 
     started: dict = {}
+    gpu_of: dict = {}
     waits_for = waits_for_compile(exp, jobs, progress, args.steps)
     stagger_until = time.time() + 60 * STAGGER_MAX_MINUTES
 
@@ -452,7 +508,8 @@ def launch(exp: Experiment, args) -> int:
         log.close()
     minutes = (time.time() - start) / 60
     stepped = sum(_progress(args, arm, seed) - progress[(stage, arm, seed)] for stage, arm, seed in jobs if stage == "train")
-    _record_call(args.out, {"start": start, "minutes": minutes, "jobs": [n for n, _, _ in procs], "steps": stepped})
+    row = {"start": start, "minutes": minutes, "jobs": [n for n, _, _ in procs], "steps": stepped, "gpus": args.gpus}
+    _record_call(args.out, {**row, "code": code})
     print(f"\n{stepped} train steps in all in {minutes:.1f} min ({stepped / minutes:.1f} a minute, every run together)")
     print(f"\n{'run':<28}{'exit':>6}{'steps':>8}  finished   ({minutes:.1f} min)")
     failed = 0
@@ -464,6 +521,16 @@ def launch(exp: Experiment, args) -> int:
     if args.copy_to:
         copy_light_outputs(args.out, args.copy_to)
     return 1 if failed else 0
+
+
+def least_busy_gpu(busy: list[int], gpus: int) -> int:
+    """The GPU (0..gpus-1) running the fewest of the `busy` processes' GPUs; ties: the lowest index."""
+    return min(range(gpus), key=lambda g: (busy.count(g), g))
+
+
+def mem_fraction(slots: int, gpus: int, most: float) -> float:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION of each process: 0.8 of a GPU shared by the processes on it, at most `most`."""
+    return min(most, 0.8 / math.ceil(slots / gpus))
 
 
 def queue_order(jobs: list[tuple], progress: dict[tuple, int]) -> list[tuple]:
@@ -542,13 +609,16 @@ def parser(exp: Experiment, description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--runs", nargs="+", default=[], metavar="ARM:SEED", help="exactly these runs (instead of every --arms x --seeds)"
     )
-    p.add_argument("--stages", nargs="+", default=["base", "train"], choices=["base", "train"])
+    p.add_argument("--stages", nargs="+", default=list(exp.stages), choices=list(exp.stages))
     p.add_argument("--base-from", default="", help="an earlier --out whose finished base stage this one reuses")
     p.add_argument("--max-minutes", type=float, default=9.0, help="wall-clock budget of this call")
     p.add_argument(
         "--parallel", type=int, default=0, help="processes at once (default all); the others start as slots free"
     )
-    p.add_argument("--mem-fraction", type=float, default=0.0, help="per process (default 0.8 / --parallel)")
+    p.add_argument("--gpus", type=int, default=1, help="spread the processes over this many GPUs (CUDA_VISIBLE_DEVICES)")
+    p.add_argument(
+        "--mem-fraction", type=float, default=0.0, help="per process (default 0.8 / the processes sharing a GPU)"
+    )
     p.add_argument(
         "--eval-minutes",
         type=float,

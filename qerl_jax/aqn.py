@@ -10,14 +10,16 @@ a per-input-channel multiplicative perturbation of q/k/v and gate/up, at zero pa
 Schedule: the run's `total_steps` are split into K = num_stages equal stages,
 stage(t) = min(floor(min(t, total_steps) * K / total_steps), K - 1). Stage 0 adds no noise (the
 quantization noise alone explores); stage j = 1..K-1 uses sigma_j = f(u), u = (j - 1) / (K - 2)
-(u = 0 when K = 2), with s0 = sigma_start, s1 = sigma_end:
+(u = 0 when K = 2), with s0 = sigma_start, s1 = sigma_end. With first_stage_noise every stage
+j = 0..K-1 adds noise, u = j / (K - 1) (a schedule whose first stage already explores with noise,
+as the dose-response experiment needs):
 
   exponential: s0 * (s1 / s0) ** u                     (the paper's default, eq. 8)
   linear:      s0 + (s1 - s0) * u
   cosine:      s1 + (s0 - s1) * (1 + cos(pi * u)) / 2
   logarithmic: s0 - (s0 - s1) * log10(1 + 9 u)         (fast early decay, then flat)
 
-All four equal s0 at stage 1 and s1 at stage K - 1. Noise perturbs sampling only: the
+All four equal s0 at the first noise stage and s1 at stage K - 1. Noise perturbs sampling only: the
 train-time forward uses the clean norms (`noise_in_train_forward=False`, the default), so the
 gradient is that of the clean LoRA policy; the loop applies AQN to the rollout's norms only.
 
@@ -52,6 +54,7 @@ class AQNConfig:
     decay: str = "exponential"
     total_steps: int | None = None
     noise_in_train_forward: bool = False
+    first_stage_noise: bool = False
 
     def __post_init__(self):
         if self.decay not in DECAYS:
@@ -84,12 +87,13 @@ def default_aqn_enabled(quant_fmt: str) -> bool:
 
 
 def stage_sigmas(cfg: AQNConfig) -> tuple[float, ...]:
-    """sigma of each stage 0..K-1 (stage 0 is 0.0), as Python floats."""
+    """sigma of each stage 0..K-1 (stage 0 is 0.0 unless first_stage_noise), as Python floats."""
     k = cfg.num_stages
     s0, s1 = float(cfg.sigma_start), float(cfg.sigma_end)
-    out = [0.0]
-    for j in range(1, k):
-        u = (j - 1) / (k - 2) if k > 2 else 0.0
+    first = 0 if cfg.first_stage_noise else 1
+    out = [] if cfg.first_stage_noise else [0.0]
+    for j in range(first, k):
+        u = (j - first) / (k - 1 - first) if k - 1 > first else 0.0
         if cfg.decay == "exponential":
             s = s0 * (s1 / s0) ** u
         elif cfg.decay == "linear":

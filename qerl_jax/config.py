@@ -107,6 +107,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.aqn.sigma_end = 1e-4
     c.aqn.num_stages = 10
     c.aqn.decay = "exponential"  # exponential | linear | cosine | logarithmic
+    c.aqn.first_stage_noise = False  # True: stage 0 adds noise too (sigma_start from step 0)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5

@@ -6,11 +6,14 @@ dataset of eval.datasets, using the rollout engine. The policy is the config's b
 config's quantization (`--config.model.quant=bf16|nf4|mxfp4|nvfp4`), plus the LoRA adapter (and
 trained norm scales, if the run trained them) of eval.checkpoint: a training run's directory
 (latest orbax checkpoint) or a PEFT adapter directory; "" evaluates the base model. Writes `<dataset>.jsonl` (prompt, completion, extracted
-answer, correct) and `summary.json` to eval.output_dir and logs to TensorBoard.
+answer, correct, length), `<dataset>.problems.jsonl.gz` (metric, problem id, correct, length: the
+small per-problem record that paired tests between evaluations need) and `summary.json` to
+eval.output_dir and logs to TensorBoard.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
@@ -195,12 +198,25 @@ def _evaluate_dataset(
                     "extracted_answer": rewards.extract_answer(completion, answers[i]),
                     "answer": answers[i],
                     "correct": bool(correct[i] >= 1.0),
+                    "length": int(lengths[i]),
                 }
             )
     with open(out_file, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    _write_problems(os.path.splitext(out_file)[0] + PROBLEMS_SUFFIX, records)
     return result
+
+
+PROBLEMS_SUFFIX = ".problems.jsonl.gz"
+
+
+def _write_problems(path: str, records: list[dict[str, Any]]) -> None:
+    """Per problem (and sample): metric, id, correct, length in tokens; compressed, kept with the summary."""
+    with gzip.open(path, "wt") as f:
+        for r in records:
+            row = {"metric": r["metric"], "id": r["source_id"], "correct": r["correct"], "length": r["length"]}
+            f.write(json.dumps(row) + "\n")
 
 
 def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:

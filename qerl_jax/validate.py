@@ -221,6 +221,7 @@ FIELDS: dict[str, Check] = {
     "aqn.sigma_end": number(0.0),
     "aqn.num_stages": integer(2, " (stage 0 is noise-free)"),
     "aqn.decay": choice(aqn.DECAYS),
+    "aqn.first_stage_noise": boolean(),
     "optim.lr": number(0.0, lo_open=True),
     "optim.warmup_frac": number(0.0, 1.0),
     "optim.schedule": choice(optim.SCHEDULES),

@@ -110,6 +110,23 @@ def test_stage_zero_and_disabled_leave_norms_unchanged():
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("decay", ["exponential", "linear"])
+def test_first_stage_noise_starts_the_schedule_at_step_0(decay):
+    """aqn.first_stage_noise: every stage adds noise, from sigma_start at step 0 to sigma_end in the last."""
+    cfg = AQNConfig(enabled=True, sigma_start=3e-2, sigma_end=3e-4, num_stages=3, total_steps=180, decay=decay,
+                    first_stage_noise=True)
+    want = (3e-2, 3e-3, 3e-4) if decay == "exponential" else (3e-2, (3e-2 + 3e-4) / 2, 3e-4)
+    np.testing.assert_allclose(stage_sigmas(cfg), want, rtol=1e-12)
+    assert [aqn_sigma(cfg, t) for t in (0, 59, 60, 119, 120, 179)] == pytest.approx([want[0]] * 2 + [want[1]] * 2 + [want[2]] * 2)
+    assert float(jax.jit(lambda s: aqn_sigma(cfg, s))(0)) == pytest.approx(want[0])
+    clean = _norms(d=64, dtype=jnp.float32)
+    noisy = apply_aqn(cfg, clean, jax.random.key(0), 0)
+    z = np.asarray(noisy["final_norm"]) - np.asarray(clean["final_norm"])
+    assert 0.5 * want[0] < z.std() < 2 * want[0]  # stage 0 is noisy now
+    default = AQNConfig(enabled=True, sigma_start=3e-2, sigma_end=3e-4, num_stages=3, total_steps=180)
+    assert stage_sigmas(default) == pytest.approx((0.0, 3e-2, 3e-4)) and aqn_sigma(default, 0) == 0.0
+
+
 def _hf_logits(model, ids):
     with torch.no_grad():
         return model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
@@ -177,3 +194,18 @@ def test_smallest_sigma_still_changes_bf16_logits(tiny_qwen2_dir):
     ids = jnp.arange(12, dtype=jnp.int32)[None] % config.vocab_size
     clean = qerl_jax.forward(config, params, ids)
     assert float(jnp.abs(qerl_jax.forward(config, noisy, ids) - clean).max()) > 0
+
+
+def test_first_stage_noise_is_a_checked_config_field():
+    from qerl_jax import run_config
+    from qerl_jax.config import default_config
+    from qerl_jax.validate import config_problems
+
+    cfg = default_config()
+    assert cfg.aqn.first_stage_noise is False
+    cfg.aqn.first_stage_noise = None
+    assert [p for p in config_problems(cfg) if p.startswith("aqn.")] == [
+        "aqn.first_stage_noise = None: expected True or False, got None"
+    ]
+    cfg.aqn.first_stage_noise, cfg.model.quant = True, "nvfp4"
+    assert run_config.from_config_dict(cfg).aqn.first_stage_noise is True

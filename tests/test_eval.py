@@ -69,6 +69,27 @@ def test_greedy_eval_is_deterministic_and_scores_match_rewards(tmp_path, tiny_mo
         assert r["correct"] == (rewards.accuracy_reward(r["completion"], r["answer"]) == 1.0)
 
 
+def test_per_problem_outputs_are_kept_compressed(tmp_path, tiny_model_dir):
+    """Every evaluation keeps a gzip jsonl of (metric, problem id, correct, length) beside its summary."""
+    import gzip
+
+    cfg = _cfg(tmp_path, tiny_model_dir, num_samples=2)
+    cfg.eval.num_examples = 4
+    summary = evaluation.evaluate(cfg)
+    out = os.path.join(cfg.workdir, "eval")
+    full = [json.loads(line) for line in open(os.path.join(out, "gsm8k_test.jsonl"))]
+    with gzip.open(os.path.join(out, "gsm8k_test" + evaluation.PROBLEMS_SUFFIX), "rt") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows == [{"metric": r["metric"], "id": r["source_id"], "correct": r["correct"], "length": r["length"]} for r in full]
+    greedy = [r for r in rows if r["metric"] == "pass_at_1"]
+    assert len(greedy) == summary["datasets"]["gsm8k_test"]["num_examples"] and len(rows) == 3 * len(greedy)
+    assert len({r["id"] for r in greedy}) == len(greedy)  # one row per problem: pairs by id
+    assert np.mean([r["correct"] for r in greedy]) == pytest.approx(summary["datasets"]["gsm8k_test"]["pass_at_1"])
+    lengths = [r["length"] for r in greedy]
+    assert all(0 < n <= cfg.eval.max_new_tokens for n in lengths)
+    assert np.mean(lengths) == pytest.approx(summary["datasets"]["gsm8k_test"]["pass_at_1_response_length"])
+
+
 def test_peft_adapter_is_applied(tmp_path, tiny_model_dir):
     """An adapter that changes the model changes the completions; a zero one does not."""
     from qerl_jax.model_io.loader import load_model

@@ -77,7 +77,7 @@ def test_supported_verdicts_and_the_summary_schema(tmp_path):
     s = summarize.summarize(out, res)
     assert _verdicts(s) == {"a": "supported", "b": "supported", "c": "supported", "d": "supported"}
     assert set(s) >= {"model", "task", "arms", "claims", "gpu_minutes"}
-    assert s["model"] == {"name": "Qwen2.5-Coder-1.5B-Instruct", "sha256": "ab" * 32, "gguf": "q.gguf"}
+    assert s["model"] == {"name": "Qwen2.5-Coder-1.5B-Instruct", "sha256": "ab" * 32, "gguf": "q.gguf", "base": summarize.BASE_NOTE}
     assert s["task"] == "gsm8k" and s["gpu_minutes"] == pytest.approx(10.0)
     arm = s["arms"]["nvfp4_aqn"]
     assert (arm["quant"], arm["lr"], arm["aqn"], arm["seeds"], arm["steps"]) == ("nvfp4", 1e-5, True, [0, 1, 2], STEPS)
@@ -88,11 +88,21 @@ def test_supported_verdicts_and_the_summary_schema(tmp_path):
     assert arm["truncated_frac"] == pytest.approx(0.02)
     assert s["arms"]["bf16"]["eval_before"]["gsm8k_test"] == 0.6
     assert set(s["claims"]["b"]["parts"]) == {"nvfp4_vs_bf16", "nvfp4_vs_bf16_lr5e-6"}
+    assert s["protocol"].startswith("PROTOCOL.md, rule v3") and s["margins"] == {"b": 0.01, "c": 0.01, "d": 0.01}
+    assert set(s["claims_by_rule"]) == {"v1", "v2"} and set(s["claims_by_rule"]["v1"]) == {"b", "c", "d"}
+    assert arm["greedy_headroom_gain"] == pytest.approx([(x - 0.55) / 0.45 for x in (0.69, 0.70, 0.71)])
+    assert arm["eval_after"]["per_problem_kept"] == [False, False, False]
+    part = s["claims"]["b"]["parts"]["nvfp4_vs_bf16"]
+    assert part["slope"]["n"] == 3 and part["slope"]["lo"] > -0.01 and "Headroom-normalised" in part["text"]
     on_disk = json.load(open(f"{res}/summary.json"))
     assert on_disk["arms"].keys() == set(ARMS)
     for name in ("qwen_gsm8k.png", "results.md", "curves.json"):
         assert os.path.isfile(f"{res}/{name}")
-    assert "python -m experiments.qwen_gsm8k.run --out qg" in open(f"{res}/results.md").read()
+    md = open(f"{res}/results.md").read()
+    assert "python -m experiments.qwen_gsm8k.run --out qg" in md
+    first = md.split("\n")[2]  # the limits come first: model, base, steps
+    assert "Qwen2.5-Coder-1.5B-Instruct" in first and "Q4_K_M file dequantized to bf16" in first and f"{STEPS} steps" in first
+    assert "round-to-nearest" in first and "± 0.000 " not in md
 
 
 # reward 0.3 + slope * step / 100: first 10% (steps 0..3) mean 0.3 + 1.5 slope / 100, last 20% (32..39) 0.3 + 35.5 slope / 100
@@ -149,7 +159,12 @@ def test_one_seed_is_inconclusive_and_incomplete_runs_use_common_steps(tmp_path)
     for claim in ("b", "c", "d"):
         assert s["claims"][claim]["verdict"] == "inconclusive"
     assert s["claims"]["b"]["parts"]["nvfp4_vs_bf16"]["reason"] == "one seed"
-    assert s["arms"]["nvfp4"]["eval_after"] == {"gsm8k_test": [None], "n": None, "math500_test": [None]}
+    assert s["arms"]["nvfp4"]["eval_after"] == {
+        "gsm8k_test": [None],
+        "n": None,
+        "math500_test": [None],
+        "per_problem_kept": [False],
+    }
     assert "(25/40, 0 evaluated)" in open(tmp_path / "res" / "results.md").read()
 
 
@@ -283,3 +298,95 @@ def test_runs_that_only_evaluate_neither_wait_nor_hold_back():
     # nvfp4_aqn seed 1 leads its format now; the finished runs start at once
     assert waits_for == {("train", "nvfp4", 2): ("train", "nvfp4_aqn", 1)}
     assert launcher.to_launch(jobs, waits_for, 0, 4, lambda job: False) == jobs[:3]
+
+
+def _runs(diffs_by_seed, key="reward"):
+    """Two arms whose per-step difference (b - a) for each seed is the given array; a shared
+    per-step offset (the prompts' difficulty) cancels."""
+    curves = lambda r: {"curves": {key: r}}  # noqa: E731
+    runs = {"a": {}, "b": {}}
+    for seed, d in enumerate(diffs_by_seed):
+        common = 0.5 + 0.1 * np.sin(np.arange(len(d)))
+        runs["a"][seed], runs["b"][seed] = curves(common), curves(common + d)
+    return runs
+
+
+def test_rule_v3_counts_within_run_noise_that_rule_v2_ignores():
+    """Three seeds with the same slope difference (+0.002 per 100 steps) but noisy steps: v2's
+    interval (between-seed spread only) excludes 0; v3's floor at the runs' own error does not."""
+    rng = np.random.default_rng(3)
+    steps = np.arange(150)
+    diffs = []
+    for _ in range(3):
+        noise = rng.normal(0, 0.03, 150)
+        noise -= np.polyfit(steps, noise, 1)[0] * (steps - steps.mean())  # each seed's OLS slope is exactly 0.002
+        diffs.append(0.00002 * steps + noise)
+    p = summarize.paired(_runs(diffs), "b", "a")
+    np.testing.assert_allclose(p["slope_per_seed"], 0.002, atol=1e-9)
+    assert summarize.judge_paired("b", "a", p, what="reward")["verdict"] == "supported"  # v2
+    v3 = summarize.judge_growth("b", "a", p, claim="c")
+    assert v3["verdict"] == "inconclusive" and v3["slope"]["lo"] < 0 < v3["slope"]["hi"]
+    assert v3["slope"]["se"] == pytest.approx(v3["slope"]["se_within"])
+    assert v3["slope"]["se_within"] > 10 * v3["slope"]["se_between"]
+
+
+def test_rule_v3_asks_non_inferiority_for_b_and_equivalence_for_c():
+    steps = np.arange(150)
+    # NVFP4 a little slower (-0.003 per 100 steps) in every seed, with almost no noise
+    slower = [-0.00003 * steps + 1e-4 * np.cos(steps * (1 + s)) for s in range(3)]
+    p = summarize.paired(_runs(slower), "b", "a")
+    b = summarize.judge_growth("b", "a", p, claim="b")
+    assert b["verdict"] == "supported" and -0.01 < b["slope"]["lo"] < b["slope"]["hi"] < 0  # non-inferior, not faster
+    assert summarize.judge_paired("b", "a", p, what="reward")["verdict"] == "not supported"  # v2 asked "faster"
+    much_slower = [-0.0003 * steps + 1e-4 * np.cos(steps * (1 + s)) for s in range(3)]
+    assert summarize.judge_growth("b", "a", summarize.paired(_runs(much_slower), "b", "a"), claim="b")["verdict"] == "not supported"
+    same = [1e-4 * np.cos(steps * (1 + s)) for s in range(3)]
+    c = summarize.judge_growth("b", "a", summarize.paired(_runs(same), "b", "a"), claim="c")
+    assert c["verdict"] == "not supported" and c["reading"] == "equivalent within ±0.01"
+    faster = [0.0003 * steps + 1e-4 * np.cos(steps * (1 + s)) for s in range(3)]
+    assert summarize.judge_growth("b", "a", summarize.paired(_runs(faster), "b", "a"), claim="c")["verdict"] == "supported"
+    one = summarize.judge_growth("b", "a", summarize.paired(_runs(same[:1]), "b", "a"), claim="b")
+    assert one["verdict"] == "inconclusive" and one["reason"] == "one seed"
+
+
+def test_rule_v3_accuracy_uses_welch_t_where_v1_used_2_se():
+    bf16, qerl = [0.675, 0.670, 0.680], [0.661, 0.660, 0.658]  # difference -0.0153, SE 0.003
+    assert summarize.verdict_v1(bf16, qerl, strict=False) == "not supported"  # below -2 SE
+    d = summarize.judge_accuracy("bf16", bf16, "qerl", qerl, paired_test=None)
+    assert d["welch"]["df"] == pytest.approx(2.37, abs=0.01)
+    assert d["verdict"] == "inconclusive" and d["welch"]["lo"] < -0.01 < d["welch"]["hi"]
+    assert "per-problem outputs not kept" in d["text"]
+    worse = summarize.judge_accuracy("bf16", bf16, "qerl", [0.64, 0.641, 0.639], paired_test=None)
+    assert worse["verdict"] == "not supported"
+    assert summarize.verdict_v1([0.05, 0.06], [0.05, 0.062], strict=True) == "inconclusive"
+    assert summarize.verdict_v1([0.05, 0.06], [0.049, 0.058], strict=True) == "not supported"
+
+
+def test_mcnemar_from_kept_per_problem_outputs(tmp_path):
+    import gzip
+
+    out = str(tmp_path / "out")
+    finals = {"bf16_lr5e-6": 0.6, "bf16": 0.6, "nvfp4": 0.6, "nvfp4_aqn": 0.6}
+    _write(out, {a: 0.2 for a in finals}, finals, seeds=2)
+    # per seed: problems 2 and 3 only nvfp4_aqn solved, problem 1 only bf16
+    correct = {"bf16": [1, 1, 0, 0, 1], "nvfp4_aqn": [1, 0, 1, 1, 1]}
+    for arm, flags in correct.items():
+        for seed in (0, 1):
+            path = os.path.join(out, "runs", arm, f"seed{seed}", "eval", f"step_{STEPS}", summarize.PROBLEMS_FILE)
+            with gzip.open(path, "wt") as f:
+                for i, ok in enumerate(flags):
+                    f.write(json.dumps({"metric": "pass_at_1", "id": f"gsm8k/test/{i}", "correct": bool(ok), "length": 9}) + "\n")
+                f.write(json.dumps({"metric": "mean_at_2", "id": "gsm8k/test/0", "correct": False, "length": 9}) + "\n")
+    s = summarize.summarize(out, str(tmp_path / "res"))
+    part = s["claims"]["d"]["parts"]["nvfp4_aqn_vs_bf16"]
+    assert part["mcnemar"] == {"seeds": [0, 1], "b_only": 4, "a_only": 2, "p": pytest.approx(2 * (1 + 6 + 15) / 64)}
+    assert "4 problems only nvfp4_aqn solved, 2 only bf16" in part["text"]
+    assert s["claims"]["d"]["parts"]["nvfp4_aqn_vs_bf16_lr5e-6"]["mcnemar"] is None
+    assert s["arms"]["bf16"]["eval_after"]["per_problem_kept"] == [True, True]
+
+
+def test_headroom_gain_and_small_spreads_print_digits():
+    r = np.concatenate([np.full(10, 0.5), np.full(70, 0.6), np.full(20, 0.75)])
+    assert summarize.growth(r, threshold=2.0, window=1)["headroom_gain"] == pytest.approx((0.75 - 0.5) / 0.5)
+    assert summarize._spread(0.0004, 3) == "0.0004" and summarize._spread(0.0123, 3) == "0.012"
+    assert summarize._spread(0.0, 3) == "0"

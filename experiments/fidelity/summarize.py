@@ -42,8 +42,8 @@ SAME_ENTROPY_REL = 0.02  # claim (a): a 95% interval within +-2% of bf16's entro
 # ----------------------------------------------------------------------------- reading
 
 
-def _jsonl_curves(path: str) -> dict[str, np.ndarray]:
-    """tag -> values by step (NaN where missing); a resumed run's repeated steps: the last wins."""
+def _jsonl_curves(path: str, tags: dict[str, str] = TAGS) -> dict[str, np.ndarray]:
+    """key -> values by step of each scalar tag (NaN where missing); a resumed run's repeated steps: the last wins."""
     rows: dict[int, dict] = {}
     for line in open(path):
         if line.strip():
@@ -52,7 +52,7 @@ def _jsonl_curves(path: str) -> dict[str, np.ndarray]:
                 rows[row["step"]] = row
     n = max(rows) + 1 if rows else 0
     out = {}
-    for key, tag in TAGS.items():
+    for key, tag in tags.items():
         out[key] = np.array([rows.get(s, {}).get(tag, np.nan) for s in range(n)], np.float64)
     return out
 
