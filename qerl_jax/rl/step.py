@@ -13,13 +13,13 @@ Only `TrainState.lora` (and, when the norm scales train too, `TrainState.norms`)
 optimizer state change; the frozen {base, norms} are an input, never donated nor copied.
 Several optimizer updates per rollout batch (PPO epochs, or
 mini-batches as TRL's steps_per_generation) are the caller's loop: call the step once per
-update with the same rollout old_logp (`minibatches` splits a batch); with exactly one update per
+update with the same rollout old_logp; with exactly one update per
 rollout, LossConfig(old_logp_source="current") reproduces TRL's on-policy ratio of 1.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -136,16 +136,6 @@ def _micro_rows(x: jax.Array, rows: slice) -> jax.Array:
     if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
         part = jax.device_put(part, sharding)
     return part
-
-
-def minibatches(batch: dict[str, Any], num: int) -> Iterator[dict[str, Any]]:
-    """Splits a rollout batch into `num` equal consecutive mini-batches (one optimizer update each)."""
-    b = batch["input_ids"].shape[0]
-    if num < 1 or b % num:
-        raise ValueError(f"cannot split a batch of {b} into {num} equal mini-batches")
-    size = b // num
-    for i in range(num):
-        yield {k: v[i * size : (i + 1) * size] for k, v in batch.items()}
 
 
 def make_train_step(
