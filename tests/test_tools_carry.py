@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tools import carry
 from qerl_jax.checkpoint import Checkpointer, saved_steps
+from tools import carry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("runs/bf16/seed0", "runs/nvfp4/seed1")
