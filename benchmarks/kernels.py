@@ -361,17 +361,14 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, split_mult=2),
     dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, split_mult=2),
     dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, scale_words=False),  # control for --scale-words
-    dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, persistent=2),  # 13: N tiles per program
-    dict(bn=64, bk=128, num_warps=4, num_stages=8, swap=False, persistent=4),
-    dict(bn=64, bk=256, num_warps=4, num_stages=4, swap=False, persistent=3),
-    dict(bn=64, bk=256, num_warps=4, num_stages=1, swap=False),  # 16: no cp.async pipeline, plain loads
+    dict(bn=64, bk=256, num_warps=4, num_stages=1, swap=False),  # 13: no cp.async pipeline, plain loads
     dict(bn=64, bk=256, num_warps=8, num_stages=1, swap=False),
     dict(bn=128, bk=256, num_warps=8, num_stages=1, swap=False),
     dict(bn=32, bk=256, num_warps=4, num_stages=1, swap=False, split_mult=2),
     dict(bn=64, bk=512, num_warps=8, num_stages=2, swap=False),
     dict(bn=64, bk=256, num_warps=4, num_stages=2, swap=False, split_mult=2),
     dict(bn=128, bk=128, num_warps=8, num_stages=2, swap=False),
-    # 23-29: the nvfp4 block kernel (M <= 32); split_programs: programs the split-K rule aims at
+    # 20-26: the nvfp4 block kernel (M <= 32); split_programs: programs the split-K rule aims at
     dict(bn=64, bk=128, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
     dict(bn=64, bk=128, num_warps=4, num_stages=2, mode="block", split_programs=2.5),
     dict(bn=64, bk=64, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
@@ -379,14 +376,14 @@ SWEEP_DECODE = [  # split_k is added by autotune.split_rule unless given
     dict(bn=64, bk=128, num_warps=4, num_stages=4, mode="block", split_programs=2.5),
     dict(bn=32, bk=128, num_warps=4, num_stages=3, mode="block", split_programs=2.5),
     dict(bn=128, bk=128, num_warps=8, num_stages=3, mode="block", split_programs=2.5),
-    # 30-34: the block kernel with W as the dot's left operand (wgmma, W from registers)
+    # 27-31: the block kernel with W as the dot's left operand (wgmma, W from registers)
     dict(bn=64, bk=128, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
     dict(bn=64, bk=64, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
     dict(bn=128, bk=128, num_warps=8, num_stages=3, mode="block", swap=True, split_programs=2.5),
     dict(bn=64, bk=128, num_warps=4, num_stages=4, mode="block", swap=True, split_programs=2.5),
     dict(bn=64, bk=256, num_warps=4, num_stages=3, mode="block", swap=True, split_programs=2.5),
-    "table",  # 35: the autotune table's current entry for the shape (the control)
-    # 36-39: the block kernel for the rollout's decode batch (M = 128 / 256: one M tile, wgmma N = M)
+    "table",  # 32: the autotune table's current entry for the shape (the control)
+    # 33-36: the block kernel for the rollout's decode batch (M = 128 / 256: one M tile, wgmma N = M)
     dict(bn=64, bk=64, num_warps=8, num_stages=3, mode="block", swap=True, split_programs=1),
     dict(bn=64, bk=128, num_warps=8, num_stages=3, mode="block", swap=True, split_programs=1),
     dict(bn=64, bk=64, num_warps=8, num_stages=4, mode="block", swap=True, split_programs=2),

@@ -37,9 +37,6 @@ class Config:
     Triton can pipeline them with cp.async like the codes (byte loads are issued
     synchronously inside the K loop). Measured on an H100: 0-15 % faster at decode
     (KERNEL_NOTES.md), so on by default in the decode regime.
-    persistent: (fwd, decode regime) N tiles per program, walked in one loop over (tile, K
-    step) pairs so the load pipeline does not restart for every tile; 0 = one tile per
-    program (grid over tiles and split-K).
     """
 
     bm: int
@@ -53,7 +50,6 @@ class Config:
     num_stages: int = 3
     mode: str = "fused"
     scale_words: bool = False
-    persistent: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -20,7 +20,7 @@ alone cannot fill 132 SMs) split s takes the s-th contiguous share of the row's 
 a partial (max, sum, accumulator); `_combine` (jnp) merges them. A row with end <= start
 (inactive) gives zeros.
 
-Bytes a call must move (what `bytes_moved` returns; the probe reports bandwidth against it):
+Bytes a call must move (what `bytes_moved` returns, the base of a bandwidth figure):
 the valid K and V slots once, sum_b (end_b - start_b) * KVH * D * 2 * itemsize(cache), plus
 q and the output (B * H * D * itemsize(q) each). FLOPs: 4 * H * D per valid slot per row
 (q.k and p.v; the G padding is not counted).

@@ -235,14 +235,10 @@ def _load_w_tile(c_ref, s_ref, w0, k0, rows: int, bk: int, fmt: KernelFormat, sc
 # ----------------------------------------------------------------------------- forward kernel
 
 
-def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, cfg, k_chunk, decode):
+def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, cfg, k_chunk, decode):
     """r_ref: the first row of this weight in c_ref / s_ref (layer * N for stacked weights)."""
     o_ref = rest[-1]  # rest = (o_ref,) or (poison_in_ref, o_ref)
     words = _load_words(t_ref, fmt, decode)
-    if cfg.persistent:
-        return _fwd_persistent(
-            x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, fmt=fmt, m=m, n=n, k=k, cfg=cfg, decode=decode
-        )
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     num_m, num_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
     pid = pl.program_id(0)
@@ -286,41 +282,6 @@ def _fwd_kernel(x_ref, c_ref, s_ref, g_ref, r_ref, t_ref, *rest, fmt, m, n, k, c
     else:
         mask = (rows_m < m)[:, None] & (rows_n < n)[None, :]
         plgpu.store(o_ref.at[idx], out, mask=mask)
-
-
-def _fwd_persistent(x_ref, c_ref, s_ref, g_ref, r_ref, o_ref, words, *, fmt, m, n, k, cfg, decode):
-    """Decode regime, one M tile: program p computes N tiles p * T ... p * T + T - 1 (T =
-    cfg.persistent) in ONE loop over (tile, K step) pairs, so its loads stay pipelined across
-    tile boundaries instead of re-filling the pipeline for every short tile."""
-    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
-    steps = k // bk
-    first_tile = pl.program_id(0) * cfg.persistent
-    rows_m = _iota(bm)
-    mask_x = None if m % bm == 0 else jnp.broadcast_to((rows_m < m)[:, None], (bm, bk))
-    inv_gs = 1.0 / g_ref[0]
-
-    def body(i, acc):
-        t = first_tile + jax.lax.div(i, steps)  # i >= 0: lax.div/rem (jnp's floor versions add sign fixes)
-        kk = jax.lax.rem(i, steps)
-        n0 = t * bn
-        rows_n = n0 + _iota(bn)
-        k0 = pl.multiple_of(kk * bk, bk)
-        x = _load(x_ref, (pl.ds(0, bm), pl.ds(k0, bk)), mask_x, 0.0)
-        # rows_n < n is also false for the tiles past the end
-        c, s = _load_w_tile(c_ref, s_ref, r_ref[0] + n0, k0, bn, bk, fmt, cfg.scale_words, rows_n < n)
-        w = _decode_tile(c, s, fmt, decode, words)
-        acc = jnp.where(kk == 0, 0.0, acc) + _dot(x, w, contract=(1, 1))  # [bm, bn]
-
-        @pl.when(kk == steps - 1)
-        def _store():
-            out = (acc * inv_gs).astype(o_ref.dtype)
-            plgpu.store(
-                o_ref.at[(pl.ds(0, bm), pl.ds(n0, bn))], out, mask=(rows_m < m)[:, None] & (rows_n < n)[None, :]
-            )
-
-        return acc
-
-    jax.lax.fori_loop(0, cfg.persistent * steps, body, jnp.zeros((bm, bn), jnp.float32))
 
 
 def decode_bits_pairs(c: jax.Array) -> jax.Array:
@@ -434,10 +395,6 @@ def _fwd_config(m: int, n: int, k: int, fmt: KernelFormat, cfg: autotune.Config 
         cfg = dataclasses.replace(cfg, bm=bm, swap=cfg.swap or m >= autotune.BLOCK_SWAP_FROM_M)
     block = fmt.block_size
     min_bk = max(16, block)
-    if cfg.persistent and (m > autotune.DECODE_MAX_M or cfg.swap):
-        cfg = dataclasses.replace(cfg, persistent=0)  # decode regime (one M tile), x on the left only
-    if cfg.persistent:
-        cfg = dataclasses.replace(cfg, split_k=1)
     if m <= autotune.DECODE_MAX_M or cfg.swap:
         cfg = dataclasses.replace(cfg, bm=max(16, 1 << (m - 1).bit_length()) if m <= autotune.DECODE_MAX_M else cfg.bm)
     split_k = cfg.split_k
@@ -530,9 +487,7 @@ def forward_launch(
         )
     decode = "asm" if decode == "bits" else decode  # the fast GPU decode of the 2-D tile kernels
     num_tiles = pl.cdiv(m, cfg.bm) * pl.cdiv(n, cfg.bn)
-    if cfg.persistent:
-        num_tiles = pl.cdiv(num_tiles, cfg.persistent)
-    kernel = functools.partial(_fwd_kernel, fmt=fmt, m=m, n=n, k=k, cfg=cfg, k_chunk=k_chunk, decode=decode)
+    kernel = functools.partial(_fwd_kernel, fmt=fmt, m=m, n=n, cfg=cfg, k_chunk=k_chunk, decode=decode)
     s_arg = _as_words(scales) if cfg.scale_words else _kernel_scales(scales)
     args = [x, codes, s_arg, jnp.reshape(gs.astype(jnp.float32), (1,)), row0, _table_input(fmt)]
     return _launch_split_k(

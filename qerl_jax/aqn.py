@@ -20,8 +20,8 @@ as the dose-response experiment needs):
   logarithmic: s0 - (s0 - s1) * log10(1 + 9 u)         (fast early decay, then flat)
 
 All four equal s0 at the first noise stage and s1 at stage K - 1. Noise perturbs sampling only: the
-train-time forward uses the clean norms (`noise_in_train_forward=False`, the default), so the
-gradient is that of the clean LoRA policy; the loop applies AQN to the rollout's norms only.
+train-time forward uses the clean norms, so the gradient is that of the clean LoRA policy; the
+loop applies AQN to the rollout's norms only.
 
 Precision note: the model applies the scale in the activation dtype, so with bf16 norms a
 noise much smaller than half a bf16 ulp of w (~2e-3 for w near 1) is rounded away, as in the
@@ -53,7 +53,6 @@ class AQNConfig:
     num_stages: int = 10
     decay: str = "exponential"
     total_steps: int | None = None
-    noise_in_train_forward: bool = False
     first_stage_noise: bool = False
 
     def __post_init__(self):

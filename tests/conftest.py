@@ -93,6 +93,16 @@ def tiny_qwen2_dir(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="session")
+def f32_model(tiny_qwen2_dir):
+    """The tiny Qwen2 checkpoint loaded as float32 (config, params) with its torch model."""
+    import qerl_jax
+
+    path, hf_model = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="float32")
+    return config, params, hf_model
+
+
 def set_fields(cfg, overrides: dict):
     """cfg with each dotted field of `overrides` ("rl.loss": "grpo") set; returns cfg."""
     for key, value in overrides.items():

@@ -105,11 +105,27 @@ def test_checkpoint_io_imports_only_the_layers_below():
     assert not [r for r in readers if "qerl_jax.model_io.loader" in graph[r]], "a reader imports loader"
 
 
-def test_the_library_never_imports_experiments_or_benchmarks():
-    bad = []
-    for module, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            bad += [(module, n) for n in names if n.split(".")[0] in ("experiments", "benchmarks")]
-    assert not bad, f"library modules import experiments/benchmarks: {bad}"
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """The first component of every absolute import in a file (module or function level)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+def test_the_library_never_imports_experiments_benchmarks_or_tools():
+    outside = {"experiments", "benchmarks", "tools"}
+    found = {m: sorted(_top_level_imports(p) & outside) for m, p in _modules().items()}
+    bad = {m: names for m, names in found.items() if names}
+    assert not bad, f"library modules import experiments/benchmarks/tools: {bad}"
+
+
+def test_only_tests_import_tools():
+    """tools/ (GPU machines reached by copying files) is outermost: no experiment, benchmark or config uses it."""
+    files = [p for d in ("experiments", "benchmarks", "configs") for p in sorted((ROOT / d).rglob("*.py"))]
+    assert files and (ROOT / "tools" / "carry.py").is_file()
+    bad = [str(p.relative_to(ROOT)) for p in files if "tools" in _top_level_imports(p)]
+    assert not bad, f"import tools/: {bad}"

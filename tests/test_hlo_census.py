@@ -3,7 +3,7 @@
 Compiling for an H100 needs jax's CUDA plugin (not installed in CI); the parser is tested on a
 small module in the optimized-HLO text format (a while loop whose body has a GEMM fusion, a
 Mosaic GPU custom call, a copy, buffer plumbing and a `call` into a computation with two more
-fusions).
+fusions). With the plugin, the rollout's decode program compiled for an H100 keeps one KV cache.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.devtools import hlo_census
+from qerl_jax.models.qwen2 import ModelConfig
+from qerl_jax.rollout import cache_bytes, programs
 
 MODULE = """HloModule jit_f, is_scheduled=true
 
@@ -118,3 +120,39 @@ def test_errors_name_what_is_missing():
         )
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo_census.parse_hlo(MODULE.replace("ENTRY ", ""))
+
+
+def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
+    """The decode loop compiled for an H100 (deviceless: XLA's GPU compiler through jax's CUDA
+    plugin, skipped where it is not installed) updates its donated cache in place and keeps no
+    second one: with `attention`'s einsums instead of `decode_attention_reference`, XLA carried
+    the cache in another layout and copied all of it on entry (the old OOM at 256 x 2304)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        pytest.skip("jax's CUDA plugin (jax-cuda12-plugin / -pjrt) is not installed")
+    from benchmarks import common
+
+    config = ModelConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
+    monkeypatch.setattr(common, "model_config", lambda name: config)
+    device = hlo_census.h100_device()
+    setup = hlo_census.rollout_setup("test", "bf16", 64, prompt_len=64, new_slots=448, lora_rank=4, device=device)
+    cache, state = setup["bucket_args"](64)
+    args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"])
+    m = programs.decode.trace(setup["static"], *args).lower().compile().memory_analysis()
+    cache_b = cache_bytes(config, 64, 512)
+    assert m.alias_size_in_bytes >= cache_b
+    assert m.temp_size_in_bytes < cache_b / 4, (m.temp_size_in_bytes, cache_b)

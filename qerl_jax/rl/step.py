@@ -13,15 +13,14 @@ Only `TrainState.lora` (and, when the norm scales train too, `TrainState.norms`)
 optimizer state change; the frozen {base, norms} are an input, never donated nor copied.
 Several optimizer updates per rollout batch (PPO epochs, or
 mini-batches as TRL's steps_per_generation) are the caller's loop: call the step once per
-update with the same rollout old_logp (`minibatches` splits a batch); with exactly one update per
+update with the same rollout old_logp; with exactly one update per
 rollout, LossConfig(old_logp_source="current") reproduces TRL's on-policy ratio of 1.
 """
 
 from __future__ import annotations
 
 import functools
-
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -148,16 +147,6 @@ def _micro_rows(x: jax.Array, rows: slice) -> jax.Array:
 def _row_slicer(size: int, sharding: jax.sharding.Sharding):
     keep = sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
     return jax.jit(lambda x, first: jax.lax.dynamic_slice_in_dim(x, first, size), out_shardings=keep)
-
-
-def minibatches(batch: dict[str, Any], num: int) -> Iterator[dict[str, Any]]:
-    """Splits a rollout batch into `num` equal consecutive mini-batches (one optimizer update each)."""
-    b = batch["input_ids"].shape[0]
-    if num < 1 or b % num:
-        raise ValueError(f"cannot split a batch of {b} into {num} equal mini-batches")
-    size = b // num
-    for i in range(num):
-        yield {k: v[i * size : (i + 1) * size] for k, v in batch.items()}
 
 
 def make_train_step(

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One device call: the benchmarks named in STEPS (default: rollout grpo scale), each time-boxed,
-# JSON + logs under $OUT. Run from the repo root with the .whl folder carried:
-#   STEPS="rollout grpo" bash benchmarks/device_pass.sh
+# The benchmarks on a GPU machine reached only by copying files (tools/README.md): one call runs the
+# benchmarks named in STEPS (default: rollout grpo scale), each time-boxed, JSON + logs under $OUT
+# (the folder whose files the call brings back). Run from the repository root with the .whl folder
+# (tools/gpu_inputs.sh) carried:
+#   STEPS="rollout grpo" bash tools/benchmark_passes.sh
 # Steps: rollout (benchmarks/rollout.py), grpo (grpo_step.py), scale (scale.py, 32B),
 # kernels256 (kernels.py sweep + bench at M = 128 / 256), nulldecode (kernels.py diagnostic),
-# persistent / stages (decode sweeps of those candidates), block (check + sweep of the nvfp4
+# stages (decode sweep of the unpipelined / 2-stage candidates), block (check + sweep of the nvfp4
 # block kernel against the table's entry + bench; BLOCK_MS, BLOCK_CANDS, BLOCK_BENCH_MS, BLOCK_MODELS),
-# stream (stream_probe.py: the load bound), ttir (ttir_ncu.py: timing and an Nsight Compute
-# profile of the decode kernel outside JAX), dp (benchmarks/data_parallel.py: all local GPUs vs one),
+# dp (benchmarks/data_parallel.py: all local GPUs vs one),
 # cmdbuf (the 1.5B decode step without and with the decode loops in command buffers).
 set -u
 OUT=${OUT:-/tmp/qerl_bench}
@@ -31,11 +32,6 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${SCALE_S:-100} python3 -m benchmarks.scale --models ${SCALE_MODELS:-32b} --phases load,rollout,train \
         --decode-steps 32 --out "$OUT/scale.json" > "$OUT/scale.log" 2>&1
       echo "scale rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 20 "$OUT/scale.log" ;;
-    persistent)  # decode sweep with the persistent-loop candidates, then the decode bench
-      timeout ${PERS_S:-380} python3 -m benchmarks.kernels --out "$OUT/kernels_persistent.json" --sections env,sweep,bench \
-        --deadline $(( ${PERS_S:-380} - 25 )) --sweep-deadline $(( ${PERS_S:-380} - 150 )) --ms 1,16,64 --bwd-ms "" \
-        --sweep-decode-ms 16,64 --sweep-prefill-ms "" --sweep-decode-cands 11,13,14,15,6 > "$OUT/kernels_persistent.log" 2>&1
-      echo "persistent rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 30 "$OUT/kernels_persistent.log" ;;
     kernels256)
       timeout ${KERNELS_S:-200} python3 -m benchmarks.kernels --out "$OUT/kernels256.json" --sections env,sweep,bench \
         --deadline $(( ${KERNELS_S:-200} - 20 )) --ms 128,256 --bwd-ms "" --sweep-decode-ms "" \
@@ -45,35 +41,19 @@ for step in ${STEPS:-rollout grpo scale}; do
       timeout ${NULL_S:-120} python3 -m benchmarks.kernels --out "$OUT/kernels_null.json" --sections bench --null-decode \
         --deadline $(( ${NULL_S:-120} - 15 )) --ms 16,64 --models 7B > "$OUT/kernels_null.log" 2>&1
       echo "nulldecode rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 12 "$OUT/kernels_null.log" ;;
-    stream)  # diagnostic: Pallas streaming of the packed codes alone (no decode, no dot) vs bf16 dot
-      timeout ${STREAM_S:-150} python3 -m benchmarks.devtools.stream_probe --out "$OUT/stream.json" > "$OUT/stream.log" 2>&1
-      echo "stream rc=$? after $(( $(date +%s) - T0 )) s"; cat "$OUT/stream.log" | cut -c1-230 ;;
     stages)  # decode sweep: unpipelined / 2-stage candidates against the table's best (11)
       timeout ${STAGES_S:-200} python3 -m benchmarks.kernels --out "$OUT/kernels_stages.json" --sections env,sweep \
         --deadline $(( ${STAGES_S:-200} - 15 )) --models 7B --sweep-decode-ms ${STAGES_MS:-16} --sweep-prefill-ms "" \
-        --sweep-decode-cands 11,16,17,18,19,20,21,22 > "$OUT/kernels_stages.log" 2>&1
+        --sweep-decode-cands 11,13,14,15,16,17,18,19 > "$OUT/kernels_stages.log" 2>&1
       echo "stages rc=$? after $(( $(date +%s) - T0 )) s"; python3 -c "import json; d = json.load(open('$OUT/kernels_stages.json')); [print(r['m'], r['n'], r['k'], [r['cfg'][c] for c in ('bn', 'bk', 'split_k', 'num_warps', 'num_stages')], r.get('us'), r.get('rel_err')) for r in d['sweep']]" ;;
-    ttir)  # the decode kernel's Triton IR launched from PyTorch: timing, then an Nsight Compute profile
-      timeout 200 python3 -m benchmarks.devtools.ttir_ncu dump --dir "$OUT/ttir" > "$OUT/ttir_dump.log" 2>&1
-      echo "ttir dump rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 3 "$OUT/ttir_dump.log"
-      timeout 120 python3 -m benchmarks.devtools.ttir_ncu run --dir "$OUT/ttir" 2>&1 | tail -n 12
-      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-      timeout -k 5 ${NCU_S:-180} "$NCU" --profile-from-start off --clock-control none --set full --import-source no -f \
-        -o "$OUT/ttir_prof" python3 -m benchmarks.devtools.ttir_ncu run --dir "$OUT/ttir" --profile --names ${NCU_NAMES:-gate16,gate16_null,gate1} \
-        > "$OUT/ttir_ncu.log" 2>&1
-      echo "ncu rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 4 "$OUT/ttir_ncu.log"
-      "$NCU" -i "$OUT/ttir_prof.ncu-rep" --page raw --csv > "$OUT/ttir_raw.csv" 2>&1
-      "$NCU" -i "$OUT/ttir_prof.ncu-rep" --page details --csv > "$OUT/ttir_details.csv" 2>&1
-      "$NCU" -i "$OUT/ttir_prof.ncu-rep" -k regex:w4a16 --page source --print-source sass --csv > "$OUT/ttir_sass.csv" 2>&1
-      python3 -m benchmarks.devtools.ncu_summary "$OUT/ttir_raw.csv" | tee "$OUT/ttir_summary.txt" ;;
     block)  # correctness + sweep of the nvfp4 block kernel (with the table's previous best, 11, as control) + bench
       timeout ${BLOCK_S:-560} python3 -m benchmarks.kernels --out "$OUT/kernels_block.json" --sections env,check,sweep,bench \
         --check-quick --deadline $(( ${BLOCK_S:-560} - 20 )) --sweep-deadline $(( ${BLOCK_S:-560} - 200 )) \
-        --sweep-decode-ms ${BLOCK_MS:-16} --sweep-prefill-ms "" --sweep-decode-cands ${BLOCK_CANDS:-11,23,24,25,26,28} \
+        --sweep-decode-ms ${BLOCK_MS:-16} --sweep-prefill-ms "" --sweep-decode-cands ${BLOCK_CANDS:-11,20,21,22,23,25} \
         --ms ${BLOCK_BENCH_MS:-1,16} --models ${BLOCK_MODELS:-7B,32B} --bwd-ms "" > "$OUT/kernels_block.log" 2>&1
       echo "block rc=$? after $(( $(date +%s) - T0 )) s"; grep -E "^CHECK|ERROR" "$OUT/kernels_block.log" | cut -c1-200 | tail -n 12
       python3 -c "import json; d = json.load(open('$OUT/kernels_block.json')); [print(r['m'], r['n'], r['k'], [r['cfg'][c] for c in ('mode', 'bn', 'bk', 'split_k', 'num_warps', 'num_stages')], r.get('us'), r.get('rel_err')) for r in d['sweep']]; [print('BENCH', r['m'], r['n'], r['k'], r.get('cfg', {}).get('mode'), round(r.get('ours_us', 0), 1), round(r.get('bf16_us', 0), 1), round(r.get('speedup_vs_bf16', 0), 3)) for r in d['bench']]" ;;
-    dp)  # all local GPUs vs one (e.g. on nvidia-h200-x2)
+    dp)  # all local GPUs vs one (on a host with several)
       timeout ${DP_S:-300} python3 -m benchmarks.data_parallel --model ${DP_MODEL:-7B} --out "$OUT/data_parallel.json" \
         > "$OUT/data_parallel.log" 2>&1
       echo "dp rc=$? after $(( $(date +%s) - T0 )) s"; tail -n 10 "$OUT/data_parallel.log" ;;

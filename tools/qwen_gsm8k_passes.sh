@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# Device passes of the Qwen2.5-Coder-1.5B / GSM8K experiment, run from the repo root on the GPU
-# machine with .whl (the py3.12 wheels the machine lacks) carried and the GGUF's raw parts already
-# moved to /tmp/parts (one 50 MiB part per call: `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`).
-# `bash experiments/gpu_inputs.sh` lays out .whl, .gpu/data and the parts on the CPU machine.
-#   bash experiments/qwen_gsm8k/device.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
-#   bash experiments/qwen_gsm8k/device.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
-#   bash experiments/qwen_gsm8k/device.sh eval    # greedy GSM8K test (1319 prompts, 1024 tokens) from qerl_jax.eval:
-#                                                 # bf16, NVFP4, bf16 again, one at a time, each with an empty compile cache
-#   bash experiments/qwen_gsm8k/device.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
-#   bash experiments/qwen_gsm8k/device.sh startup # the 1.5B's first steps (configs/gsm8k.py, NVFP4) with
-#                                                 # benchmarks.devtools.cache_probe: cold, then warm from a copy
-#                                                 # of the checkout at another path (same compile and model caches)
-#   QG_ARGS="--arms nvfp4 bf16 --seeds 0 1 --max-minutes 8" bash experiments/qwen_gsm8k/device.sh train
-#                                                 # the experiment's launcher (run.py); again on a warm machine resumes
-# Runs longer than one call (the machine stays while calls follow each other):
-#   QG_ARGS="--arms bf16 nvfp4 nvfp4_aqn --seeds 0 1 --max-minutes 20 --mem-fraction 0.13" bash experiments/qwen_gsm8k/device.sh start
+# Passes of the Qwen2.5-Coder-1.5B / GSM8K experiment (experiments/qwen_gsm8k/) on a GPU machine reached
+# only by copying files (tools/README.md). Run from the repository root on that machine, with .whl
+# (the py3.12 wheels it lacks) carried and the GGUF's raw parts already moved to /tmp/parts (one
+# 50 MiB part per call: `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`);
+# `bash tools/gpu_inputs.sh` lays out .whl, .gpu/data and the parts on the CPU machine.
+#   bash tools/qwen_gsm8k_passes.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
+#   bash tools/qwen_gsm8k_passes.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
+#   bash tools/qwen_gsm8k_passes.sh eval    # greedy GSM8K test (1319 prompts, 1024 tokens) from qerl_jax.eval:
+#                                           # bf16, NVFP4, bf16 again, one at a time, each with an empty compile cache
+#   bash tools/qwen_gsm8k_passes.sh bench   # packed attention check, the 7B gsm8k GRPO step (padded vs packed); no model file needed
+#   bash tools/qwen_gsm8k_passes.sh startup # the 1.5B's first steps (configs/gsm8k.py, NVFP4) from qerl_jax.main:
+#                                           # cold, then warm from a copy of the checkout at another path
+#                                           # (same compile and model caches)
+#   QG_ARGS="--arms nvfp4 bf16 --seeds 0 1 --max-minutes 8" bash tools/qwen_gsm8k_passes.sh train
+#                                           # the experiment's launcher (run.py); again on a warm machine resumes
+# Runs longer than one call (while the machine stays between calls):
+#   QG_ARGS="--arms bf16 nvfp4 nvfp4_aqn --seeds 0 1 --max-minutes 20 --mem-fraction 0.13" bash tools/qwen_gsm8k_passes.sh start
 #   (more runs than fit: add --parallel 7; the others start as runs end)
-#                                                 # the launcher in the background; first unpacks /tmp/carry_parts
-#                                                 # (a carried experiment, experiments/carry.py) into /tmp/qg if there is no /tmp/qg;
-#                                                 # under NVIDIA's MPS daemon (the processes' kernels overlap:
-#                                                 # 3 runs: 0.37 steps/s against 0.24-0.27 time-sliced); MPS=0 without it
-#   SLEEP=500 bash experiments/qwen_gsm8k/device.sh status   # after SLEEP s: each run's steps and step times
-#   BATCH=k bash experiments/qwen_gsm8k/device.sh pack       # once the launcher ended: batch k of the carry
-#                                                 # parts into $OUT (batch 0 also $OUT/light.tgz, the light copies)
-#   On the next machine the parts go in 3 a call (4 parts of 15 MiB and the tree exceed the 64 MiB a call
-#   sends): `mkdir -p /tmp/carry_parts && mv .gpu/carry/carry.* /tmp/carry_parts/`, the manifest with the first.
-# Everything it writes is tarred into $OUT/<pass>.tgz.
+#                                           # the launcher in the background; first unpacks /tmp/carry_parts
+#                                           # (a carried experiment, tools/carry.py) into /tmp/qg if there is no /tmp/qg;
+#                                           # under NVIDIA's MPS daemon (the processes' kernels overlap:
+#                                           # 3 runs: 0.37 steps/s against 0.24-0.27 time-sliced); MPS=0 without it
+#   SLEEP=500 bash tools/qwen_gsm8k_passes.sh status   # after SLEEP s: each run's steps and step times
+#   BATCH=k bash tools/qwen_gsm8k_passes.sh pack       # once the launcher ended: batch k of the carry
+#                                           # parts into $OUT (batch 0 also $OUT/light.tgz, the light copies)
+#   On the next machine the parts go in as many a call as its send limit allows, the manifest with
+#   the first: `mkdir -p /tmp/carry_parts && mv .gpu/carry/carry.* /tmp/carry_parts/`.
+# Everything it writes is tarred into $OUT/<pass>.tgz ($OUT: the folder whose files the call brings back).
 set -u
 PASS=$1
 OUT=${OUT:-/tmp/qerl_out}
@@ -42,7 +43,7 @@ running() { ps aux | grep -c "[e]xperiments.qwen_gsm8k.run"; }
 case $PASS in
   start)
     if [ ! -d /tmp/qg ] && [ -d /tmp/carry_parts ]; then
-      python3 -m experiments.carry unpack --parts /tmp/carry_parts --dest /tmp/qg || exit 2
+      python3 -m tools.carry unpack --parts /tmp/carry_parts --dest /tmp/qg || exit 2
     fi
     [ "$(running)" = 0 ] || { echo "the launcher is already running"; exit 2; }
     rm -rf /tmp/qdata; cp -r .gpu/data /tmp/qdata  # the carried copy is replaced by the next call's tree
@@ -83,7 +84,7 @@ PY
     exit 0 ;;
   pack)
     [ "$(running)" = 0 ] || { echo "the launcher is still running: pack after it ends"; tail -n 4 $W/launcher.log; exit 3; }
-    python3 -m experiments.carry pack --src /tmp/qg --dest "$OUT" --batch ${BATCH:-0} || exit 2
+    python3 -m tools.carry pack --src /tmp/qg --dest "$OUT" --batch ${BATCH:-0} || exit 2
     [ "${BATCH:-0}" = 0 ] && (cd $W && tar czf "$OUT/light.tgz" qg launcher.log)
     ls -la "$OUT"
     exit 0 ;;
@@ -120,11 +121,11 @@ case $PASS in
     rm -rf /tmp/su && mkdir -p /tmp/su && cp -r "$PWD" /tmp/su/repo2
     for run in cold warm; do
       dir=$PWD; [ $run = warm ] && dir=/tmp/su/repo2
-      (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 280 python3 -m benchmarks.devtools.cache_probe --config=configs/gsm8k.py \
+      (cd $dir && PYTHONPATH=/tmp/site:$dir timeout 280 python3 -m qerl_jax.main --config=configs/gsm8k.py \
         --config.model.path=$GGUF --config.workdir=/tmp/su/w_$run --config.compile_cache_dir=/tmp/su/cc \
         --config.model.cache_dir=/tmp/su/mc --config.rollout.max_new_tokens=1024 --config.train.stop_after_steps=2 \
         --config.train.checkpoint_every=1000 2>&1 | while IFS= read -r line; do echo "$(date +%s) $line"; done > $W/startup_$run.log)
-      echo "$run done after $(( $(date +%s) - T0 )) s"; grep "persistent cache:" $W/startup_$run.log
+      echo "$run done after $(( $(date +%s) - T0 )) s"
       cp /tmp/su/w_$run/tensorboard/scalars.jsonl $W/startup_$run.scalars.jsonl 2>/dev/null
     done ;;
   step)

@@ -1,4 +1,4 @@
-"""experiments/carry: an experiment directory packed into small parts, checked and unpacked elsewhere."""
+"""tools/carry: an experiment directory packed into small parts, checked and unpacked elsewhere."""
 
 import hashlib
 import io
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import carry
 from qerl_jax.checkpoint import Checkpointer, saved_steps
+from tools import carry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = ("runs/bf16/seed0", "runs/nvfp4/seed1")
@@ -59,7 +59,7 @@ def out(tmp_path_factory):
 
 
 def _cli(*args):
-    r = subprocess.run([sys.executable, "-m", "experiments.carry", *args], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run([sys.executable, "-m", "tools.carry", *args], capture_output=True, text=True, cwd=REPO)
     return r.returncode, r.stdout + r.stderr
 
 
@@ -188,8 +188,9 @@ def test_unpack_refuses_members_outside_the_destination(tmp_path, member):
     "args, says",
     [
         (["pack", "--src", "/nonexistent/qg", "--dest", "x", "--batch", "0"], "--src /nonexistent/qg"),
-        (["pack", "--src", ".", "--dest", "x", "--batch", "0", "--part-mib", "20"], "--part-mib 20"),
-        (["pack", "--src", ".", "--dest", "x", "--batch", "0", "--files", "9"], "--files 9"),
+        (["pack", "--src", ".", "--dest", "x", "--batch", "0", "--part-mib", "0"], "--part-mib 0"),
+        (["pack", "--src", ".", "--dest", "x", "--batch", "0", "--files", "1"], "--files 1"),
+        (["pack", "--src", ".", "--dest", "x", "--batch", "0", "--part-mib", "70"], "--batch-mib 64.0: no room"),
         (["unpack", "--parts", "/nonexistent", "--dest", "x"], carry.MANIFEST),
     ],
 )

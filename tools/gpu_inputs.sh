@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Lays out, on this (CPU) machine, what the GPU machine's calls carry, in folders git ignores:
-#   .whl/            the py3.12 wheels its image lacks (the device tool's KINDS.md package list has
-#                    pyarrow, pandas, xxhash, fsspec, sympy, absl-py, tensorboard, ...; not these)
-#   .gpu/data/       GSM8K and MATH500 jsonl (../shared/data, which does not travel)
+# Lays out, on this (CPU) machine, what calls to a GPU machine reached only by copying files carry
+# (tools/README.md), in folders git ignores:
+#   .whl/            the py3.12 wheels of the project's dependencies that the GPU machine's Python lacks
+#   .gpu/data/       GSM8K and MATH500 jsonl (the data directory, which is not in the working tree)
 #   .gpu/partNN.bin  the Qwen2.5-Coder-1.5B-Instruct GGUF's 22 raw parts, checked by the whole file's
 #                    sha256 (experiments.models --split-out); carry one a call, then on the machine
-#                    `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`; device.sh joins them
-# Run from the repository root with the project installed: bash experiments/gpu_inputs.sh [--no-model]
+#                    `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`; the passes join them
+# Run from the repository root with the project installed: bash tools/gpu_inputs.sh [--no-model]
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 for ignored in /.whl/ /.gpu/; do

@@ -1,4 +1,7 @@
-"""The rollout engine vs transformers' generate, a naive forward loop and a full-forward recompute."""
+"""rollout/weights.py: the decode weights `generate` builds once per call (per-layer copies read in
+place, bf16 copies, repacked copies for the Hopper wgmma kernel, q/k/v and gate/up fused, LoRA
+stacked), which projections get which at which row counts, and that each choice samples what the
+packed path samples (the Mosaic kernel replaced by its CPU twin)."""
 
 import dataclasses
 import functools
@@ -7,159 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from conftest import stream_k_partials
+from qwen_shapes import qwen25_config, random_params
+from rollout_helpers import f32_options, fake_hopper_kernel, prompts, random_lora, recomputed_logp
 
 import qerl_jax
 from qerl_jax.models.qwen2 import PROJECTIONS
 from qerl_jax.quant.packed import dequantize
-from qerl_jax.rollout import (
-    RolloutOptions,
-    SamplingConfig,
-    cache_bytes,
-    estimate_rollout_bytes,
-    generate,
-    prompt_bucket,
-    rows_bucket,
-    to_train_batch,
-)
-from qerl_jax.rollout import programs as programs_module
+from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate
 from qerl_jax.rollout import weights as weights_module
 
-F32 = RolloutOptions(cache_dtype=jnp.float32)  # exact KV cache for the parity tests
-
-
-def _compiled() -> dict[str, int]:
-    """How many programs of each kind jit holds compiled."""
-    m = programs_module
-    return {"prefill": m.admit._cache_size(), "decode": m.decode._cache_size(), "compact": m.compact._cache_size()}
-
-
-@pytest.fixture(scope="module")
-def f32_model(tiny_qwen2_dir):
-    path, hf_model = tiny_qwen2_dir
-    config, params = qerl_jax.load_model(path, dtype="float32")
-    return config, params, hf_model
-
-
-# One sampling setup shared by most tests (max_new_tokens, stop and pad ids are runtime
-# arguments of the compiled programs, so they share compilations too).
-STOPS = tuple(range(10, 40))  # ~23% of the vocabulary: sampled rows stop within a few dozen tokens
+F32 = f32_options()  # exact KV cache for the parity tests
 
 
 def _sampling(**kw):
     return SamplingConfig(**{**dict(temperature=0.8, top_p=0.95, top_k=40, max_new_tokens=16, eos_ids=()), **kw})
-
-
-def _prompts(vocab, pads=(0, 3, 5), width=9, seed=0):
-    """Left-padded random prompts; row i has pads[i] padding columns."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, vocab, size=(len(pads), width)).astype(np.int32)
-    mask = np.ones_like(ids)
-    for row, pad in enumerate(pads):
-        ids[row, :pad] = 0
-        mask[row, :pad] = 0
-    return ids, mask
-
-
-def _hf_generate(model, ids, mask, max_new, eos=None):
-    kwargs = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-    kwargs.update(eos_token_id=eos) if eos is not None else kwargs.update(min_new_tokens=max_new)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long), **kwargs
-        )
-    return out.numpy()[:, ids.shape[1] :]
-
-
-def _random_lora(config, rank=4, seed=1, scale=0.3):
-    rng = np.random.default_rng(seed)
-    d, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
-    dims = {
-        "q_proj": (config.num_attention_heads * hd, d),
-        "k_proj": (config.num_key_value_heads * hd, d),
-        "v_proj": (config.num_key_value_heads * hd, d),
-        "o_proj": (d, config.num_attention_heads * hd),
-        "gate_proj": (ffn, d),
-        "up_proj": (ffn, d),
-        "down_proj": (d, ffn),
-    }
-    layers = {}
-    for proj in PROJECTIONS:
-        n, k = dims[proj]
-        layers[proj] = {
-            "a": jnp.asarray(rng.standard_normal((config.num_hidden_layers, rank, k)) * scale, jnp.float32),
-            "b": jnp.asarray(rng.standard_normal((config.num_hidden_layers, n, rank)) * scale, jnp.float32),
-        }
-    return {"layers": layers}
-
-
-def _recomputed_logp(config, params, batch, temperature, lora_scale=1.0):
-    """log_softmax(logits / T) of every token of the train batch under one full forward."""
-    train = to_train_batch(batch)
-    forward = jax.jit(qerl_jax.forward, static_argnums=0, static_argnames="lora_scale")
-    logits = forward(config, params, train["input_ids"], train["attention_mask"], lora_scale=lora_scale)
-    logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
-    gathered = jnp.take_along_axis(logp, train["input_ids"][:, 1:, None], axis=-1)[..., 0]
-    return np.asarray(gathered), np.asarray(train["old_logp"][:, 1:]), np.asarray(train["response_mask"][:, 1:])
-
-
-# ----------------------------------------------------------------------------- greedy parity
-
-
-@pytest.mark.parametrize("pads", [(0, 0, 0), (0, 3, 5)], ids=["no_padding", "left_padding"])
-def test_greedy_matches_transformers_generate(f32_model, pads):
-    config, params, hf_model = f32_model
-    ids, mask = _prompts(config.vocab_size, pads)
-    sampling = SamplingConfig(greedy=True, max_new_tokens=12, eos_ids=())
-    batch = generate(config, params, ids, mask, jax.random.key(0), sampling, options=F32)
-    np.testing.assert_array_equal(np.asarray(batch.tokens), _hf_generate(hf_model, ids, mask, 12))
-    assert np.asarray(batch.lengths).tolist() == [12] * len(pads)
-    assert np.asarray(batch.truncated).all()
-
-
-def test_greedy_stops_at_eos_like_transformers(f32_model):
-    config, params, hf_model = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    free = _hf_generate(hf_model, ids, mask, 12)
-    eos = int(free[1, 4])  # row 1 stops at step 4 (or earlier if the token came before)
-    sampling = SamplingConfig(greedy=True, max_new_tokens=12, eos_ids=(eos,), pad_id=0)
-    batch = generate(config, params, ids, mask, jax.random.key(0), sampling, options=F32)
-    ref = _hf_generate(hf_model, ids, mask, 12, eos=eos)  # pads after EOS, ends when all rows stopped
-    tokens = np.asarray(batch.tokens)
-    np.testing.assert_array_equal(tokens[:, : ref.shape[1]], ref)
-    assert (tokens[:, ref.shape[1] :] == 0).all()
-    assert int(batch.steps[0]) == ref.shape[1]
-    expected_len = [list(row).index(eos) + 1 if eos in row else 12 for row in free]
-    assert np.asarray(batch.lengths).tolist() == expected_len
-    assert np.asarray(batch.truncated).tolist() == [eos not in row for row in free]
-
-
-def _naive_greedy(config, params, ids, mask, steps):
-    """Reference: a full forward over the whole sequence per new token, argmax, no cache.
-
-    The sequence buffer is right-padded to its final width, so one program serves every step
-    (causal attention: later columns do not change the logits at column t).
-    """
-    fwd = jax.jit(lambda i, m: qerl_jax.forward(config, params, i, m))
-    p = ids.shape[1]
-    ids = np.concatenate([ids, np.zeros((ids.shape[0], steps), np.int32)], axis=1)
-    mask = np.concatenate([mask, np.ones((mask.shape[0], steps), np.int32)], axis=1)
-    for t in range(steps):
-        ids[:, p + t] = np.argmax(np.asarray(fwd(ids, mask))[:, p + t - 1], axis=-1)
-    return ids[:, p:]
-
-
-def test_nvfp4_greedy_matches_naive_forward_loop(tiny_qwen2_dir, f32_model):
-    path, _ = tiny_qwen2_dir
-    config, params = qerl_jax.load_model(path, dtype="float32", quant="nvfp4")
-    assert params["base"]["layers"]["q_proj"]["w"].fmt == "nvfp4"
-    ids, mask = _prompts(config.vocab_size)
-    sampling = SamplingConfig(greedy=True, max_new_tokens=10, eos_ids=())
-    batch = generate(config, params, ids, mask, jax.random.key(0), sampling, options=F32)
-    np.testing.assert_array_equal(np.asarray(batch.tokens), _naive_greedy(config, params, ids, mask, 10))
-    dense = generate(*f32_model[:2], ids, mask, jax.random.key(0), sampling, options=F32)
-    assert not np.array_equal(np.asarray(dense.tokens), np.asarray(batch.tokens))  # the 4-bit weights are used
 
 
 def test_packed_weights_are_read_in_place_by_the_pallas_kernel(tiny_qwen2_dir):
@@ -174,11 +38,11 @@ def test_packed_weights_are_read_in_place_by_the_pallas_kernel(tiny_qwen2_dir):
     packed_bytes = sum(x.nbytes for x in jax.tree.leaves(split["packed"]))
     all_bytes = sum(x.nbytes for x in jax.tree.leaves([params["base"]["layers"], params["norms"]["layers"]]))
     assert weights_module.layer_copy_bytes(params) == all_bytes - packed_bytes
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6, eos_ids=())
     opts = RolloutOptions(backend="pallas", dense_weights=False)
     unrolled = generate(config, params, ids, mask, jax.random.key(3), sampling, group_size=2, options=opts)
-    recomputed, old, resp = _recomputed_logp(config, params, unrolled, 1.0)
+    recomputed, old, resp = recomputed_logp(config, params, unrolled, 1.0)
     np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=0.05)
 
 
@@ -198,7 +62,7 @@ def test_dense_weight_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir,
         if "w" in p
         for x in jax.tree.leaves(p["w"])
     )
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     run = lambda dense: generate(  # noqa: E731
         config, params, ids, mask, jax.random.key(5), sampling, group_size=2,
@@ -219,7 +83,7 @@ def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(
     from qerl_jax.linear import Fused
 
     config, params, _ = f32_model
-    params = {**params, "lora": _random_lora(config, scale=0.2)}
+    params = {**params, "lora": random_lora(config, scale=0.2)}
     split = weights_module.split_layers(params)
     base, lora = split["layers"][1]["base"], split["layers"][1]["lora"]
     qkv, gate_up = base["q_proj+k_proj+v_proj"]["w"], base["gate_proj+up_proj"]["w"]
@@ -248,7 +112,7 @@ def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(
         for layer in split["layers"] for p in layer["base"].values() if isinstance(w := p.get("w"), Fused)
     )  # fmt: skip
     assert weights_module.fused_lora_bytes(params, (), ()) == made
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     run = lambda: generate(  # noqa: E731
         config, params, ids, mask, jax.random.key(4), _sampling(), group_size=2, lora_scale=0.5, options=F32
     )
@@ -260,7 +124,7 @@ def test_dense_groups_are_fused_with_their_adapters_stacked_and_sample_the_same(
     one_by_one = run()
     np.testing.assert_array_equal(np.asarray(fused.tokens), np.asarray(one_by_one.tokens))
     np.testing.assert_allclose(np.asarray(fused.logprobs), np.asarray(one_by_one.logprobs), atol=1e-5)
-    recomputed, old, resp = _recomputed_logp(config, params, fused, 0.8, lora_scale=0.5)
+    recomputed, old, resp = recomputed_logp(config, params, fused, 0.8, lora_scale=0.5)
     np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=1e-4)
 
 
@@ -292,7 +156,7 @@ def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir,
     seen = []
     real_split = weights_module.split_layers
     monkeypatch.setattr(weights_module, "split_layers", lambda *a: seen.append(a[1:]) or real_split(*a))
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     auto = generate(config, params, ids, mask, jax.random.key(6), sampling, options=RolloutOptions(backend="pallas"))
     assert seen[-1] == ("pallas", small, ())  # no wgmma copies off Hopper
@@ -303,6 +167,40 @@ def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir,
     assert seen[-1] == (None, None, ())
     np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(auto.logprobs), np.asarray(packed.logprobs), atol=0.05)
+
+
+def test_lora_layer_copies_take_the_activation_dtype(tiny_qwen2_dir):
+    """float32 adapters on a bf16 model: the per-layer copies are bf16 (the matmuls cast to it
+    anyway) and sample with the log-probs of one full forward over the float32 stacks."""
+    path, _ = tiny_qwen2_dir
+    config, params = qerl_jax.load_model(path, dtype="bfloat16")
+    params = {**params, "lora": random_lora(config, scale=0.2)}
+    split = weights_module.split_layers(params)
+    dtypes = {x.dtype for x in jax.tree.leaves(split["layers"][0]["lora"])}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    lora_bytes = sum(x.nbytes for x in jax.tree.leaves(params["lora"]))
+    plain = {k: v for k, v in params.items() if k != "lora"}
+    assert weights_module.layer_copy_bytes(params) == weights_module.layer_copy_bytes(plain) + lora_bytes // 2
+    ids, mask = prompts(config.vocab_size)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, eos_ids=())
+    kw = dict(group_size=2, lora_scale=0.5)
+    unrolled = generate(config, params, ids, mask, jax.random.key(5), sampling, **kw)
+    recomputed, old, resp = recomputed_logp(config, params, unrolled, 1.0, lora_scale=0.5)
+    np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=5e-2)
+    without = generate(config, plain, ids, mask, jax.random.key(5), sampling, **kw)
+    assert not np.array_equal(np.asarray(without.tokens), np.asarray(unrolled.tokens))
+
+
+def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():
+    choose = functools.partial(weights_module.use_dense_weights, None, dense_bytes=1, fits=True)
+    assert choose(backend="xla", rows=1)  # the XLA path dequantizes every step at any batch
+    assert not choose(backend="pallas", rows=64)  # the kernels read packed weights up to M = 64
+    assert choose(backend="pallas", rows=weights_module.DENSE_FROM_ROWS)
+    assert not weights_module.use_dense_weights(None, backend="pallas", rows=256, dense_bytes=1, fits=False)
+    assert not weights_module.use_dense_weights(
+        None, backend="xla", rows=256, dense_bytes=0, fits=True
+    )  # nothing packed
+    assert not weights_module.use_dense_weights(False, backend="xla", rows=256, dense_bytes=1, fits=True)
 
 
 def test_wgmma_weight_names_default_and_overrides(tiny_qwen2_dir):
@@ -335,46 +233,21 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
     calls = []
-
-    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
-        """The kernel's output, emulated: per-CTA partial sums of y.T x 2**-8 x global scale."""
-        calls.append((x.shape, dict(tk=tk, stages=stages, wgs=wgs, ctas=ctas)))
-        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
-        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
-
-    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
-    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
+    fake_hopper_kernel(monkeypatch, calls, small_kv_dense=False)
     split = weights_module.split_layers(params, wgmma_names=("o_proj", "q_proj"))
     assert set(split["packed"]) == set(params["base"]["layers"])  # the prefill reads the stacks
     assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
     assert "w" not in split["layers"][1]["base"]["k_proj"]
     w = weights_module.layer_vars(split, 1)["base"]["q_proj"]["w"]
     assert isinstance(w, ByRows) and isinstance(w.small, wgmma_nvfp4.WgmmaWeight) and isinstance(w.large, LayerOf)
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     opts = lambda wgmma: RolloutOptions(backend="pallas", dense_weights=False, wgmma_weights=wgmma)  # noqa: E731
     repacked = generate(config, params, ids, mask, jax.random.key(8), sampling, group_size=2, options=opts(True))
-    assert calls and all(shape[0] <= wgmma_nvfp4.MAX_ROWS for shape, _ in calls)  # decode steps only
+    assert calls and all(shape[0] <= wgmma_nvfp4.MAX_ROWS for shape, _, _ in calls)  # decode steps only
     packed = generate(config, params, ids, mask, jax.random.key(8), sampling, group_size=2, options=opts(False))
     np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(repacked.logprobs), np.asarray(packed.logprobs), atol=0.05)
-
-
-def _fake_hopper_kernel(monkeypatch, widths: list) -> None:
-    """The wgmma kernel "available", replaced by its CPU twin (per-CTA partial sums of the
-    dequantized repacked words; each call's output width appended to `widths`), and k/v small
-    enough for dense copies, as on 7B / 32B."""
-    from pallas_kernels import wgmma_nvfp4
-
-    def cpu_twin(x, words, swords, *, n, tk, stages, wgs, ctas):
-        widths.append(n)
-        w = wgmma_nvfp4.dequantize_repacked(words, swords, jnp.float32) * 2.0**-8
-        return stream_k_partials(w, x, tk=tk, wgs=wgs, ctas=ctas)[0]
-
-    monkeypatch.setattr(wgmma_nvfp4, "available", lambda: True)
-    monkeypatch.setattr(wgmma_nvfp4, "wgmma_partials", cpu_twin)
-    monkeypatch.setattr(weights_module, "SMALL_DENSE_WEIGHTS", 64 * 128)
-    monkeypatch.setattr(weights_module, "KERNEL_MIN_LAYER_WEIGHTS", 0)
 
 
 @pytest.fixture(scope="module")
@@ -444,14 +317,12 @@ def test_wgmma_weight_names_take_fusable_groups_whole(fusable_nvfp4_model):
 
 def _shapes_of(size: str) -> dict:
     """Shape-only NVFP4 params of a Qwen2.5 size with LoRA r16 on every projection."""
-    from benchmarks.common import model_config, random_params
     from qerl_jax.lora import LoraConfig, init_lora, with_lora
 
-    config = model_config(size)
+    config = qwen25_config(size)
     lora = LoraConfig(rank=16, alpha=32.0)
-    return jax.eval_shape(
-        lambda: with_lora(random_params(config, quant="nvfp4", seed=0), init_lora(jax.random.key(1), config, lora))
-    )
+    params = lambda: random_params(config, quant="nvfp4", dtype=jnp.bfloat16)  # noqa: E731
+    return jax.eval_shape(lambda: with_lora(params(), init_lora(jax.random.key(1), config, lora)))
 
 
 @pytest.mark.parametrize("size", ["1.5B", "7B"])
@@ -541,11 +412,11 @@ def test_generate_takes_the_wgmma_copies_that_fit_its_budget(fusable_nvfp4_model
     from qerl_jax.rollout import sampler as sampler_module
 
     config, params = fusable_nvfp4_model
-    widths, plans = [], []
-    _fake_hopper_kernel(monkeypatch, widths)
+    calls, plans = [], []
+    fake_hopper_kernel(monkeypatch, calls)
     real_plan = sampler_module.plan_rollout
     monkeypatch.setattr(sampler_module, "plan_rollout", lambda *a, **k: plans.append((a, k)) or real_plan(*a, **k))
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     kw = dict(group_size=2, max_batch=6)
     pallas = RolloutOptions(backend="pallas")
@@ -564,7 +435,7 @@ def test_generate_takes_the_wgmma_copies_that_fit_its_budget(fusable_nvfp4_model
     assert chosen.wgmma_names in (qkv, mlp)
     assert size(chosen.wgmma_names) > 0
     assert chosen.memory.total * MEMORY_MARGIN <= budget
-    assert widths and set(widths) == {256}  # one fused call per layer and step (q/k/v or gate/up)
+    assert calls and {n for *_, n in calls} == {256}  # one fused call per layer and step (q/k/v or gate/up)
     np.testing.assert_array_equal(np.asarray(partial.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(partial.logprobs), np.asarray(packed.logprobs), atol=0.05)
 
@@ -578,9 +449,9 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
 
     config, params = fusable_nvfp4_model
     if with_lora:
-        params = {**params, "lora": _random_lora(config, scale=0.1)}
-    widths = []
-    _fake_hopper_kernel(monkeypatch, widths)
+        params = {**params, "lora": random_lora(config, scale=0.1)}
+    calls = []
+    fake_hopper_kernel(monkeypatch, calls)
     split = weights_module.split_layers(params, wgmma_names=tuple(PROJECTIONS))
     fused = split["layers"][1]["base"]["q_proj+k_proj+v_proj"]["w"]
     assert isinstance(fused, Fused) and fused.sizes == (128, 64, 64) and fused.w.global_scale.shape == (256,)
@@ -598,13 +469,13 @@ def test_fused_wgmma_copies_sample_what_the_packed_path_samples(fusable_nvfp4_mo
         names = tuple(PROJECTIONS)
         plain = {k: v for k, v in params.items() if k != "lora"}
         assert weights_module.wgmma_copy_bytes(params, names) == weights_module.wgmma_copy_bytes(plain, names) + extra
-    ids, mask = _prompts(config.vocab_size)
+    ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     kw = dict(group_size=2, lora_scale=0.5)
     repacked = generate(  # auto: k/v fused too
         config, params, ids, mask, jax.random.key(8), sampling, **kw, options=RolloutOptions(backend="pallas")
     )
-    assert sorted(set(widths)) == [128, 256]  # o and down alone; q/k/v and gate/up fused
+    assert sorted({n for *_, n in calls}) == [128, 256]  # o and down alone; q/k/v and gate/up fused
     no_wgmma = RolloutOptions(backend="pallas", wgmma_weights=False)
     packed = generate(config, params, ids, mask, jax.random.key(8), sampling, **kw, options=no_wgmma)
     np.testing.assert_array_equal(np.asarray(repacked.tokens), np.asarray(packed.tokens))
@@ -620,8 +491,8 @@ def test_a_group_with_wgmma_and_dense_copies_reads_each_for_its_rows(fusable_nvf
     from qerl_jax.linear import ByRows, Fused, base_matmul
 
     config, params = fusable_nvfp4_model
-    params = {**params, "lora": _random_lora(config, scale=0.2)}
-    _fake_hopper_kernel(monkeypatch, [])
+    params = {**params, "lora": random_lora(config, scale=0.2)}
+    fake_hopper_kernel(monkeypatch, [])
     split = weights_module.split_layers(params, "xla", None, tuple(PROJECTIONS))
     w = split["layers"][1]["base"]["gate_proj+up_proj"]["w"]
     assert isinstance(w, ByRows) and w.max_rows == wgmma_nvfp4.MAX_ROWS
@@ -641,308 +512,3 @@ def test_a_group_with_wgmma_and_dense_copies_reads_each_for_its_rows(fusable_nvf
     assert folded > 0  # the stacked adapters themselves are the wgmma copies' (wgmma_copy_bytes)
     every = tuple(PROJECTIONS)
     assert weights_module.fused_lora_bytes(params, every, every) == folded
-
-
-def test_dense_weights_default_only_where_the_step_would_dequantize_and_it_fits():
-    choose = functools.partial(weights_module.use_dense_weights, None, dense_bytes=1, fits=True)
-    assert choose(backend="xla", rows=1)  # the XLA path dequantizes every step at any batch
-    assert not choose(backend="pallas", rows=64)  # the kernels read packed weights up to M = 64
-    assert choose(backend="pallas", rows=weights_module.DENSE_FROM_ROWS)
-    assert not weights_module.use_dense_weights(None, backend="pallas", rows=256, dense_bytes=1, fits=False)
-    assert not weights_module.use_dense_weights(
-        None, backend="xla", rows=256, dense_bytes=0, fits=True
-    )  # nothing packed
-    assert not weights_module.use_dense_weights(False, backend="xla", rows=256, dense_bytes=1, fits=True)
-
-
-# ----------------------------------------------------------------------------- log-prob invariant
-
-
-@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
-def test_sampled_logprobs_equal_full_forward_recompute(f32_model, with_lora):
-    config, params, _ = f32_model
-    lora_scale = 0.5
-    if with_lora:
-        params = {**params, "lora": _random_lora(config)}
-    ids, mask = _prompts(config.vocab_size)
-    sampling = _sampling(eos_ids=STOPS[:10])
-    batch = generate(
-        config,
-        params,
-        ids,
-        mask,
-        jax.random.key(1),
-        sampling,
-        group_size=2,
-        lora_scale=lora_scale,
-        options=F32,
-    )
-    recomputed, old, resp = _recomputed_logp(config, params, batch, 0.8, lora_scale)
-    assert resp.sum() == int(np.asarray(batch.lengths).sum())
-    np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=2e-4)
-    if with_lora:  # the adapters must change the policy, or this case tests nothing new
-        plain = generate(
-            config,
-            {k: v for k, v in params.items() if k != "lora"},
-            ids,
-            mask,
-            jax.random.key(1),
-            sampling,
-            group_size=2,
-            options=F32,
-        )
-        assert not np.array_equal(np.asarray(plain.tokens), np.asarray(batch.tokens))
-
-
-def test_lora_layer_copies_take_the_activation_dtype(tiny_qwen2_dir):
-    """float32 adapters on a bf16 model: the per-layer copies are bf16 (the matmuls cast to it
-    anyway) and sample with the log-probs of one full forward over the float32 stacks."""
-    path, _ = tiny_qwen2_dir
-    config, params = qerl_jax.load_model(path, dtype="bfloat16")
-    params = {**params, "lora": _random_lora(config, scale=0.2)}
-    split = weights_module.split_layers(params)
-    dtypes = {x.dtype for x in jax.tree.leaves(split["layers"][0]["lora"])}
-    assert dtypes == {jnp.dtype(jnp.bfloat16)}
-    lora_bytes = sum(x.nbytes for x in jax.tree.leaves(params["lora"]))
-    plain = {k: v for k, v in params.items() if k != "lora"}
-    assert weights_module.layer_copy_bytes(params) == weights_module.layer_copy_bytes(plain) + lora_bytes // 2
-    ids, mask = _prompts(config.vocab_size)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, eos_ids=())
-    kw = dict(group_size=2, lora_scale=0.5)
-    unrolled = generate(config, params, ids, mask, jax.random.key(5), sampling, **kw)
-    recomputed, old, resp = _recomputed_logp(config, params, unrolled, 1.0, lora_scale=0.5)
-    np.testing.assert_allclose(old[resp == 1], recomputed[resp == 1], atol=5e-2)
-    without = generate(config, plain, ids, mask, jax.random.key(5), sampling, **kw)
-    assert not np.array_equal(np.asarray(without.tokens), np.asarray(unrolled.tokens))
-
-
-def test_bf16_nvfp4_logprobs_close_to_full_forward(tiny_qwen2_dir):
-    path, _ = tiny_qwen2_dir
-    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
-    params = {**params, "lora": jax.tree.map(lambda x: x.astype(jnp.bfloat16), _random_lora(config))}
-    ids, mask = _prompts(config.vocab_size)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, eos_ids=())
-    batch = generate(config, params, ids, mask, jax.random.key(2), sampling, lora_scale=0.5)
-    recomputed, old, resp = _recomputed_logp(config, params, batch, 1.0, 0.5)
-    err = np.abs(old - recomputed)[resp == 1]
-    assert err.mean() < 0.02 and err.max() < 0.15, (err.mean(), err.max())
-
-
-# ----------------------------------------------------------------------------- stopping, groups
-
-
-def test_eos_stopping_masks_and_early_exit(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    stop = STOPS
-    sampling = _sampling(max_new_tokens=48, eos_ids=stop, pad_id=0)
-    batch = generate(config, params, ids, mask, jax.random.key(4), sampling, group_size=2, options=F32)
-    tokens, logp = np.asarray(batch.tokens), np.asarray(batch.logprobs)
-    lengths, resp = np.asarray(batch.lengths), np.asarray(batch.response_mask)
-    assert tokens.shape == (6, 48) and np.asarray(batch.prompt_index).tolist() == [0, 0, 1, 1, 2, 2]
-    for row in range(6):
-        hits = np.flatnonzero(np.isin(tokens[row], stop))
-        assert hits.size and lengths[row] == hits[0] + 1
-        assert (tokens[row, lengths[row] :] == 0).all() and (logp[row, lengths[row] :] == 0).all()
-        assert (logp[row, : lengths[row]] < 0).all()
-        assert resp[row].tolist() == [1] * lengths[row] + [0] * (48 - lengths[row])
-    assert not np.asarray(batch.truncated).any()
-    assert len(set(lengths.tolist())) > 1  # rows stopped at different steps
-    assert int(batch.steps[0]) == lengths.max() < 48  # the loop ended when the last row stopped
-
-
-def test_ignore_eos_runs_to_max_new_tokens(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    sampling = _sampling(max_new_tokens=20, eos_ids=STOPS, ignore_eos=True)
-    batch = generate(config, params, ids, mask, jax.random.key(4), sampling, group_size=2, options=F32)
-    assert np.asarray(batch.lengths).tolist() == [20] * 6 and int(batch.steps[0]) == 20
-    assert np.isin(np.asarray(batch.tokens), range(10, 40)).any()  # stop ids were sampled, not obeyed
-    assert np.asarray(batch.truncated).all()
-
-
-def test_group_sharing_chunking_and_repeats_give_identical_samples(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10])
-    kw = dict(options=F32)
-    key = jax.random.key(5)
-    shared = generate(config, params, ids, mask, key, sampling, group_size=2, **kw)
-    variants = {
-        "repeated_prompts": generate(config, params, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), key, sampling, **kw),
-        "no_sharing": generate(
-            config,
-            params,
-            ids,
-            mask,
-            key,
-            sampling,
-            group_size=2,
-            options=dataclasses.replace(F32, share_prefill=False),
-        ),
-        "split_groups": generate(config, params, ids, mask, key, sampling, group_size=2, max_batch=1, **kw),
-        "chunks_of_4": generate(config, params, ids, mask, key, sampling, group_size=2, max_batch=5, **kw),
-    }
-    samples = np.asarray(shared.tokens).reshape(3, 2, -1)
-    assert not (samples[:, :1] == samples).all()  # the G samples of a prompt differ
-    for name, other in variants.items():
-        np.testing.assert_array_equal(np.asarray(other.tokens), np.asarray(shared.tokens), err_msg=name)
-        np.testing.assert_allclose(np.asarray(other.logprobs), np.asarray(shared.logprobs), atol=1e-5, err_msg=name)
-        np.testing.assert_array_equal(np.asarray(other.lengths), np.asarray(shared.lengths), err_msg=name)
-    assert variants["split_groups"].steps.shape == (6,) and variants["chunks_of_4"].steps.shape == (2,)
-
-
-def test_same_key_same_samples_different_key_different_samples(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10])
-    a = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, options=F32)
-    b = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, options=F32)
-    c = generate(config, params, ids, mask, jax.random.key(6), sampling, group_size=2, options=F32)
-    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
-
-
-# ----------------------------------------------------------------------------- layout, buckets
-
-
-def test_train_batch_layout(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10], pad_id=0)
-    batch = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, options=F32)
-    p = prompt_bucket(9)
-    assert batch.prompt_ids.shape == (6, p)
-    train = to_train_batch(batch)
-    assert {k: v.shape for k, v in train.items()} == {k: (6, p + 10) for k in train}
-    np.testing.assert_array_equal(np.asarray(train["input_ids"][:, :p]), np.asarray(batch.prompt_ids))
-    np.testing.assert_array_equal(np.asarray(train["input_ids"][:, p:]), np.asarray(batch.tokens))
-    np.testing.assert_array_equal(np.asarray(train["input_ids"][::2, p - 9 : p]), ids)  # left-padded prompt
-    np.testing.assert_array_equal(np.asarray(train["attention_mask"][::2, p - 9 : p]), mask)
-    np.testing.assert_array_equal(np.asarray(train["response_mask"][:, p:]), np.asarray(batch.response_mask))
-    assert int(train["response_mask"][:, :p].sum()) == 0
-    np.testing.assert_array_equal(np.asarray(train["old_logp"][:, p:]), np.asarray(batch.logprobs))
-    np.testing.assert_array_equal(np.asarray(train["attention_mask"][:, p:]), np.asarray(batch.response_mask))
-    trimmed = to_train_batch(batch, trim_to_multiple=4)
-    longest = int(np.asarray(batch.lengths).max())
-    assert trimmed["input_ids"].shape[1] == p + min(10, -(-longest // 4) * 4)
-    assert int(trimmed["response_mask"].sum()) == int(train["response_mask"].sum())
-
-
-def test_buckets_reuse_compiled_programs(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size, pads=(0, 2, 4, 1), width=11)
-    kw = dict(group_size=2, options=F32)
-    generate(config, params, ids, mask, jax.random.key(0), _sampling(max_new_tokens=7), **kw)
-    before = _compiled()
-    # Another batch size in the same row buckets (3 prompts / 6 rows vs 4 / 8), other prompt
-    # lengths in the same bucket (16), other widths, other max_new_tokens in the same 64
-    # bucket, other stop/pad ids: no new program.
-    ids2, mask2 = _prompts(config.vocab_size, pads=(3, 1, 0), width=14, seed=1)
-    generate(config, params, ids2, mask2, jax.random.key(1), _sampling(max_new_tokens=30, eos_ids=(5,)), **kw)
-    generate(config, params, ids2[:, 4:], mask2[:, 4:], jax.random.key(1), _sampling(pad_id=3), **kw)
-    generate(config, params, ids2, mask2, jax.random.key(1), _sampling(ignore_eos=True), **kw)
-    assert _compiled() == before
-    assert before["prefill"] > 0  # the counter counts at all
-    assert [prompt_bucket(n) for n in (1, 16, 17, 300, 2048, 2049)] == [16, 16, 32, 512, 2048, 3072]
-    assert [rows_bucket(n) for n in (1, 3, 8, 9, 256)] == [1, 4, 8, 16, 256]
-
-
-def test_memory_estimate_counts_the_cache(f32_model):
-    config, params, _ = f32_model
-    shape = (config.num_hidden_layers, 8, 16 + 64, config.num_key_value_heads, config.head_dim)
-    assert cache_bytes(config, 8, 80, jnp.float32) == 2 * np.prod(shape) * 4
-    small = estimate_rollout_bytes(config, 6, 16, 64, jnp.bfloat16)
-    assert small > 2 * cache_bytes(config, 6, 80, jnp.bfloat16)
-    assert estimate_rollout_bytes(config, 12, 16, 64) > small
-    assert estimate_rollout_bytes(config, 6, 16, 128) > small
-    # The engine allocates exactly the estimated cache, and an admission (prefill) keeps it.
-    sampling = _sampling()
-    static = programs_module.Static(
-        config,
-        SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k),
-        programs_module.ForwardOptions(),
-        64,
-        "float32",
-    )
-    ids, mask = _prompts(config.vocab_size, pads=(0, 0, 0, 0), width=16)
-    rows = jnp.array([0, 0, 1, 1, 2, 2, 3, 3])
-    split = weights_module.split_layers(params)
-    cache, state = programs_module.new_rows(static, 8, 16, 0)
-    assert sum(c.nbytes for c in jax.tree.leaves(cache)) == cache_bytes(config, 8, 80, jnp.float32)
-    cache, _ = programs_module.admit(
-        static, split, cache, state, ids, mask, rows, jnp.arange(8), jnp.arange(8, dtype=jnp.uint32),
-        jnp.full((8,), 64), jax.random.key(0), np.zeros((config.vocab_size,), bool), np.int32(0),
-    )  # fmt: skip
-    assert sum(c.nbytes for c in jax.tree.leaves(cache)) == cache_bytes(config, 8, 80, jnp.float32)
-
-
-# ----------------------------------------------------------------------------- bad input
-
-
-def test_rejects_bad_prompts(f32_model):
-    config, params, _ = f32_model
-    key = jax.random.key(0)
-    sampling = SamplingConfig(max_new_tokens=8)
-    ids, mask = _prompts(config.vocab_size)
-    empty = mask.copy()
-    empty[1] = 0
-    with pytest.raises(ValueError, match=r"row\(s\) \[1\] have no real token"):
-        generate(config, params, ids, empty, key, sampling)
-    right = mask[:, ::-1].copy()
-    with pytest.raises(ValueError, match="left-padded"):
-        generate(config, params, ids, right, key, sampling)
-    with pytest.raises(ValueError, match="prompt_mask shape"):
-        generate(config, params, ids, mask[:, 1:], key, sampling)
-    with pytest.raises(ValueError, match=r"\[batch, prompt_len\]"):
-        generate(config, params, ids[0], mask[0], key, sampling)
-    with pytest.raises(ValueError, match="vocab_size"):
-        generate(config, params, ids + config.vocab_size, mask, key, sampling)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        long_ids = np.ones((1, 250), np.int32)
-        generate(config, params, long_ids, np.ones_like(long_ids), key, SamplingConfig(max_new_tokens=7))
-    with pytest.raises(ValueError, match="group_size"):
-        generate(config, params, ids, mask, key, sampling, group_size=0)
-    with pytest.raises(ValueError, match="empty"):
-        generate(config, params, ids[:0], mask[:0], key, sampling)
-
-
-def test_over_memory_budget_says_what_to_lower(f32_model):
-    config, params, _ = f32_model
-    ids, mask = _prompts(config.vocab_size)
-    with pytest.raises(MemoryError, match="lower max_batch.*group size.*max_new_tokens"):
-        generate(
-            config,
-            params,
-            ids,
-            mask,
-            jax.random.key(0),
-            SamplingConfig(max_new_tokens=8),
-            group_size=4,
-            max_batch=12,  # all rows at once (max_batch=None sizes them to the budget: test_rollout_engine.py)
-            options=RolloutOptions(memory_budget_bytes=10_000),
-        )
-
-
-def test_nvfp4_sampler_train_log_ratio_is_no_larger_than_bf16s(tiny_qwen2_dir):
-    """Sampler vs train forward, mean |log ratio| of the sampled tokens, Pallas backend: the NVFP4
-    train forward rounds each projection once (float32 kernel product + bias + LoRA), as the bf16
-    path and the sampler do, so its mismatch is no larger than bf16's (with the product rounded
-    to bf16 before the adds it was 2e4x here)."""
-    path, _ = tiny_qwen2_dir
-    ids, mask = _prompts(64)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16, eos_ids=())
-    forward = jax.jit(qerl_jax.forward, static_argnums=0, static_argnames=("lora_scale", "backend"))
-    mean_err = {}
-    for quant in (None, "nvfp4"):
-        config, params = qerl_jax.load_model(path, dtype="bfloat16", quant=quant)
-        params = {**params, "lora": jax.tree.map(lambda x: x.astype(jnp.bfloat16), _random_lora(config))}
-        opts = RolloutOptions(backend="pallas")
-        batch = generate(config, params, ids, mask, jax.random.key(2), sampling, lora_scale=0.5, options=opts)
-        train = to_train_batch(batch)
-        logits = forward(config, params, train["input_ids"], train["attention_mask"], lora_scale=0.5, backend="pallas")
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), train["input_ids"][:, 1:, None], axis=-1)[..., 0]
-        resp = np.asarray(train["response_mask"][:, 1:]) == 1
-        mean_err[quant] = float(np.abs(np.asarray(logp) - np.asarray(train["old_logp"][:, 1:]))[resp].mean())
-    # here both are ~6e-8 (the sampler's bf16 KV cache is exact for this model); twice rounded: 1.3e-3
-    assert mean_err["nvfp4"] <= 1.5 * mean_err[None] + 1e-5, mean_err

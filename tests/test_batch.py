@@ -1,0 +1,37 @@
+"""rollout/batch.py: `to_train_batch` lays a rollout out as the train step's batch."""
+
+import jax
+import numpy as np
+from rollout_helpers import f32_options, prompts
+
+from qerl_jax.rollout import SamplingConfig, generate, prompt_bucket, to_train_batch
+
+F32 = f32_options()
+STOPS = tuple(range(10, 40))
+
+
+def _sampling(**kw):
+    return SamplingConfig(**{**dict(temperature=0.8, top_p=0.95, top_k=40, max_new_tokens=16, eos_ids=()), **kw})
+
+
+def test_train_batch_layout(f32_model):
+    config, params, _ = f32_model
+    ids, mask = prompts(config.vocab_size)
+    sampling = _sampling(max_new_tokens=10, eos_ids=STOPS[:10], pad_id=0)
+    batch = generate(config, params, ids, mask, jax.random.key(5), sampling, group_size=2, options=F32)
+    p = prompt_bucket(9)
+    assert batch.prompt_ids.shape == (6, p)
+    train = to_train_batch(batch)
+    assert {k: v.shape for k, v in train.items()} == {k: (6, p + 10) for k in train}
+    np.testing.assert_array_equal(np.asarray(train["input_ids"][:, :p]), np.asarray(batch.prompt_ids))
+    np.testing.assert_array_equal(np.asarray(train["input_ids"][:, p:]), np.asarray(batch.tokens))
+    np.testing.assert_array_equal(np.asarray(train["input_ids"][::2, p - 9 : p]), ids)  # left-padded prompt
+    np.testing.assert_array_equal(np.asarray(train["attention_mask"][::2, p - 9 : p]), mask)
+    np.testing.assert_array_equal(np.asarray(train["response_mask"][:, p:]), np.asarray(batch.response_mask))
+    assert int(train["response_mask"][:, :p].sum()) == 0
+    np.testing.assert_array_equal(np.asarray(train["old_logp"][:, p:]), np.asarray(batch.logprobs))
+    np.testing.assert_array_equal(np.asarray(train["attention_mask"][:, p:]), np.asarray(batch.response_mask))
+    trimmed = to_train_batch(batch, trim_to_multiple=4)
+    longest = int(np.asarray(batch.lengths).max())
+    assert trimmed["input_ids"].shape[1] == p + min(10, -(-longest // 4) * 4)
+    assert int(trimmed["response_mask"].sum()) == int(train["response_mask"].sum())

@@ -1,0 +1,39 @@
+"""rollout/scheduler.py: the queue, refill and compaction of the engine's rows, and its buckets."""
+
+import numpy as np
+
+from qerl_jax.rollout import prompt_bucket, rows_bucket, scheduler
+
+
+def test_scheduler_refills_free_rows_and_compacts_the_tail():
+    s = scheduler.Scheduler(20, rows=8, max_batch=8, smaller=(4, 2), refill=2)
+    seqs, rows = s.admissions()
+    assert seqs.tolist() == list(range(8)) and rows.tolist() == list(range(8))
+    assert s.exit_live() == 6  # hand back once 2 rows are free
+    live = np.ones(8, bool)
+    live[[1, 5]] = False
+    assert [x.tolist() for x in s.retire(live)] == [[1, 5], [1, 5]]
+    seqs, rows = s.admissions()
+    assert seqs.tolist() == [8, 9] and rows.tolist() == [1, 5]
+    s.next_seq = 20  # queue drained
+    assert s.exit_live() == 4  # now: hand back when the live rows fit the next bucket
+    live = np.zeros(8, bool)
+    live[[2, 5, 7]] = True
+    s.retire(live)
+    keep = s.compaction()
+    assert keep.tolist() == [2, 5, 7, 0] and s.rows == 4 and s.row_seq.tolist() == [2, 9, 7, -1]
+    assert s.smaller == (2,) and s.exit_live() == 2
+    assert s.compaction() is None  # 3 live rows do not fit 2
+
+
+def test_layout_buckets():
+    lay = scheduler.layout(256, group_size=8)
+    assert (lay.rows, lay.smaller, lay.admit_rows, lay.admit_prompts) == (256, (64, 16), 64, 9)
+    assert scheduler.layout(12, group_size=3).rows == 16
+    assert scheduler.layout(20, shards=3).rows % 3 == 0
+    assert scheduler.rows_candidates(20) == [24, 16, 8, 4, 2, 1]
+
+
+def test_prompt_and_row_buckets():
+    assert [prompt_bucket(n) for n in (1, 16, 17, 300, 2048, 2049)] == [16, 16, 32, 512, 2048, 3072]
+    assert [rows_bucket(n) for n in (1, 3, 8, 9, 256)] == [1, 4, 8, 16, 256]
