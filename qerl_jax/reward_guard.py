@@ -3,9 +3,10 @@
 A reward that raises on every completion scores them all 0: the run would go on, learning nothing,
 with only a TensorBoard counter to tell. So:
 
-- `sample_row_problems` calls each reward of `rl.reward` once, in this process, on a dataset row and
-  a well-formed completion, before any model work: a wrong signature or a broken import is one line
-  at start-up (`validate` reports it with the config's other problems).
+- `sample_row_problems` scores a well-formed completion of a dataset row once with each reward of
+  `rl.reward`, in a reward worker as the run does, before any model work: a wrong signature, a
+  broken import or a crash is one line at start-up (`validate` reports it with the config's other
+  problems).
 - `RewardGuard.check_step` reads the pool's per-reward counts (`RewardPool.reward_stats`) after each
   step's scoring and stops the run (`RewardFailureError`, exit status 2) when one reward failed
   (raised, returned a non-finite value, timed out or killed its worker) on every completion of the
@@ -17,13 +18,9 @@ with only a TensorBoard counter to tell. So:
 from __future__ import annotations
 
 import collections
-import functools
-import math
-import signal
-import threading
 from typing import Any, Sequence
 
-from qerl_jax import rewards
+from qerl_jax import reward_pool, rewards
 from qerl_jax.checkpoint import saved_steps
 from qerl_jax.errors import UserFacingError
 
@@ -45,52 +42,23 @@ def sample_completion(answer: str) -> str:
 
 
 def sample_row_problems(spec: str, weights: Sequence[float], row: dict[str, Any], timeout_s: float) -> list[str]:
-    """Problems of calling each reward of `spec` once on `row` (a dataset row: prompt, answer, other
-    columns) with `sample_completion`, as the workers call it (`rewards.call_reward`): one
-    "rl.reward = ...: ..." line per reward that raises, runs past `timeout_s` or returns a
-    non-number."""
+    """Problems of scoring `sample_completion` of `row` (a dataset row: prompt, answer, other columns)
+    once with each reward of `spec`, as the run scores completions: in a reward worker, within
+    `timeout_s`. One "rl.reward = ...: ..." line per reward that raises, returns a non-number, runs
+    past the timeout, kills its worker or does not import there."""
+    names = [name for name, _ in rewards.parse_reward_spec(spec, weights)]
     fields = {"index": 0, **{k: v for k, v in row.items() if k != "answer"}}
-    completion, answer = sample_completion(row["answer"]), row["answer"]
-    out = []
-    for name, _ in rewards.parse_reward_spec(spec, weights):
-        call = functools.partial(rewards.call_reward, rewards.get_reward_fn(name), completion, answer, fields)
-        where = f"rl.reward = {spec!r}: {name}(completion, answer, ...) on data.train's first row"
-        try:
-            value = _within(timeout_s, call)
-        except _Timeout:
-            out.append(f"{where} did not return within rl.reward_timeout_s = {timeout_s:g} s")
-            continue
-        except Exception as e:  # noqa: BLE001 (any failure of user code is the problem reported)
-            out.append(f"{where} raised {_one_line(e)}")
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if not math.isfinite(number):
-            out.append(f"{where} returned {value!r}; expected a finite number")
-    return out
-
-
-class _Timeout(Exception):
-    pass
-
-
-def _within(timeout_s: float, fn):
-    """fn(), raising _Timeout after timeout_s (a SIGALRM timer, in the main thread only; elsewhere no limit)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
-        return fn()  # a timer of someone else's is running: not ours to replace
-
-    def expire(signum, frame):
-        raise _Timeout()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        with reward_pool.RewardPool(1, timeout_s=timeout_s) as pool:
+            pool.score_each([sample_completion(row["answer"])], [row["answer"]], names, fields=[fields])
+    except RuntimeError as e:  # the worker itself does not start
+        return [f"rl.reward = {spec!r}: a reward worker does not start: {_one_line(e)}"]
+    return [
+        f"rl.reward = {spec!r}: {name}(completion, answer, ...) on data.train's first row failed: "
+        f"{pool.first_errors[name]}"
+        for name in names
+        if pool.reward_stats[name]["failed"]
+    ]
 
 
 def _one_line(error: BaseException) -> str:

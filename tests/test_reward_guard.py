@@ -37,6 +37,13 @@ def sleeps(completion: str, ground_truth: str) -> float:
     return 0.0
 
 
+def kills_its_process(completion: str, ground_truth: str) -> float:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0
+
+
 def test_working_rewards_have_no_problem_on_the_sample_row():
     spec = "accuracy,test_reward_guard:boxed_only,test_reward_guard:with_source"
     assert reward_guard.sample_row_problems(spec, (), ROW, timeout_s=10.0) == []
@@ -45,9 +52,10 @@ def test_working_rewards_have_no_problem_on_the_sample_row():
 @pytest.mark.parametrize(
     "spec, needle",
     [
-        ("os:getcwd", "os:getcwd(completion, answer, ...) on data.train's first row raised TypeError: "),
-        ("test_reward_guard:returns_none", "returned None; expected a finite number"),
-        ("math:sqrt", "raised TypeError"),
+        ("os:getcwd", "os:getcwd(completion, answer, ...) on data.train's first row failed: TypeError: "),
+        ("test_reward_guard:returns_none", "failed: TypeError: float() argument must be"),
+        ("math:sqrt", "failed: TypeError"),
+        ("test_reward_guard:kills_its_process", f"failed: its worker process died (exit code {-9})"),
     ],
 )
 def test_a_broken_reward_is_one_line_naming_it(spec, needle):
@@ -66,14 +74,16 @@ def test_a_reward_that_raises_on_every_completion_is_one_line_at_start_up(tmp_pa
     assert "Traceback" not in out.stderr and "memory plan" not in out.stdout, out.stderr[-3000:]
     (line,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: rl.reward = 'os:getcwd': os:getcwd(completion, answer, ...) on data.train's first "
-                           "row raised TypeError: "), line  # fmt: skip
+                           "row failed: TypeError: "), line  # fmt: skip
     assert not run.exists()
 
 
 def test_a_reward_that_hangs_on_the_sample_row_is_cut_at_the_timeout():
     (problem,) = reward_guard.sample_row_problems("accuracy,test_reward_guard:sleeps", (), ROW, timeout_s=0.5)
-    assert "sleeps(completion, answer, ...)" in problem
-    assert "did not return within rl.reward_timeout_s = 0.5 s" in problem
+    assert problem == (
+        "rl.reward = 'accuracy,test_reward_guard:sleeps': test_reward_guard:sleeps(completion, answer, ...) on "
+        "data.train's first row failed: timed out: ran past 0.5 s"
+    )
 
 
 class FakePool:

@@ -527,7 +527,7 @@ def test_prompt_fit_counts_prompts_per_need(tmp_path, tiny_model_dir):
 def test_the_reward_is_called_on_a_sample_row(tmp_path, tiny_model_dir):
     (problem,) = config_problems(_tiny(tmp_path, tiny_model_dir, **{"rl.reward": "accuracy,os:getcwd"}))
     assert problem.startswith("rl.reward = 'accuracy,os:getcwd': os:getcwd(completion, answer, ...) on data.train's "
-                              "first row raised TypeError: ")  # fmt: skip
+                              "first row failed: TypeError: ")  # fmt: skip
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"rl.reward": "os:getcwd"}), "eval") == []  # not used
 
 
