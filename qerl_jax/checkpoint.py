@@ -249,14 +249,36 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 LORA_SHAPE_FIELDS = ("lora.rank", "lora.targets")
 
+# Fields that change what a run means (its batch, length, schedules, loss, rewards, noise, policy): a
+# resumed run whose config differs from its checkpoint's in one of them is refused unless the config's
+# `resume_changes` names it (`resume_problems`).
+RECIPE_FIELDS = (
+    "rollout.prompts_per_step",
+    "rollout.group_size",
+    "train.total_steps",
+    "optim.lr",
+    "optim.schedule",
+    "optim.warmup_frac",
+    "rl.loss",
+    "rl.beta",
+    "rl.eps_low",
+    "rl.eps_high",
+    "rl.scale_rewards",
+    "rl.reward",
+    "rl.reward_weights",
+    "aqn.enabled",
+    "aqn.sigma_start",
+    "aqn.sigma_end",
+    "aqn.num_stages",
+    "aqn.decay",
+    "model.quant",
+)
 
-def mismatch_message(error: CheckpointMismatchError, cfg: Any, fields: tuple[str, ...] = LORA_SHAPE_FIELDS) -> str:
-    """`error` as the config fields that differ from those the checkpoint was written with.
 
-    "lora.rank 16 differs from the checkpoint's 8 (<dir>)"; the array shapes if no field differs.
-    """
-    saved = error.meta.get("config") if isinstance(error.meta, dict) else None
-    differences = []
+def config_differences(cfg: Any, saved: Any, fields: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    """(field, value in `cfg`, value in `saved`) of each of `fields` whose values differ; `cfg` and
+    `saved` are nested mappings (a checkpoint's JSON config); a field either lacks is skipped."""
+    out = []
     for field in fields:
         here, there = cfg, saved
         for part in field.split("."):
@@ -266,11 +288,72 @@ def mismatch_message(error: CheckpointMismatchError, cfg: Any, fields: tuple[str
             continue
         norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731 (JSON keeps tuples as lists)
         if norm(here) != norm(there):
-            differences.append(f"{field} {_show(here)} differs from the checkpoint's {_show(there)}")
+            out.append((field, here, there))
+    return out
+
+
+def mismatch_message(error: CheckpointMismatchError, cfg: Any, fields: tuple[str, ...] = LORA_SHAPE_FIELDS) -> str:
+    """`error` as the config fields that differ from those the checkpoint was written with.
+
+    "lora.rank 16 differs from the checkpoint's 8 (<dir>)"; the array shapes if no field differs.
+    """
+    saved = error.meta.get("config") if isinstance(error.meta, dict) else None
+    differences = [
+        f"{field} {_show(here)} differs from the checkpoint's {_show(there)}"
+        for field, here, there in config_differences(cfg, saved, fields)
+    ]
     if not differences:
         return str(error)
     where = str(error).split(" holds ", 1)[0].removeprefix("checkpoint ")
     return f"{'; '.join(differences)} ({where})"
+
+
+def resume_problems(cfg: Any, saved: Any, step: int, where: str) -> tuple[list[str], list[str]]:
+    """(problems, notes) of resuming the checkpoint of `step` (in `where`, written with config `saved`)
+    with config `cfg` (nested mappings; `cfg["resume_changes"]` the comma-separated recipe fields it
+    may change). Problems: RECIPE_FIELDS that differ and are not named, one line listing them;
+    train.total_steps below the step. Notes (to log): each named change; total_steps at the step."""
+    allowed = {name.strip() for name in str(cfg.get("resume_changes") or "").split(",") if name.strip()}
+    changed = config_differences(cfg, saved, RECIPE_FIELDS)
+    total = cfg.get("train", {}).get("total_steps")
+    below = isinstance(total, int) and total < step  # refused whatever resume_changes says
+    refused = [(f, h, t) for f, h, t in changed if f not in allowed and not (below and f == "train.total_steps")]
+    problems, notes = [], []
+    if refused:
+        listed = ", ".join(f"{f} {_show(here)} (checkpoint: {_show(there)})" for f, here, there in refused)
+        problems.append(
+            f"resume: {listed} {'differ' if len(refused) > 1 else 'differs'} from the checkpoint of step {step} ({where}); they change what the run "
+            "means (its batch, schedules, loss, rewards or noise): keep the checkpoint's values, or pass "
+            f"--config.resume_changes={','.join(f for f, _, _ in refused)} to change them"
+        )
+    notes += [f"{f} changed from the checkpoint's {_show(there)} to {_show(here)}" for f, here, there in changed]
+    if below:
+        problems.append(
+            f"train.total_steps = {total}: below the checkpoint's step {step} ({where}), so the run is past its "
+            "end already; raise train.total_steps"
+        )
+    elif total == step and any(f == "train.total_steps" for f, _, _ in changed):
+        notes.append(f"train.total_steps = {total} is the checkpoint's step: nothing is left to train")
+    return problems, notes
+
+
+def latest_meta(checkpoint_dir: str) -> tuple[int, dict[str, Any]] | None:
+    """(step, JSON metadata) of the newest checkpoint whose metadata reads, or None (reads no arrays)."""
+    steps = saved_steps(checkpoint_dir)
+    if not steps:
+        return None
+    ckpt = Checkpointer(checkpoint_dir)
+    try:
+        for step in reversed(steps):
+            try:
+                meta = ckpt.read_meta(step)
+            except Exception:  # noqa: BLE001 (a damaged checkpoint: the resume skips it too)
+                continue
+            if isinstance(meta, dict):
+                return step, meta
+    finally:
+        ckpt.close()
+    return None
 
 
 def _show(value: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 from typing import Any, Callable, NoReturn
 
 import ml_collections
@@ -32,31 +33,61 @@ def fail(message: str, exit_code: int = 2) -> NoReturn:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's `flags_parser`: the remaining arguments, or one line and exit status 2 on a bad flag."""
+    """absl's `flags_parser`: the remaining arguments, or one line and exit status 2 on a bad flag or a
+    config file that fails; `--help` (with or without --config) prints the config's fields and exits 0."""
+    if any(a in HELP_FLAGS for a in argv[1:]):
+        print_help([a for a in argv if a not in HELP_FLAGS])
     try:
         return flags.FLAGS(argv)
     except SystemExit:
-        if any(a in HELP_FLAGS for a in argv[1:]):  # absl printed its flags: add the config's fields
-            print(config_help())
         raise
     except flags.Error as e:
-        fail(_flag_error(str(e)))
-    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field that does not exist
-        fail(_unknown_field(e, argv))
-    except OSError as e:  # ml_collections: an override on a config file that did not load
-        fail(_config_file_error(e, argv))
+        fail(_flag_error(str(e), argv))
     except SyntaxError as e:  # the config file itself does not parse
         fail(f"--{CONFIG_FLAG}={e.filename}:{e.lineno}: the config file does not parse: {e.msg}")
-    except (ImportError, NameError) as e:  # the config file's module-level code failed
-        fail(f"--{CONFIG_FLAG}: the config file failed to load: {type(e).__name__}: {e}")
+    except OSError as e:  # ml_collections: an override on a config file that did not load
+        fail(_config_file_error(e, argv))
+    except Exception as e:  # noqa: BLE001 (the config file's own code, or an override of a field it lacks)
+        raised_there = _config_file_failure(e, argv)
+        if raised_there is not None:
+            fail(raised_there)
+        if isinstance(e, (AttributeError, KeyError)):  # ml_collections: an override of a field that does not exist
+            fail(_unknown_field(e, argv))
+        raise
 
 
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull")
 
 
-def config_help() -> str:
-    """Every field of `qerl_jax.config.default_config()`, one `--config.<path>=<default>` line each."""
+def print_help(argv: list[str]) -> NoReturn:
+    """The command's usage and every config field with its value (of the --config file in `argv`, its
+    overrides applied; else of `default_config()`) and its help line; exit status 0."""
     from qerl_jax.config import default_config  # noqa: PLC0415 (only for --help)
+
+    source, cfg = "qerl_jax.config.default_config()", default_config()
+    if any(a == f"--{CONFIG_FLAG}" or a.startswith(f"--{CONFIG_FLAG}=") for a in argv[1:]):
+        parse_flags(argv)  # a bad flag or config file: one line, exit status 2
+        try:
+            cfg = flags.FLAGS[CONFIG_FLAG].value
+            cfg["workdir"]  # ml_collections defers a config file's failed load to its first use
+        except OSError as e:
+            fail(_config_file_error(e, argv))
+        source = config_flags.get_config_filename(flags.FLAGS[CONFIG_FLAG])
+    usage = (sys.modules["__main__"].__doc__ or "").strip()
+    try:
+        print(f"{usage}\n\n  --{CONFIG_FLAG}=PATH[:ARG]\n      an ml_collections config file (required), e.g. "
+              "configs/tiny.py; ARG is passed to its get_config()")  # fmt: skip
+        print(config_help(cfg, source), flush=True)
+    except BrokenPipeError:  # `--help | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(0)
+
+
+def config_help(cfg: ml_collections.ConfigDict, source: str = "qerl_jax.config.default_config()") -> str:
+    """Every field of `cfg`: a `--config.<path>=<value>` line, then its help (`config.field_docs`)."""
+    from qerl_jax.config import field_docs  # noqa: PLC0415 (only for --help)
+
+    docs = field_docs()
 
     def lines(node: ml_collections.ConfigDict, prefix: str) -> list[str]:
         out = []
@@ -64,14 +95,12 @@ def config_help() -> str:
             if isinstance(value, ml_collections.ConfigDict):
                 out += lines(value, f"{prefix}{key}.")
             else:
-                out.append(f"  --{CONFIG_FLAG}.{prefix}{key}={_flag_value(value)}")
+                doc = docs.get(prefix + key, "(not a field of qerl_jax.config.default_config())")
+                out += [f"  --{CONFIG_FLAG}.{prefix}{key}={_flag_value(value)}", f"      {doc}"]
         return out
 
-    header = (
-        f"\nConfig fields (defaults of qerl_jax.config.default_config(); a --{CONFIG_FLAG} file may change them), "
-        f"each settable as --{CONFIG_FLAG}.<section>.<field>=value:"
-    )
-    return "\n".join([header, *lines(default_config(), "")])
+    header = f"\nConfig fields (the values of {source}), each settable as --{CONFIG_FLAG}.<section>.<field>=value:"
+    return "\n".join([header, *lines(cfg, "")])
 
 
 def _flag_value(value: Any) -> str:
@@ -119,21 +148,33 @@ def run_command(
     except UserFacingError as e:
         fail(str(e), e.exit_code)
     except KeyboardInterrupt:
-        hint = ""
-        if resumable:
-            hint = (
-                f"; its last checkpoint is kept: continue with --config.resume=True "
-                f"(workdir {os.path.abspath(str(cfg.workdir))})"
-            )
-        fail(f"interrupted{hint}", INTERRUPTED_EXIT)
+        fail(_interrupted(cfg) if resumable else "interrupted", INTERRUPTED_EXIT)
 
 
-def _flag_error(text: str) -> str:
+def _interrupted(cfg: ml_collections.ConfigDict) -> str:
+    """Ctrl-C's line for a run: how to continue it, if it wrote a checkpoint."""
+    from qerl_jax.checkpoint import saved_steps  # noqa: PLC0415
+
+    workdir = os.path.abspath(str(cfg.workdir))
+    steps = saved_steps(os.path.join(workdir, "checkpoints"))
+    if steps:
+        return (
+            f"interrupted; its last checkpoint (step {steps[-1]}) is kept: continue with --config.resume=True "
+            f"(workdir {workdir})"
+        )
+    return (
+        "interrupted before its first checkpoint, so there is nothing to continue: the same command starts it "
+        f"again (workdir {workdir})"
+    )
+
+
+def _flag_error(text: str, argv: list[str]) -> str:
     if f"--{CONFIG_FLAG}=None" in text:
         return f"--{CONFIG_FLAG} is required, e.g. --{CONFIG_FLAG}=configs/tiny.py"
     if "Error whilst parsing config file" in text:  # get_config raised: keep its last line, not the traceback
         lines = [line for line in text.splitlines() if line.strip()]
-        return f"the config file failed to load: {lines[-1].strip()}"
+        path = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{CONFIG_FLAG}=")), "?")
+        return f"--{CONFIG_FLAG}={path}: the config file failed to load: {lines[-1].strip()}"
     return text
 
 
@@ -148,6 +189,23 @@ def _unknown_field(error: Exception, argv: list[str]) -> str:
     message = f"{flag or 'a --config override'}: the config has no field {field!r}"
     hint = re.search(r'Did you mean "([\w.]+)"', text)
     return message + (f'; did you mean "{hint.group(1)}"?' if hint else "")
+
+
+def _config_file_failure(error: BaseException, argv: list[str]) -> str | None:
+    """The line for an exception raised by the --config file's own code (its import or get_config()),
+    found in the traceback; None if the file's code is not in it."""
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{CONFIG_FLAG}=")), None)
+    if path is None:
+        return None
+    file = os.path.realpath(path.split(":", 1)[0])
+    frames = [fr for fr in traceback.extract_tb(error.__traceback__) if os.path.realpath(fr.filename) == file]
+    if not frames:
+        return None
+    text = " ".join(str(error).split())
+    return (
+        f"--{CONFIG_FLAG}={path}: the config file failed to load: {type(error).__name__}"
+        f"{': ' + text if text else ''} (line {frames[-1].lineno})"
+    )
 
 
 def _config_file_error(error: OSError, argv: list[str] = ()) -> str:

@@ -20,6 +20,8 @@ def main(argv: list[str]) -> None:
 
     summary = cli.run_command(evaluation.evaluate, _CONFIG, argv)
     print(json.dumps(summary["metrics"], indent=2))
+    files = [f"{name}.jsonl" for name in summary["datasets"]] + ["summary.json", "tensorboard/"]
+    print(f"outputs: {summary['output_dir']} ({', '.join(files)})")
 
 
 def run() -> None:

@@ -44,6 +44,7 @@ def load_adapter(cfg: RunConfig, policy: Policy) -> tuple[dict[str, Any] | None,
     adapter's modules_to_save."""
     path = cfg.eval.checkpoint
     if not path:
+        print("adapter: none (eval.checkpoint is empty): the base model")
         return None, None, 1.0
     if not os.path.isdir(path):
         raise UserFacingError(f"eval.checkpoint {path!r} does not exist (expected a run directory or a PEFT adapter)")
@@ -55,6 +56,8 @@ def load_adapter(cfg: RunConfig, policy: Policy) -> tuple[dict[str, Any] | None,
             raise validate.ConfigError([f"eval.checkpoint = {path!r}: {e}"]) from None
         rank, alpha = adapter_cfg["r"], adapter_cfg["lora_alpha"]
         scale = alpha / (rank**0.5 if adapter_cfg.get("use_rslora") else rank)
+        described = f"PEFT: LoRA rank {rank}, alpha {alpha:g}, trained norms: {_yes(norms)}"
+        print(f"adapter: {os.path.abspath(path)} ({described})")
         return jax.device_put(adapter), jax.device_put(norms), float(scale)
     ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     ckpt = Checkpointer(ckpt_dir)
@@ -72,8 +75,15 @@ def load_adapter(cfg: RunConfig, policy: Policy) -> tuple[dict[str, Any] | None,
         raise validate.ConfigError([f"eval.checkpoint = {path!r}: {message}"]) from None
     finally:
         ckpt.close()
-    logging.info("evaluating LoRA from %s (step %s)", ckpt_dir, meta.get("step"))
+    print(
+        f"checkpoint: {os.path.join(os.path.abspath(ckpt_dir), str(meta.get('step')))} (step {meta.get('step')}: LoRA "
+        f"rank {lcfg.rank}, alpha {lcfg.alpha:g}, trained norms: {_yes(state.norms)})"
+    )
     return state.lora, state.norms, lora.lora_scale(lcfg)
+
+
+def _yes(tree: Any) -> str:
+    return "no" if tree is None else "yes"
 
 
 def evaluate_params(
@@ -230,15 +240,19 @@ def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     policy = load_policy(run)
     adapter, norms, scale = load_adapter(run, policy)
     for path in run.eval.datasets:  # refused before anything is generated or written
-        _eval_prompts(run, policy, path)
+        _, tok = _eval_prompts(run, policy, path)
+        skipped = f" ({tok.num_dropped} longer than data.max_prompt_len skipped)" if tok.num_dropped else ""
+        print(f"dataset {path}: {len(tok.kept_indices)} examples{skipped}")
     params = lora.with_lora(policy.frozen, adapter, norms)
-    output_dir = run.eval.output_dir or os.path.join(run.workdir, "eval")
+    output_dir = os.path.abspath(run.eval.output_dir or os.path.join(run.workdir, "eval"))
+    print(f"model: {policy.model_dir} ({policy.quant}); writing to {output_dir} (files of the same names are replaced)")
     writer = MetricWriter(os.path.join(output_dir, "tensorboard"))
     try:
         summary = evaluate_params(run, policy, params, lora_scale=scale, output_dir=output_dir, writer=writer)
     finally:
         writer.close()
     summary["model"] = {"path": policy.model_dir, "quant": policy.quant, "adapter": run.eval.checkpoint or None}
+    summary["output_dir"] = output_dir
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary

@@ -2,9 +2,12 @@
 
 Parsing and comparing answers can be slow on pathological strings, so batches
 are scored in worker processes (`RewardPool`): a worker that runs past an
-item's deadline is killed and replaced, and the item scores 0.0. Inside a
-worker the reward runs in the main thread, where math-verify's own
-signal-based timeouts work as well.
+item's deadline is killed and replaced, and the item scores 0.0. The deadline
+counts scoring time only: a worker's start-up and the import of a reward's
+module (on its first item, when the reward function is unpickled) are bounded
+by `startup_timeout_s` instead, so a loaded machine does not turn a slow
+import into timeouts. Inside a worker the reward runs in the main thread,
+where math-verify's own signal-based timeouts work as well.
 
 Workers are plain `python -c` subprocesses speaking length-prefixed pickle
 frames over stdin/stdout. Unlike multiprocessing's spawn/forkserver, this
@@ -69,7 +72,8 @@ def _read_frame(fd: int) -> Any:
 
 
 def _worker_loop() -> None:
-    """Worker entry point: frames (fn, idx, completion, answer, fields) -> (idx, reward, err)."""
+    """Worker entry point: frames (idx, pickled (fn, completion, answer, fields)) -> ("started", idx, None)
+    once the item is unpickled (the reward's module imported), then (idx, reward, err)."""
     in_fd, out_fd = 0, os.dup(1)
     os.dup2(2, 1)  # Stray prints from libraries must not corrupt the frame stream.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business.
@@ -86,9 +90,15 @@ def _worker_loop() -> None:
             return
         if msg is None:
             return
-        idx, err, r = -1, None, 0.0
+        idx, payload = msg
         try:
-            fn, idx, completion, answer, fields = msg
+            fn, completion, answer, fields = pickle.loads(payload)  # imports the reward's module
+        except Exception as e:  # noqa: BLE001 (the item fails, the worker goes on)
+            _write_frame(out_fd, (idx, 0.0, f"cannot load the reward in a worker: {type(e).__name__}: {e}"[:500]))
+            continue
+        _write_frame(out_fd, ("started", idx, None))  # the item's deadline starts now
+        err, r = None, 0.0
+        try:
             r = float(call_reward(fn, completion, answer, fields))
             if not math.isfinite(r):
                 err, r = f"non-finite reward {r}", 0.0
@@ -130,6 +140,13 @@ class _Worker:
         return self.proc.stdin.fileno()
 
 
+def reward_name(reward_fn: str | RewardFn) -> str:
+    """How a reward is named in `RewardPool.reward_stats`: its spec string, or "module:function"."""
+    if isinstance(reward_fn, str):
+        return reward_fn
+    return f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', repr(reward_fn))}"
+
+
 def _default_num_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
@@ -155,6 +172,10 @@ class RewardPool:
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.stats = collections.Counter()  # scored / timeouts / errors / crashes.
+        # Per reward (its name as given, or "module:function"): items and failed (raised, non-finite,
+        # timed out, worker died) so far, and the first failure's text (`reward_guard` reads them).
+        self.reward_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.first_errors: dict[str, str] = {}
         self._env = _worker_env()
         self._lock = threading.Lock()
         self._closed = False
@@ -255,7 +276,8 @@ class RewardPool:
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
-        run = lambda: self._run(fns, completions, answers, fields, timeout_s)  # noqa: E731
+        names = [reward_name(f) for f in reward_fns]
+        run = lambda: self._run(fns, names, completions, answers, fields, timeout_s)  # noqa: E731
         return self._dispatcher.submit((lambda: run()[0]) if _squeeze else run)
 
     def score(
@@ -285,6 +307,7 @@ class RewardPool:
     def _run(
         self,
         fns: list[RewardFn],
+        names: list[str],
         completions: list[str],
         answers: list[str],
         fields: list[dict[str, Any]],
@@ -294,64 +317,102 @@ class RewardPool:
         rewards = np.zeros((len(fns), n), np.float32)
         flat = rewards.reshape(-1)  # item k: reward k // n on completion k % n
         todo = collections.deque(range(len(fns) * n))
-        busy: dict[int, tuple[int, float]] = {}  # Worker slot -> (item, deadline).
+        # Worker slot -> [item, deadline, scoring]: until the worker says it started the item (its
+        # reward unpickled, the module imported), the deadline is the start-up one.
+        busy: dict[int, list] = {}
+        fail = lambda i, why: self._record(names[i // n], why)  # noqa: E731
         while todo or busy:
-            for k, w in enumerate(self._workers):
-                if w.ready and k not in busy and todo:
-                    i = todo.popleft()
-                    j, c = divmod(i, n)
-                    try:
-                        _write_frame(w.in_fd, (fns[j], i, completions[c], answers[c], fields[c]))
-                    except (OSError, ValueError):  # The worker died while idle.
-                        todo.appendleft(i)
-                        self.stats["crashes"] += 1
-                        self._replace(k)
-                        continue
-                    busy[k] = (i, time.monotonic() + timeout_s)
-            waiting = {w.out_fd: k for k, w in enumerate(self._workers) if k in busy or not w.ready}
-            deadlines = [d for _, d in busy.values()]
-            deadlines += [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
-            wait_s = max(0.0, min(deadlines) - time.monotonic())
-            readable, _, _ = select.select(list(waiting), [], [], wait_s)
-            for fd in readable:
-                k = waiting[fd]
-                w = self._workers[k]
-                try:
-                    tag, r, err = _read_frame(fd)
-                except (EOFError, OSError, pickle.UnpicklingError):
-                    if not w.ready:
-                        w.proc.wait()
-                        raise RuntimeError(
-                            f"reward worker exited during start-up (exit code {w.proc.returncode}); see its stderr."
-                        ) from None
-                    if k in busy:
-                        i, _ = busy.pop(k)
-                        log.warning("reward worker crashed on item %d; reward 0.0.", i)
-                    self.stats["crashes"] += 1
-                    self._replace(k)
-                    continue
-                if tag == "ready":
-                    w.ready = True
-                elif tag == "failed":
-                    raise RuntimeError(f"reward worker failed to start:\n{err}")
+            self._dispatch(todo, busy, fns, completions, answers, fields, n)
+            for k, tag, r, err in self._receive(busy):
+                if tag == "started":
+                    busy[k][1:] = [time.monotonic() + timeout_s, True]
+                elif tag == "crashed":
+                    i = busy.pop(k)[0]
+                    log.warning("reward worker crashed on item %d; reward 0.0.", i)
+                    fail(i, f"its worker process died (exit code {r})")
                 else:
-                    i, _ = busy.pop(k)
+                    i = busy.pop(k)[0]
                     flat[i] = r
                     self.stats["scored"] += 1
+                    self._record(names[i // n], err)
                     if err is not None:
                         self.stats["errors"] += 1
                         log.debug("reward fn raised on item %d: %s", i, err)
             now = time.monotonic()
-            for k in [k for k, (_, d) in busy.items() if now > d]:
-                i, _ = busy.pop(k)
+            for k in [k for k, (_, d, _) in busy.items() if now > d]:
+                i, _, scoring = busy.pop(k)
                 flat[i] = 0.0
                 self.stats["timeouts"] += 1
-                log.warning("reward item %d ran past %.1fs; worker restarted, reward 0.0.", i, timeout_s)
+                why = f"ran past {timeout_s:g} s"
+                if not scoring:
+                    why = f"was not loaded in a worker within {self.startup_timeout_s:g} s"
+                log.warning("reward item %d %s; worker restarted, reward 0.0.", i, why)
+                fail(i, f"timed out: {why}")
                 self._replace(k)
             for w in self._workers:
                 if not w.ready and now > w.started + self.startup_timeout_s:
                     raise RuntimeError(f"reward worker not ready after {self.startup_timeout_s:.0f}s.")
         return rewards
+
+    def _dispatch(self, todo, busy, fns, completions, answers, fields, n: int) -> None:
+        """Sends the next items to the idle, ready workers."""
+        for k, w in enumerate(self._workers):
+            if w.ready and k not in busy and todo:
+                i = todo.popleft()
+                j, c = divmod(i, n)
+                item = (fns[j], completions[c], answers[c], fields[c])
+                payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    _write_frame(w.in_fd, (i, payload))
+                except (OSError, ValueError):  # The worker died while idle.
+                    todo.appendleft(i)
+                    self.stats["crashes"] += 1
+                    self._replace(k)
+                    continue
+                busy[k] = [i, time.monotonic() + self.startup_timeout_s, False]
+
+    def _receive(self, busy) -> list[tuple[int, str | None, Any, str | None]]:
+        """(slot, tag, reward or exit code, error) of the frames that arrive before the nearest deadline:
+        tag "started" (an item's scoring began), None (a result), "crashed" (the busy worker died)."""
+        waiting = {w.out_fd: k for k, w in enumerate(self._workers) if k in busy or not w.ready}
+        deadlines = [d for _, d, _ in busy.values()]
+        deadlines += [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
+        wait_s = max(0.0, min(deadlines) - time.monotonic())
+        readable, _, _ = select.select(list(waiting), [], [], wait_s)
+        out = []
+        for fd in readable:
+            k = waiting[fd]
+            w = self._workers[k]
+            try:
+                tag, r, err = _read_frame(fd)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                if not w.ready:
+                    w.proc.wait()
+                    raise RuntimeError(
+                        f"reward worker exited during start-up (exit code {w.proc.returncode}); see its stderr."
+                    ) from None
+                self.stats["crashes"] += 1
+                self._replace(k)  # kills and reaps it: its exit code is known after
+                if k in busy:
+                    out.append((k, "crashed", w.proc.returncode, None))
+                continue
+            if tag == "ready":
+                w.ready = True
+            elif tag == "failed":
+                raise RuntimeError(f"reward worker failed to start:\n{err}")
+            elif tag == "started":
+                out.append((k, "started", r, None))
+            else:
+                out.append((k, None, r, err))
+        return out
+
+    def _record(self, name: str, error: str | None) -> None:
+        """Counts a scored item of reward `name` (`reward_stats`), failed when `error`; keeps its first error."""
+        counts = self.reward_stats[name]
+        counts["items"] += 1
+        if error is not None:
+            counts["failed"] += 1
+            self.first_errors.setdefault(name, error)
 
     def close(self) -> None:
         """Waits for a running batch, then stops the workers (idempotent)."""

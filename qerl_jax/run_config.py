@@ -72,6 +72,7 @@ class RLSection:
     reward: str
     reward_weights: tuple[float, ...]
     reward_timeout_s: float
+    reward_failure_fraction: float
     dynamic_sampling: bool
     max_refill_rounds: int
     mask_truncated: bool
@@ -134,6 +135,7 @@ class RunConfig:
     seed: int
     workdir: str
     resume: bool
+    resume_changes: str
     compile_cache: bool
     compile_cache_dir: str
     model: ModelSection
@@ -170,6 +172,7 @@ def from_config_dict(cfg: ml_collections.ConfigDict, command: str = "train") -> 
         seed=cfg.seed,
         workdir=cfg.workdir,
         resume=cfg.resume,
+        resume_changes=cfg.resume_changes,
         compile_cache=cfg.compile_cache,
         compile_cache_dir=cfg.compile_cache_dir,
         model=section(ModelSection, "model"),

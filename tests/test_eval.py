@@ -45,6 +45,12 @@ def test_eval_command_writes_jsonl_and_summary(tmp_path, tiny_model_dir):
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.load(open(out_dir / "summary.json"))
     ((name, result),) = summary["datasets"].items()
+    # what it evaluated and where it wrote, said on stdout (today: only the metrics)
+    lines = run.stdout.splitlines()
+    assert "adapter: none (eval.checkpoint is empty): the base model" in lines
+    kept = f"{result['num_examples']} examples"
+    assert any(line.startswith("dataset ") and line.split(": ", 1)[1].startswith(kept) for line in lines), lines
+    assert f"outputs: {out_dir} ({name}.jsonl, summary.json, tensorboard/)" in lines
     assert result["num_examples"] + result["skipped_too_long"] == 8
     assert 0.0 <= result["pass_at_1"] <= 1.0 and 0.0 <= result["mean_at_2"] <= 1.0
     rows = [json.loads(line) for line in open(out_dir / f"{name}.jsonl")]
@@ -153,3 +159,19 @@ def test_a_broken_or_foreign_adapter_and_all_prompts_too_long_are_one_line(tmp_p
 
     line = _eval_cli(tmp_path, tiny_model_dir, "--config.data.max_prompt_len=8")
     assert "data.max_prompt_len = 8: every one of the 4 prompts" in line and "raise data.max_prompt_len" in line
+
+
+def test_eval_of_a_run_says_which_checkpoint_it_loaded(tmp_path, finished_tiny_run):
+    run, _ = finished_tiny_run
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, "-m", "qerl_jax.eval", "--config=configs/tiny.py", f"--config.workdir={run}",
+           f"--config.eval.checkpoint={run}", "--config.eval.num_examples=2", "--config.eval.max_new_tokens=4",
+           f"--config.eval.output_dir={out_dir}"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert f"checkpoint: {run / 'checkpoints' / '3'} (step 3: LoRA rank 8, alpha 16, trained norms: no)" in lines
+    assert "dataset " + load_config("tiny").eval.datasets[0] + ": 2 examples" in lines
+    assert f"outputs: {out_dir} (gsm8k_test.jsonl, summary.json, tensorboard/)" in lines
+    assert not os.path.exists(run / "eval")

@@ -134,6 +134,34 @@ def test_reward_fn_exception_scores_zero(pool):
     got = pool.score(["ok", "boom", "ok"], ["1", "1", "1"], _raising_reward)
     np.testing.assert_array_equal(got, [0.5, 0.0, 0.5])
     assert pool.stats["errors"] == errors_before + 1
+    # per reward, by name: items, failures and the first failure's text (what reward_guard reads)
+    name = P.reward_name(_raising_reward)
+    assert name == "test_reward_pool:_raising_reward"
+    assert pool.reward_stats[name]["items"] >= 3 and pool.reward_stats[name]["failed"] >= 1
+    assert pool.first_errors[name] == "RuntimeError: boom"
+
+
+def test_a_slow_reward_import_is_not_scoring_time():
+    """The reward's module imports in 3 s (a worker unpickles it on its first item); a 1 s per-item
+    timeout counts the scoring only, so nothing times out and every item scores."""
+    import slow_import_reward
+
+    with P.RewardPool(1, timeout_s=1.0) as p:
+        got = p.score(["a", "b", "c"], ["a", "x", "c"], slow_import_reward.exact)
+        np.testing.assert_array_equal(got, [1.0, 0.0, 1.0])
+        assert p.stats["timeouts"] == 0
+        assert p.reward_stats["slow_import_reward:exact"] == {"items": 3}
+
+
+def test_failures_are_recorded_per_reward_with_their_first_text():
+    with P.RewardPool(1, timeout_s=3.0) as p:
+        p.score(["hang", "a"], ["hang", "a"], _sleepy_reward)
+        p.score(["die", "a"], ["die", "a"], _dying_reward)
+    hang, die = P.reward_name(_sleepy_reward), P.reward_name(_dying_reward)
+    assert dict(p.reward_stats[hang]) == {"items": 2, "failed": 1}
+    assert p.first_errors[hang] == "timed out: ran past 3 s"
+    assert dict(p.reward_stats[die]) == {"items": 2, "failed": 1}
+    assert p.first_errors[die] == f"its worker process died (exit code {-signal.SIGKILL})"
 
 
 def test_pool_bad_input(pool):

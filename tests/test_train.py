@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 from conftest import faulty_json_save, load_config, set_fields
+from worker_rewards import digit_reward
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -48,19 +49,7 @@ REQUIRED_SCALARS = [
 ]
 
 
-def digit_reward(completion: str, ground_truth: str) -> float:
-    """A reward learnable from scratch: the share of digit characters (up to 8) in the completion."""
-    del ground_truth
-    return min(sum(ch.isdigit() for ch in completion), 8) / 8.0
-
-
-DIGIT_REWARD = "test_train:digit_reward"  # imported by name in the reward workers
-
-
-def prompt_reward(completion: str, ground_truth: str, prompt: str, source_id: str) -> float:
-    """A reward reading the row's fields: the prompt's length / 1000, + 1 when the row has an id."""
-    del completion, ground_truth
-    return len(prompt) / 1000 + float(bool(source_id))
+DIGIT_REWARD = "worker_rewards:digit_reward"  # imported by name in the reward workers
 
 
 def _config(workdir, model_dir, **overrides):
@@ -309,6 +298,30 @@ def test_command_line_run_survives_reward_worker_faults_and_ends_with_a_summary(
     assert os.path.isfile(workdir / "adapter" / "adapter_model.safetensors")
 
 
+def test_a_reward_failing_on_every_completion_stops_the_run_keeping_the_last_checkpoint(tmp_path, tiny_model_dir):
+    """The command with a reward that works for step 0, then raises on every completion: step 1 ends
+    the run before it trains, with one line naming the reward and its first error, exit status 2, the
+    step-1 checkpoint kept and no adapter exported (today: exit 0, every reward 0)."""
+    workdir, calls = tmp_path / "run", tmp_path / "calls"
+    calls.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": TESTS, "QERL_TEST_FAULT_DIR": str(calls)}
+    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+           "--config.model.tiny=False", f"--config.model.path={tiny_model_dir}", "--config.train.total_steps=4",
+           "--config.train.checkpoint_every=1", "--config.eval.num_examples=0",
+           "--config.rl.reward=worker_rewards:fails_after_one_step"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert line == (
+        "error: reward 'worker_rewards:fails_after_one_step' failed on every one of the 16 completions of step 1 "
+        "(first error: ConnectionError: the reward service is down); stopped, the last checkpoint (step 1) in "
+        f"{workdir / 'checkpoints'} is kept"
+    ), line
+    assert Checkpointer(str(workdir / "checkpoints")).latest_step() == 1
+    assert not os.path.exists(workdir / "adapter")
+
+
 def test_time_budget_stops_with_a_checkpoint_and_resumes(tmp_path, tiny_model_dir, monkeypatch):
     """Also: the train step's background compile starts once per process that has a step to take,
     and not at all in one resumed after the last step."""
@@ -505,7 +518,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
         tmp_path,
         tiny_model_dir,
         **{
-            "rl.reward": f"{DIGIT_REWARD},test_train:prompt_reward",
+            "rl.reward": f"{DIGIT_REWARD},worker_rewards:prompt_reward",
             "rl.reward_weights": (1.0, 0.5),
             "rollout.prompts_per_step": 4,
             "rollout.group_size": 4,
@@ -515,15 +528,15 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     policy = load_policy(cfg)
     dataset = load_math_dataset(cfg.data.train)
     loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
-    with reward_pool.RewardPool(2, timeout_s=120.0) as pool:  # a worker's first item imports this module
+    with reward_pool.RewardPool(2) as pool:
         exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
     digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
     prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])
     assert np.ptp(prompt) > 0  # the second reward really varies with the row
     np.testing.assert_allclose(exp.rewards, digits + 0.5 * prompt, rtol=1e-6)
     # Tags keep TensorBoard's characters: "module:function" is logged as "module_function".
-    np.testing.assert_allclose(stats["reward/test_train_digit_reward_mean_sampled"], digits.mean(), rtol=1e-5)
-    np.testing.assert_allclose(stats["reward/test_train_prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
+    np.testing.assert_allclose(stats["reward/worker_rewards_digit_reward_mean_sampled"], digits.mean(), rtol=1e-5)
+    np.testing.assert_allclose(stats["reward/worker_rewards_prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
     for scale in ("group", "batch", "none"):
         cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, scale_rewards=scale))
         got = np.asarray(train.make_train_batch(cfg, exp)["advantages"])[: len(exp.rewards)]

@@ -91,7 +91,10 @@ def test_types_and_missing_fields(tmp_path, tiny_model_dir):
     assert any(p.startswith("train.max_nonfinite: missing") for p in problems)
 
 
-def test_micro_batch_and_logprob_chunk_of_zero_are_auto(tmp_path, tiny_model_dir):
+def test_micro_batch_and_logprob_chunk_of_zero_are_auto(tmp_path, tiny_model_dir, monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "device_count", lambda: 2)  # the mesh below has its devices
     auto = {"rl.micro_batch_size": 0, "rl.logprob_chunk": 0, "rollout.prompts_per_step": 3, "mesh.data": 2}
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **auto)) == []  # 0 divides nothing: no rule applies
     problems = config_problems(_tiny(tmp_path, tiny_model_dir, **{"rl.micro_batch_size": -1, "rl.logprob_chunk": -2}))
@@ -272,7 +275,9 @@ def test_main_answers_bad_input_with_one_line(tmp_path, model_copy):
     out = _run("qerl_jax.main", "--config=configs/missing.py")
     _assert_one_error(out, "error: --config=configs/missing.py: cannot load the config file (No such file")
     out = _run("qerl_jax.main", "--config=configs/baselines.py:fp3")
-    _assert_one_error(out, "error: the config file failed to load: ValueError: unknown baseline 'fp3'")
+    _assert_one_error(
+        out, "--config=configs/baselines.py:fp3: the config file failed to load: ValueError: unknown baseline 'fp3'"
+    )
     out = _run("qerl_jax.main", *base, "--config.rollout.group_size=two")
     _assert_one_error(out, "error: flag --config.rollout.group_size=two: invalid literal for int()")
     assert not workdir.exists()  # nothing was written before the problems were found
@@ -428,3 +433,106 @@ def test_a_tokenizer_without_a_chat_template_is_one_line(tmp_path, model_copy):
                "--config.model.tiny=False", f"--config.model.path={model_copy}")
     _assert_one_error(out, f"error: model.path: {model_copy}: the model has no chat template")
     assert "Instruct" in out.stderr and not workdir.exists()
+
+
+# ----------------------------------------------------------------------------- checks once the fields are valid
+
+
+def _assert_refused_before_any_work(out, *needles):
+    """One `error:` problem, exit status 2, no traceback, no memory plan printed."""
+    _assert_one_error(out, needles[0])
+    for needle in needles[1:]:
+        assert needle in out.stderr, out.stderr[-3000:]
+    assert "memory plan" not in out.stdout
+
+
+@pytest.mark.parametrize("data, needle", [(2, "= 2 devices, but only 1 is available"),
+                                          (3, "= 3 devices, but only 1 is available")])  # fmt: skip
+def test_a_mesh_of_missing_devices_is_named_before_anything_is_written(tmp_path, data, needle):
+    """One CPU device: mesh.data=2 (today exit 1 after the lock and the tiny model) and mesh.data=3
+    (today blamed on rl.micro_batch_size) name the devices, and write nothing."""
+    run = tmp_path / "run"
+    out = _run("qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={run}", f"--config.mesh.data={data}")
+    _assert_refused_before_any_work(out, f"error: mesh.data x mesh.model {needle}")
+    assert "micro_batch_size" not in out.stderr
+    assert not run.exists()  # no lock, no tiny model
+
+
+def test_mesh_devices_rules(tmp_path, tiny_model_dir, monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    problems = lambda **o: config_problems(_tiny(tmp_path, tiny_model_dir, **o))  # noqa: E731
+    assert problems(**{"mesh.data": 2, "mesh.model": 2}) == problems(**{"mesh.data": -1, "mesh.model": 2}) == []
+    assert problems(**{"mesh.data": 2}) == [
+        "mesh.data x mesh.model = 2 devices, but 4 are available: a mesh takes every device (set one axis to -1 "
+        "for all remaining ones)"
+    ]
+    assert problems(**{"mesh.data": 8}) == ["mesh.data x mesh.model = 8 devices, but only 4 are available"]
+    assert problems(**{"mesh.data": -1, "mesh.model": 3}) == [
+        "mesh.data x mesh.model = -1 x 3: the 4 available devices do not split into an axis of 3 and one of the rest"
+    ]
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"mesh.data": 8}), "eval") == []  # eval uses one
+
+
+def test_an_unsupported_gguf_architecture_is_one_line_before_anything_is_written(tmp_path):
+    import gguf
+
+    file = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(file), "gemma")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    run = tmp_path / "run"
+    out = _run("qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={run}", "--config.model.tiny=False",
+               f"--config.model.path={file}")  # fmt: skip
+    _assert_refused_before_any_work(out, f"error: model.path: {file}: GGUF architecture 'gemma' is not supported")
+    assert not run.exists()  # today: exit 1, the workdir lock written
+
+
+def test_prompts_longer_than_max_prompt_len_are_refused_before_the_tiny_model_is_built(tmp_path):
+    """Today: exit 1 after the lock, the tiny model and the 20-line memory plan."""
+    run = tmp_path / "run"
+    out = _run("qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={run}", "--config.data.max_prompt_len=8",
+               "--config.eval.num_examples=0")  # fmt: skip
+    _assert_refused_before_any_work(
+        out, "error: data.max_prompt_len = 8: 0 of the 7473 prompts of data.train = ",
+        "(the shortest takes 143 tokens with the chat template), and each step needs rollout.prompts_per_step = 4; "
+        "raise data.max_prompt_len",
+    )  # fmt: skip
+    assert not run.exists()
+
+
+def test_prompt_fit_counts_prompts_per_need(tmp_path, tiny_model_dir):
+    long = " ".join(str(i % 10) for i in range(300))  # a token a digit: 300+ tokens; the template takes ~120
+    rows = "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in ("q", "q", long, long))
+    data = tmp_path / "data.jsonl"
+    data.write_text(rows)
+    fit = {"data.train": str(data), "eval.datasets": (str(data),), "data.max_prompt_len": 200}
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **fit, **{"rollout.prompts_per_step": 2})) == []
+    (problem,) = config_problems(
+        _tiny(tmp_path, tiny_model_dir, **fit, **{"rollout.prompts_per_step": 3, "rl.micro_batch_size": 4})
+    )
+    assert problem.startswith(f"data.max_prompt_len = 200: 2 of the 4 prompts of data.train = {str(data)!r} fit")
+    eval_only = {**fit, "eval.num_examples": 4, "eval.datasets": (str(data),)}
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **eval_only), "eval") == []
+    rows = "".join(json.dumps({"question": long, "answer": "#### 1"}) + "\n" for _ in range(3))
+    (tmp_path / "long.jsonl").write_text(rows)
+    long_eval = {**eval_only, "eval.datasets": (str(tmp_path / "long.jsonl"),)}
+    (problem,) = config_problems(_tiny(tmp_path, tiny_model_dir, **long_eval), "eval")
+    assert problem.startswith("data.max_prompt_len = 200: every one of the 3 prompts of eval dataset ")
+
+
+def test_the_reward_is_called_on_a_sample_row(tmp_path, tiny_model_dir):
+    (problem,) = config_problems(_tiny(tmp_path, tiny_model_dir, **{"rl.reward": "accuracy,os:getcwd"}))
+    assert problem.startswith("rl.reward = 'accuracy,os:getcwd': os:getcwd(completion, answer, ...) on data.train's "
+                              "first row failed: TypeError: ")  # fmt: skip
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"rl.reward": "os:getcwd"}), "eval") == []  # not used
+
+
+def test_resume_changes_names_recipe_fields(tmp_path, tiny_model_dir):
+    cfg = _tiny(tmp_path, tiny_model_dir, **{"resume_changes": "optim.lr,lora.rank"})
+    (problem,) = config_problems(cfg)
+    assert problem.startswith("resume_changes = 'optim.lr,lora.rank': lora.rank is not a recipe field")
+    assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"resume_changes": "optim.lr, train.total_steps"})) == []

@@ -7,6 +7,7 @@ from qerl_jax.data.prompts import (
     PromptLoader,
     TokenizedPrompts,
     filter_overlong,
+    prompt_lengths,
     render_prompt,
     tokenize_prompts,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "TokenizedPrompts",
     "convert_row",
     "filter_overlong",
+    "prompt_lengths",
     "load_math_dataset",
     "render_prompt",
     "tokenize_prompts",

@@ -72,6 +72,17 @@ def _encode(tokenizer: Any, prompts: Sequence[str], template: str | None, system
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def prompt_lengths(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    template: str | None = DEFAULT_USER_TEMPLATE,
+    *,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+) -> list[int]:
+    """Each prompt's tokens as rendered with the chat template: what data.max_prompt_len bounds."""
+    return [len(x) for x in _encode(tokenizer, list(prompts), template, system_prompt)]
+
+
 def tokenize_prompts(
     tokenizer: Any,
     prompts: Sequence[str],
