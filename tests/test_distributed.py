@@ -165,7 +165,7 @@ def test_a_held_workdir_stops_every_process_with_one_line(tmp_path):
     [
         (dict(QERL_NUM_PROCESSES="2", QERL_PROCESS_ID="5", JAX_COORDINATOR_ADDRESS="127.0.0.1:1"), (), "QERL_PROCESS_ID=5"),
         (dict(QERL_NUM_PROCESSES="2", QERL_PROCESS_ID="0"), (), "JAX_COORDINATOR_ADDRESS"),
-        ({}, ("--config.mesh.data=4",), "config.mesh: mesh.data=4 x mesh.model=1 = 4 devices, but 1 are available"),
+        ({}, ("--config.mesh.data=4",), "mesh.data x mesh.model = 4 devices, but only 1 is available"),
         ({}, ("--config.mesh.data=-1", "--config.rollout.prompts_per_step=3", "--config.rl.micro_batch_size=4"), "prompts_per_step = 3"),
     ],
 )
