@@ -39,8 +39,6 @@ def parse_flags(argv: list[str]) -> list[str]:
         print_help([a for a in argv if a not in HELP_FLAGS])
     try:
         return flags.FLAGS(argv)
-    except SystemExit:
-        raise
     except flags.Error as e:
         fail(_flag_error(str(e), argv))
     except SyntaxError as e:  # the config file itself does not parse
@@ -65,7 +63,7 @@ def print_help(argv: list[str]) -> NoReturn:
     from qerl_jax.config import default_config  # noqa: PLC0415 (only for --help)
 
     source, cfg = "qerl_jax.config.default_config()", default_config()
-    if any(a == f"--{CONFIG_FLAG}" or a.startswith(f"--{CONFIG_FLAG}=") for a in argv[1:]):
+    if _config_arg(argv[1:]) is not None:
         parse_flags(argv)  # a bad flag or config file: one line, exit status 2
         try:
             cfg = flags.FLAGS[CONFIG_FLAG].value
@@ -173,8 +171,7 @@ def _flag_error(text: str, argv: list[str]) -> str:
         return f"--{CONFIG_FLAG} is required, e.g. --{CONFIG_FLAG}=configs/tiny.py"
     if "Error whilst parsing config file" in text:  # get_config raised: keep its last line, not the traceback
         lines = [line for line in text.splitlines() if line.strip()]
-        path = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{CONFIG_FLAG}=")), "?")
-        return f"--{CONFIG_FLAG}={path}: the config file failed to load: {lines[-1].strip()}"
+        return f"--{CONFIG_FLAG}={_config_arg(argv) or '?'}: the config file failed to load: {lines[-1].strip()}"
     return text
 
 
@@ -194,7 +191,7 @@ def _unknown_field(error: Exception, argv: list[str]) -> str:
 def _config_file_failure(error: BaseException, argv: list[str]) -> str | None:
     """The line for an exception raised by the --config file's own code (its import or get_config()),
     found in the traceback; None if the file's code is not in it."""
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{CONFIG_FLAG}=")), None)
+    path = _config_arg(argv)
     if path is None:
         return None
     file = os.path.realpath(path.split(":", 1)[0])
@@ -208,8 +205,18 @@ def _config_file_failure(error: BaseException, argv: list[str]) -> str | None:
     )
 
 
+def _config_arg(argv: list[str]) -> str | None:
+    """The --config flag's value in `argv` ("--config=PATH[:ARG]" or "--config PATH[:ARG]"), or None."""
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{CONFIG_FLAG}="):
+            return a.split("=", 1)[1]
+        if a == f"--{CONFIG_FLAG}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def _config_file_error(error: OSError, argv: list[str] = ()) -> str:
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{CONFIG_FLAG}=")), None)
+    path = _config_arg(argv)
     if path is None:
         try:
             path = config_flags.get_config_filename(flags.FLAGS[CONFIG_FLAG])

@@ -1,6 +1,6 @@
 """The training command end to end on the tiny config: logs, checkpoints, export, exact resume (also
 after a kill inside a save and over a corrupted checkpoint), faults (disk full, reward workers killed
-or hanging, non-finite steps), learning."""
+or hanging, a reward failing on every completion, non-finite steps), learning."""
 
 import dataclasses
 import glob
