@@ -45,12 +45,19 @@ def cache_dir(configured: str, name: str = "jax_cache") -> str:
     return os.path.abspath(os.path.expanduser(configured) if configured else user_cache_dir(name))
 
 
+# Programs that compile faster than this are not stored by default (loading them would save little).
+MIN_COMPILE_SECONDS = 1.0
+# A user's own threshold, as JAX spells it in the environment, is kept (the tests store every program).
+MIN_COMPILE_SECONDS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
 def enable_compilation_cache(
-    directory: str, min_compile_seconds: float = 1.0, max_bytes: int = MAX_BYTES
+    directory: str, min_compile_seconds: float | None = None, max_bytes: int = MAX_BYTES
 ) -> str | None:
     """Points JAX's persistent compilation cache at `directory` (created); returns its absolute path.
 
-    Programs that took at least `min_compile_seconds` to compile are stored; past `max_bytes` the
+    Programs that took at least `min_compile_seconds` to compile are stored (None: the environment's
+    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS if set, else `MIN_COMPILE_SECONDS`); past `max_bytes` the
     least recently used entries are evicted; source paths in programs are made relative
     (`SOURCE_PREFIX_REGEX`), so keys do not depend on where the checkout lies. Call it before the
     process compiles anything: JAX settles whether the cache is used at its first compilation. A directory that cannot be made or
@@ -61,6 +68,8 @@ def enable_compilation_cache(
     if path is None:
         return None
     jax.config.update("jax_compilation_cache_dir", path)
+    if min_compile_seconds is None:
+        min_compile_seconds = float(os.environ.get(MIN_COMPILE_SECONDS_ENV) or MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     if jax.config.jax_hlo_source_file_canonicalization_regex is None:  # a user's own setting stays

@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Runs share JAX's compilation cache under $XDG_CACHE_HOME: the tests (and the commands they start)
-# keep theirs in a directory of their own, not the user's.
-os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.mkdtemp(prefix="qerl-tests-"), "cache")
+
+
+# The test run's own directory, one for the xdist workers (they inherit it from the process that
+# starts them) and the commands they start; removed when that process ends the session.
+_RUN_DIR_ENV = "QERL_TESTS_RUN_DIR"
+_OWN_RUN_DIR = not os.environ.get(_RUN_DIR_ENV)
+if _OWN_RUN_DIR:
+    os.environ[_RUN_DIR_ENV] = tempfile.mkdtemp(prefix="qerl-tests-")
+
+# Runs share JAX's compilation cache and the converted-model cache under $XDG_CACHE_HOME: the tests
+# (and the commands they start) keep theirs in the test run's directory, not the user's. Every program
+# goes into the compilation cache (no minimum compile time; `compile_cache` keeps a threshold set in
+# the environment) and the test processes use it too, so a program compiled once in the run, by either
+# worker or by a command, is loaded by the later ones instead of compiled again.
+os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ[_RUN_DIR_ENV], "cache")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "qerl_jax", "jax_cache")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_RUN_DIR:
+        shutil.rmtree(os.environ[_RUN_DIR_ENV], ignore_errors=True)
+
 
 import pytest  # noqa: E402 (JAX_PLATFORMS must be set before anything imports jax)
 

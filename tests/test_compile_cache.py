@@ -59,6 +59,28 @@ def test_a_directory_that_cannot_be_used_leaves_the_cache_off_with_one_line(tmp_
     assert compile_cache.jax.config.jax_compilation_cache_dir == before  # nothing switched on
 
 
+THRESHOLDS = """
+import json, os, sys
+from qerl_jax import compile_cache
+seen = []
+for env_value, given in (("0.25", None), ("0.25", 2.0), ("", None)):
+    os.environ[compile_cache.MIN_COMPILE_SECONDS_ENV] = env_value
+    compile_cache.enable_compilation_cache(sys.argv[1], given)
+    seen.append(compile_cache.jax.config.jax_persistent_cache_min_compile_time_secs)
+print(json.dumps(seen))
+"""
+
+
+def test_a_minimum_compile_time_set_in_the_environment_is_kept_unless_one_is_given(tmp_path):
+    """$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (how the tests store every program) stays in force;
+    an explicit `min_compile_seconds` wins; without either, MIN_COMPILE_SECONDS."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-c", THRESHOLDS, str(tmp_path / "cache")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0.25, 2.0, compile_cache.MIN_COMPILE_SECONDS]
+
+
 LOWER_NVFP4 = """
 import json, sys
 import jax, jax.numpy as jnp
