@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -56,6 +55,7 @@ from qerl_jax.model_io.peft_adapter import AdapterWriteError, export_peft_adapte
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
+from qerl_jax.rollout import batch as rollout_batch
 from qerl_jax.rollout import data_parallel
 from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate, to_train_batch
 from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config, sampling_config
@@ -158,7 +158,7 @@ def collect_experience(
         kept_count += len(keep_groups)
         rows = (keep_groups[:, None] * g + np.arange(g)[None]).reshape(-1)
         if len(rows):
-            kept["rollouts"].append(_select(batch, rows))
+            kept["rollouts"].append(rollout_batch.select_rows(batch, rows))
             kept["answers"] += [answers[r] for r in rows]
             kept["completions"] += [completions[r] for r in rows]
             kept["prompts"] += [prompts["prompt"][source_rows[r]] for r in rows]
@@ -185,7 +185,7 @@ def collect_experience(
     if not kept["rollouts"]:
         return None, stats
     exp = Experience(
-        rollout=_concat_rollouts(kept["rollouts"]),
+        rollout=rollout_batch.concat(kept["rollouts"]),
         answers=kept["answers"],
         completions=kept["completions"],
         prompts=kept["prompts"],
@@ -217,35 +217,6 @@ def _reward_fields(prompts: dict[str, Any], source_rows: np.ndarray) -> list[dic
     columns = [k for k in prompts if k != "answer"]
     value = lambda x: x.item() if isinstance(x, np.generic) else x  # noqa: E731 (plain Python for the workers)
     return [{k: value(prompts[k][i]) for k in columns} for i in source_rows]
-
-
-def _select(batch: RolloutBatch, rows: np.ndarray) -> RolloutBatch:
-    """The given rows of a rollout (per-row fields only)."""
-    per_row = (
-        "prompt_ids",
-        "prompt_mask",
-        "tokens",
-        "logprobs",
-        "response_mask",
-        "lengths",
-        "truncated",
-        "prompt_index",
-    )
-    return batch.replace(**{f: getattr(batch, f)[rows] for f in per_row})
-
-
-def _concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
-    if len(batches) == 1:
-        return batches[0]
-    width = max(b.prompt_ids.shape[1] for b in batches)
-    pad = lambda x: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731 (prompts are left-padded)
-    per_row = ("tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
-    return batches[0].replace(
-        prompt_ids=jnp.concatenate([pad(b.prompt_ids) for b in batches]),
-        prompt_mask=jnp.concatenate([pad(b.prompt_mask) for b in batches]),
-        steps=jnp.concatenate([b.steps for b in batches]),
-        **{f: jnp.concatenate([getattr(b, f) for b in batches]) for f in per_row},
-    )
 
 
 def make_train_batch(cfg: RunConfig, exp: Experience) -> dict[str, np.ndarray]:

@@ -35,3 +35,29 @@ def test_train_batch_layout(f32_model):
     longest = int(np.asarray(batch.lengths).max())
     assert trimmed["input_ids"].shape[1] == p + min(10, -(-longest // 4) * 4)
     assert int(trimmed["response_mask"].sum()) == int(train["response_mask"].sum())
+
+
+def _rows(n: int, prompt_len: int, first: int):
+    """A RolloutBatch of n rows whose prompts and tokens carry their row number (first, first + 1, ...)."""
+    import jax.numpy as jnp
+
+    from qerl_jax.rollout.batch import RolloutBatch
+
+    row = jnp.arange(first, first + n, dtype=jnp.int32)
+    return RolloutBatch(
+        prompt_ids=jnp.tile(row[:, None], (1, prompt_len)), prompt_mask=jnp.ones((n, prompt_len), jnp.int32),
+        tokens=jnp.tile(row[:, None], (1, 3)), logprobs=-jnp.ones((n, 3)), response_mask=jnp.ones((n, 3), jnp.int32),
+        lengths=jnp.full((n,), 3), truncated=jnp.zeros((n,), bool), prompt_index=row, steps=jnp.asarray([first + 4]),
+    )  # fmt: skip
+
+
+def test_select_and_concat_keep_rows_in_order_and_left_pad_the_prompts():
+    from qerl_jax.rollout.batch import concat, select_rows
+
+    joined = concat([_rows(2, 4, first=0), select_rows(_rows(3, 6, first=10), np.array([0, 2]))])
+    assert np.asarray(joined.tokens)[:, 0].tolist() == [0, 1, 10, 12]
+    assert np.asarray(joined.prompt_index).tolist() == [0, 1, 10, 12]
+    assert joined.prompt_ids.shape == (4, 6)
+    assert np.asarray(joined.prompt_mask)[:2].tolist() == [[0, 0, 1, 1, 1, 1]] * 2  # padded on the left
+    assert np.asarray(joined.prompt_ids)[3].tolist() == [12] * 6
+    assert np.asarray(joined.steps).tolist() == [4, 14]

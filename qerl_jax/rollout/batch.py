@@ -38,6 +38,29 @@ class RolloutBatch:
     group_size: int = struct.field(pytree_node=False, default=1)
 
 
+PER_ROW = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
+
+
+def select_rows(batch: RolloutBatch, rows) -> RolloutBatch:
+    """The given rows of a rollout (its per-row fields; `steps` kept)."""
+    return batch.replace(**{f: getattr(batch, f)[rows] for f in PER_ROW})
+
+
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    """The rows of several rollouts, in order: prompts left-padded to the widest, `steps` joined."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.prompt_ids.shape[1] for b in batches)
+
+    def join(field: str) -> jax.Array:
+        parts = [getattr(b, field) for b in batches]
+        if field in ("prompt_ids", "prompt_mask"):  # prompts are left-padded
+            parts = [jnp.pad(x, ((0, 0), (width - x.shape[1], 0))) for x in parts]
+        return jnp.concatenate(parts)
+
+    return batches[0].replace(**{f: join(f) for f in (*PER_ROW, "steps")})
+
+
 def to_train_batch(batch: RolloutBatch, *, trim_to_multiple: int | None = None) -> dict[str, jax.Array]:
     """The train step's input: prompt (left-padded) then response (right-padded).
 

@@ -12,7 +12,7 @@ Buffers of a `generate` call beyond the resident weights (see `RolloutMemory`):
   decode          one step's work arrays (float32 logits and sampling, attention scores)
   compaction      the smaller bucket's cache and state, built while the old ones are alive
 
-`tests/test_rollout_engine.py` checks these against XLA's memory analysis of the compiled
+`tests/test_budget.py` checks these against XLA's memory analysis of the compiled
 programs (CPU), and `benchmarks/devtools/rollout_memory.py` against the programs compiled for an
 H100 (the 7B decode loop once held a transposed second cache there: a 30 GiB temporary the old
 estimate did not count).

@@ -29,10 +29,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.rollout.batch import RolloutBatch
+from qerl_jax.rollout.batch import PER_ROW, RolloutBatch, concat
 from qerl_jax.rollout.sampler import RolloutOptions, generate
-
-PER_ROW = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
 
 
 def prompt_blocks(num_prompts: int, shards: int) -> list[slice]:
@@ -96,8 +94,14 @@ def share_rows(values_xN: np.ndarray, mine_N: np.ndarray) -> np.ndarray:
     on every process."""
     if jax.process_count() == 1:
         return values_xN
-    own = np.where(mine_N, values_xN, 0).astype(values_xN.dtype)
-    return multihost_utils.process_allgather(own).sum(axis=0, dtype=values_xN.dtype)
+    return _merge_over_processes(np.where(mine_N, values_xN, 0).astype(values_xN.dtype))
+
+
+def _merge_over_processes(own: np.ndarray) -> np.ndarray:
+    """Every process's `own` (zeros where another process holds the values) merged: their sum
+    (any, for bool)."""
+    everyone = multihost_utils.process_allgather(own)
+    return everyone.any(axis=0) if own.dtype == bool else everyone.sum(axis=0, dtype=own.dtype)
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
@@ -115,15 +119,14 @@ def gather_blocks(blocks: dict[int, dict[str, np.ndarray]], num_shards: int) -> 
     counts = np.zeros((num_shards, len(names)), np.int64)
     for d, arrays in blocks.items():
         counts[d] = [arrays[n].shape[0] for n in names]
-    counts = multihost_utils.process_allgather(counts).sum(axis=0)  # each process fills its own rows
+    counts = _merge_over_processes(counts)  # each process fills its own shards' rows
     gathered = {}
     for i, name in enumerate(names):
         rows = int(counts[:, i].max())
         local = np.zeros((num_shards, rows, *some[name].shape[1:]), some[name].dtype)
         for d, arrays in blocks.items():
             local[d] = _pad_rows(arrays[name], rows)
-        everyone = multihost_utils.process_allgather(local)  # zeros where another process holds the shard
-        gathered[name] = everyone.any(axis=0) if local.dtype == bool else everyone.sum(axis=0, dtype=local.dtype)
+        gathered[name] = _merge_over_processes(local)
     return [{n: gathered[n][d, : counts[d, i]] for i, n in enumerate(names)} for d in range(num_shards)]
 
 
@@ -134,17 +137,13 @@ def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
 
 
 def concat_blocks(parts: list[dict[str, np.ndarray]], group_size: int) -> RolloutBatch:
-    """One RolloutBatch of the blocks in order: prompts left-padded to the widest block's,
-    prompt_index made global."""
-    width = max(p["prompt_ids"].shape[1] for p in parts)
-    left = lambda x: np.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731
-    first, fields = 0, {f: [] for f in (*PER_ROW, "steps")}
-    for p in parts:
-        for f in fields:
-            x = p[f]
-            fields[f].append(left(x) if f in ("prompt_ids", "prompt_mask") else x + first if f == "prompt_index" else x)
-        first += p["lengths"].shape[0] // group_size
-    return RolloutBatch(**{f: jnp.asarray(np.concatenate(v)) for f, v in fields.items()}, group_size=group_size)
+    """One RolloutBatch of the blocks in order (`batch.concat`), prompt_index made global."""
+    firsts = np.cumsum([0] + [p["lengths"].shape[0] // group_size for p in parts])
+    return concat([
+        RolloutBatch(**{f: jnp.asarray(p[f] + first if f == "prompt_index" else p[f]) for f in (*PER_ROW, "steps")},
+                     group_size=group_size)
+        for p, first in zip(parts, firsts)
+    ])  # fmt: skip
 
 
 def generate_data_parallel(

@@ -315,7 +315,7 @@ def decode_attention_backend(requested: str | None) -> str:
     """The decode attention `generate` uses: `requested`, or by default the Pallas kernel
     (`pallas_kernels.decode_attention`) on a GPU, whatever the weights' format (H100, 7B shapes,
     2304 slots: 3.0x XLA's full-cache attention with every slot written, 11x at 256 ragged rows;
-    benchmarks/devtools/decode_attention_probe.py), else "xla"."""
+    benchmarks/KERNEL_NOTES.md, "Decode attention"), else "xla"."""
     if requested is not None:
         if requested not in DECODE_ATTENTION_BACKENDS:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION_BACKENDS} or None; got {requested!r}")
