@@ -4,6 +4,7 @@
     python -m benchmarks.grpo_step --tiny --out /tmp/grpo_step.json   # CPU smoke test
     python -m benchmarks.grpo_step --workload gsm8k --out $OUT/grpo_gsm8k.json   # GPU, 7B
     python -m benchmarks.grpo_step --workload gsm8k --tiny --out /tmp/grpo_gsm8k.json
+    python -m benchmarks.grpo_step --workload dapo --out $OUT/dapo.json   # GPU, 7B: benchmarks/dapo_step.py
 
 --workload gsm8k: the recipe's step at 7B shapes with the rollout benchmark's seeded long-tailed
 completion lengths (benchmarks/rollout.py `gsm8k_inputs`: EOS at each row's drawn length), per
@@ -35,6 +36,8 @@ import sys
 import time
 import traceback
 
+from benchmarks import dapo_step
+
 RESULT_PREFIX = "RESULT "
 
 
@@ -54,13 +57,15 @@ def parse_args(argv=None):
     p.add_argument("--logprob-chunk", type=int, default=256)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per child process")
     p.add_argument("--out", default=None)
-    p.add_argument("--workload", default="fixed", choices=("fixed", "gsm8k"), help="see the module doc")
+    p.add_argument("--workload", default="fixed", choices=("fixed", "gsm8k", "dapo"), help="see the module doc")
+    p.add_argument("--keep-rate", type=float, default=0.5, help="dapo: the share of groups drawn to vary")
+    p.add_argument("--refill-rounds", type=int, default=2, help="dapo: rl.max_refill_rounds")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.model, args.prompts, args.group, args.prompt_len, args.new_tokens = "tiny", 2, 4, 16, 16
         args.rank, args.micro_batch_size, args.logprob_chunk = 4, 4, 16
-        if args.workload == "gsm8k":  # 16 sequences fill ~5 packed rows: a micro-batch of 4 would round to 8
+        if args.workload != "fixed":  # 16 sequences fill ~5 packed rows: a micro-batch of 4 would round to 8
             args.micro_batch_size = 1
     return args
 
@@ -276,6 +281,45 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     return row
 
 
+def time_packed_train(args, config, frozen, state, optimizer, batch, rows, lcfg, backend) -> float:
+    """Seconds of one warm packed train step (`rl.packing`, as the loop) on the given rows of a rollout."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qerl_jax import lora
+    from qerl_jax.rl import losses, packing
+    from qerl_jax.rl.step import make_train_step
+    from qerl_jax.rollout.batch import select_rows
+    from qerl_jax.rollout.sampler import to_train_batch
+
+    kept = select_rows(batch, rows)
+    padded = {k: np.asarray(v) for k, v in to_train_batch(kept).items()}
+    scores = np.random.default_rng(0).uniform(0, 1, len(rows)).astype(np.float32)
+    padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), batch.group_size))
+    mb = args.micro_batch_size
+    train_batch = packing.pack_batch(padded, padded["input_ids"].shape[1], rows_multiple=mb)
+    step = make_train_step(
+        config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=lora.lora_scale(lcfg), backend=backend,
+        remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
+        micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
+    )  # fmt: skip
+    f = {"base": frozen["base"], "norms": frozen["norms"]}
+    state, m = step(state, f, train_batch)  # compile
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    state, m = step(state, f, train_batch)
+    jax.block_until_ready(m)
+    return time.perf_counter() - t0
+
+
+def _write(args, rows: list[dict]) -> None:
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+
+
 def _train_flops(row: dict, config, args) -> None:
     from benchmarks import common
 
@@ -354,6 +398,8 @@ def main(argv=None) -> None:
         try:
             if args.workload == "gsm8k":
                 row = run_gsm8k_case(args, args.case)
+            elif args.workload == "dapo":
+                row = dapo_step.run_dapo_case(args, args.case)
             else:
                 row = run_peer_case(args) if args.case == "peer" else run_case(args, args.case)
         except Exception as e:  # reported, not fatal: the other formats still run
@@ -366,7 +412,7 @@ def main(argv=None) -> None:
         return
     rows = []
     formats = args.formats
-    if args.workload == "gsm8k" and formats == "bf16,nvfp4,peer":
+    if args.workload != "fixed" and formats == "bf16,nvfp4,peer":
         formats = "nvfp4,bf16"
     for fmt in formats.split(","):
         cmd = [
@@ -397,6 +443,10 @@ def main(argv=None) -> None:
             args.remat,
             "--workload",
             args.workload,
+            "--keep-rate",
+            str(args.keep_rate),
+            "--refill-rounds",
+            str(args.refill_rounds),
             *(["--tiny"] if args.tiny else []),
         ]
         try:
@@ -409,6 +459,10 @@ def main(argv=None) -> None:
             rows.append({"format": fmt, "error": f"timed out after {args.timeout} s"})
     if args.workload == "gsm8k":
         report_gsm8k(rows, args)
+        return
+    if args.workload == "dapo":
+        dapo_step.report_dapo(rows)
+        _write(args, rows)
         return
     base = next((r for r in rows if r.get("format") == "bf16" and "step_s" in r), None)
     print(

@@ -12,9 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import os
-import re
 import tempfile
 import time
 from typing import Any
@@ -34,7 +32,6 @@ from qerl_jax import (
     memory,
     reward_guard,
     reward_pool,
-    rewards,
     run_config,
     sharding,
     validate,
@@ -48,176 +45,19 @@ from qerl_jax.checkpoint import (
     resume_problems,
     saved_steps,
 )
-from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset, tokenize_prompts
+from qerl_jax.data import PromptLoader, filter_overlong, load_math_dataset
 from qerl_jax.errors import UserFacingError
+from qerl_jax.experience import Experience, collect_experience
 from qerl_jax.metrics import MetricWriter, NullWriter, device_memory_stats
 from qerl_jax.model_io.peft_adapter import AdapterWriteError, export_peft_adapter
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl import losses, packing
 from qerl_jax.rl import step as rl_step
-from qerl_jax.rollout import batch as rollout_batch
 from qerl_jax.rollout import data_parallel
-from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate, to_train_batch
-from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config, sampling_config
+from qerl_jax.rollout.sampler import to_train_batch
+from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config
 
 # ----------------------------------------------------------------------------- one step's data
-
-
-@dataclasses.dataclass
-class Experience:
-    """Scored rollouts of the groups kept for training."""
-
-    rollout: RolloutBatch
-    answers: list[str]
-    completions: list[str]
-    prompts: list[str]
-    rewards: np.ndarray  # float32 [N], after shaping
-    accuracy: np.ndarray  # float32 [N], 1 where the answer was right
-    groups_sampled: int
-    groups_kept: int
-
-
-def collect_experience(
-    cfg: RunConfig,
-    policy: Policy,
-    rollout_params,
-    loader: PromptLoader,
-    pool: reward_pool.RewardPool,
-    key,
-    mesh: jax.sharding.Mesh | None = None,
-) -> tuple[Experience, dict[str, float]]:
-    """Rollouts + rewards for `prompts_per_step` groups (DAPO: only groups with varied rewards).
-
-    mesh: each data shard samples its block of the prompts (`rollout.data_parallel`), and each
-    process scores its own shards' completions; every process then holds the whole step's.
-    """
-    g = cfg.rollout.group_size
-    want = cfg.rollout.prompts_per_step
-    sampling = sampling_config(cfg, policy)
-    timing = {"rollout": 0.0, "reward": 0.0}
-    kept = {"rollouts": [], "answers": [], "completions": [], "prompts": [], "rewards": [], "accuracy": []}
-    sampled = kept_count = gen_tokens = 0
-    all_raw, all_shaped, all_each, neg_logp_sum = [], [], [], 0.0  # every sampled row, kept or not
-    reward_spec = rewards.parse_reward_spec(cfg.rl.reward, cfg.rl.reward_weights)
-    for round_ in range(1 + (cfg.rl.max_refill_rounds if cfg.rl.dynamic_sampling else 0)):
-        prompts = next(loader)
-        tok = tokenize_prompts(
-            policy.tokenizer,
-            prompts["prompt"],
-            cfg.data.max_prompt_len,
-            cfg.data.template,
-            system_prompt=cfg.data.system_prompt,
-        )
-        if len(tok.kept_indices) == 0:
-            continue
-        t0 = time.perf_counter()
-        sample = generate if mesh is None else functools.partial(data_parallel.generate_data_parallel, mesh=mesh)
-        batch = sample(
-            policy.config,
-            rollout_params,
-            tok.input_ids,
-            tok.attention_mask,
-            jax.random.fold_in(key, round_),
-            sampling,
-            group_size=g,
-            lora_scale=lora.lora_scale(cfg.lora),
-            max_batch=cfg.rollout.max_batch or None,
-            options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
-        )
-        jax.block_until_ready(batch.tokens)
-        timing["rollout"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        lengths = np.asarray(batch.lengths)
-        gen_tokens += int(lengths.sum())
-        tokens = np.asarray(batch.tokens)
-        completions = policy.tokenizer.batch_decode(
-            [row[:n] for row, n in zip(tokens, lengths)], skip_special_tokens=True
-        )
-        source_rows = np.repeat(tok.kept_indices, g)  # dataset row of each sequence
-        answers = [prompts["answer"][i] for i in source_rows]
-        each = _score(pool, completions, answers, reward_spec, _reward_fields(prompts, source_rows), mesh, g)
-        all_each.append(each)
-        raw = np.asarray([w for _, w in reward_spec], np.float32) @ each
-        timing["reward"] += time.perf_counter() - t0
-        shaped = raw.copy()
-        if cfg.rl.overlong_cache:
-            shaped += np.asarray(
-                losses.overlong_penalty(
-                    lengths, cfg.rollout.max_new_tokens, cfg.rl.overlong_cache, cfg.rl.overlong_penalty
-                )
-            )
-        all_raw.append(raw)
-        all_shaped.append(shaped)
-        neg_logp_sum -= float(np.asarray(batch.logprobs, np.float64)[np.asarray(batch.response_mask, bool)].sum())
-        n_groups = len(tok.kept_indices)
-        sampled += n_groups
-        keep = np.ones(n_groups, bool)
-        if cfg.rl.dynamic_sampling:
-            keep = np.asarray(losses.dynamic_sampling_mask(shaped, g))
-        keep_groups = np.flatnonzero(keep)[: want - kept_count]
-        kept_count += len(keep_groups)
-        rows = (keep_groups[:, None] * g + np.arange(g)[None]).reshape(-1)
-        if len(rows):
-            kept["rollouts"].append(rollout_batch.select_rows(batch, rows))
-            kept["answers"] += [answers[r] for r in rows]
-            kept["completions"] += [completions[r] for r in rows]
-            kept["prompts"] += [prompts["prompt"][source_rows[r]] for r in rows]
-            kept["rewards"].append(shaped[rows])
-            kept["accuracy"].append(raw[rows] >= 1.0)
-        if kept_count >= want:
-            break
-    stats = {
-        "time/rollout_s": timing["rollout"],
-        "time/reward_s": timing["reward"],
-        "rollout/tokens_per_s": gen_tokens / max(timing["rollout"], 1e-9),
-        "rollout/groups_sampled": float(sampled),
-        "rollout/groups_kept": float(kept_count),
-    }
-    if all_raw:  # over every sampled row (DAPO's kept groups are biased to varied rewards)
-        stats["reward/mean_sampled"] = float(np.concatenate(all_shaped).mean())
-        stats["reward/accuracy_sampled"] = float((np.concatenate(all_raw) >= 1.0).mean())
-        for (name, _), scores in zip(reward_spec, np.concatenate(all_each, axis=1)):  # unweighted, per reward
-            # TensorBoard keeps [A-Za-z0-9_./-] in tags: "module:function" would be logged under another name.
-            stats[f"reward/{re.sub(r'[^A-Za-z0-9_./-]', '_', name)}_mean_sampled"] = float(scores.mean())
-        # -log p of the sampled tokens under the sampler (quantized, AQN noise in its norms): a
-        # Monte Carlo estimate of the sampling policy's entropy per token
-        stats["rollout/entropy_mc"] = neg_logp_sum / max(gen_tokens, 1)
-    if not kept["rollouts"]:
-        return None, stats
-    exp = Experience(
-        rollout=rollout_batch.concat(kept["rollouts"]),
-        answers=kept["answers"],
-        completions=kept["completions"],
-        prompts=kept["prompts"],
-        rewards=np.concatenate(kept["rewards"]).astype(np.float32),
-        accuracy=np.concatenate(kept["accuracy"]).astype(np.float32),
-        groups_sampled=sampled,
-        groups_kept=kept_count,
-    )
-    return exp, stats
-
-
-def _score(pool, completions, answers, reward_spec, fields, mesh, group_size: int) -> np.ndarray:
-    """float32 [rewards, N]: each reward of each completion; with a mesh, each process scores its
-    own shards' rows and the scores are shared."""
-    names = [name for name, _ in reward_spec]
-    if mesh is None:
-        return pool.score_each(completions, answers, names, fields=fields)
-    mine = data_parallel.local_rows(mesh, len(completions) // group_size, group_size)
-    rows = np.flatnonzero(mine)
-    scores = np.zeros((len(names), len(completions)), np.float32)
-    scores[:, rows] = pool.score_each(
-        [completions[r] for r in rows], [answers[r] for r in rows], names, fields=[fields[r] for r in rows]
-    )
-    return data_parallel.share_rows(scores, mine)
-
-
-def _reward_fields(prompts: dict[str, Any], source_rows: np.ndarray) -> list[dict[str, Any]]:
-    """Per sequence, the keyword fields a reward may take: its prompt and its dataset row's other columns."""
-    columns = [k for k in prompts if k != "answer"]
-    value = lambda x: x.item() if isinstance(x, np.generic) else x  # noqa: E731 (plain Python for the workers)
-    return [{k: value(prompts[k][i]) for k in columns} for i in source_rows]
-
 
 def make_train_batch(cfg: RunConfig, exp: Experience) -> dict[str, np.ndarray]:
     """Advantages + the train step's packed batch (`rl.packing`): every sequence's real tokens in rows
@@ -398,6 +238,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
             if mesh is not None:
                 spec_batch = sharding.shard_batch(spec_batch, mesh)
             compiling = _precompile_in_background(train_step, state, policy.frozen, spec_batch)
+        keep_rate = 1.0  # the share of groups with varied rewards, measured each step (paces admissions)
         bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True, disable=not primary)
         for step in bar:
             t_step = time.perf_counter()
@@ -410,8 +251,9 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
             pool_before = dict(pool.stats)
             try:
                 exp, metrics = collect_experience(
-                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), mesh
+                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), mesh, keep_rate
                 )
+                keep_rate = metrics["rollout/keep_rate"]
             except MemoryError as e:
                 raise UserFacingError(f"out of device memory in the rollout: {e}") from None
             guard.check_step(step)  # a reward failing on (nearly) every completion stops it before it trains

@@ -89,7 +89,7 @@ def test_memory_estimate_covers_the_compiled_programs():
         jax.random.key(0), stop, np.int32(0),
     )  # fmt: skip
     admit = programs.admit.lower(static, run_params, cache, rows, *admit_args).compile().memory_analysis()
-    decode = programs.decode.lower(static, run_params, cache, rows, jax.random.key(0), stop, np.int32(0))
+    decode = programs.decode.lower(static, run_params, cache, rows, jax.random.key(0), stop, np.int32(0), np.int32(new))
     decode = decode.compile().memory_analysis()
     keep, valid = jnp.zeros((16,), jnp.int32), jnp.ones((16,), bool)
     compact = programs.compact.lower(static, cache, rows, keep, valid).compile().memory_analysis()

@@ -151,7 +151,7 @@ def test_decode_program_compiled_for_an_h100_keeps_one_cache(monkeypatch):
     device = hlo_census.h100_device()
     setup = hlo_census.rollout_setup("test", "bf16", 64, prompt_len=64, new_slots=448, lora_rank=4, device=device)
     cache, state = setup["bucket_args"](64)
-    args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"])
+    args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"], setup["scalar"])
     m = programs.decode.trace(setup["static"], *args).lower().compile().memory_analysis()
     cache_b = cache_bytes(config, 64, 512)
     assert m.alias_size_in_bytes >= cache_b

@@ -21,6 +21,7 @@ from rollout_helpers import (
 
 import qerl_jax
 from qerl_jax.rollout import RolloutOptions, SamplingConfig, budget, generate, plan_rollout, to_train_batch
+from qerl_jax.rollout import batch as rollout_batch
 
 F32 = f32_options()  # exact KV cache for the parity tests
 
@@ -497,3 +498,49 @@ def test_bad_input_is_refused_before_compiling(f32_model):
     with pytest.raises(ValueError, match="max_batch"):
         generate(config, params, ids, mask, key, _batching_sampling(), max_batch=0)
     assert compiled_programs() == before  # all refused before anything was compiled
+
+
+class _Monitor:
+    """Admits the first `limit` sequences, then all; once `drop_after` sequences have stopped,
+    drops every sequence at or past `end` (queued or decoding)."""
+
+    def __init__(self, limit, end, drop_after):
+        self.limit, self.end, self.drop_after = limit, None, drop_after
+        self.final_end, self.stopped = end, []
+
+    def finished(self, seqs, tokens, lengths):
+        assert (lengths > 0).all() and tokens.shape[0] == len(seqs)
+        self.stopped += seqs.tolist()
+
+    def bounds(self, wait):
+        if len(self.stopped) >= self.drop_after:
+            self.end = self.final_end
+        if wait and self.limit < 12:  # the queue waits on us: let the rest in
+            self.limit = 12
+        return self.limit, self.end if self.end is not None else 12
+
+
+def test_monitor_bounds_admissions_and_drops_sequences_mid_run(f32_model):
+    """A monitor holding the queue, then dropping sequences 6.. mid-run (some decoding): the rows
+    it keeps draw what a plain call draws; dropped rows are empty; a call on some rows with their
+    streams draws what the whole call draws for them."""
+    config, params, _ = f32_model
+    ids, mask = _four_prompts(config.vocab_size)
+    key = jax.random.key(7)
+    plain = generate(config, params, ids, mask, key, _batching_sampling(), group_size=3, options=f32_options())
+    monitor = _Monitor(limit=4, end=6, drop_after=7)
+    got = generate(
+        config, params, ids, mask, key, _batching_sampling(), group_size=3, max_batch=4, monitor=monitor,
+        options=f32_options(smaller_rows=(2,)),
+    )  # fmt: skip
+    assert sorted(monitor.stopped)[:6] == list(range(6)) and len(monitor.stopped) < 12
+    lengths = np.asarray(got.lengths)
+    assert (lengths[6:] == 0).any()  # some dropped before they stopped
+    first = np.arange(6)
+    assert_same_samples(rollout_batch.select_rows(got, first), rollout_batch.select_rows(plain, first), "kept rows")
+    rows = np.arange(6, 12)
+    part = generate(
+        config, params, ids[2:], mask[2:], key, _batching_sampling(), group_size=3, streams=rows,
+        options=f32_options(),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(part.tokens), np.asarray(plain.tokens)[6:])

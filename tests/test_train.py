@@ -2,7 +2,6 @@
 after a kill inside a save and over a corrupted checkpoint), faults (disk full, reward workers killed
 or hanging, a reward failing on every completion, non-finite steps), learning."""
 
-import dataclasses
 import glob
 import os
 import shutil
@@ -16,7 +15,6 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 from conftest import faulty_json_save, load_config, set_fields
-from worker_rewards import digit_reward
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -420,41 +418,6 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
     assert outputs[0] == outputs[1]
 
 
-def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_model_dir):
-    from qerl_jax import reward_pool
-    from qerl_jax.data import PromptLoader, load_math_dataset
-    from qerl_jax.policy import load_policy
-
-    cfg = _run(
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "rl.reward": DIGIT_REWARD,
-            "rl.dynamic_sampling": True,
-            "rl.max_refill_rounds": 3,
-            "rollout.prompts_per_step": 4,
-            "rollout.group_size": 4,
-            "rollout.max_new_tokens": 8,
-        },
-    )
-    policy = load_policy(cfg)
-    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
-    with reward_pool.RewardPool() as pool:
-        exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
-    assert exp is not None and 0 < exp.groups_kept <= 4
-    assert stats["rollout/groups_sampled"] >= exp.groups_kept
-    groups = exp.rewards.reshape(-1, 4)
-    assert len(groups) == exp.groups_kept
-    assert all(len(set(g.tolist())) > 1 for g in groups)  # no group with equal rewards survives
-    assert exp.rollout.tokens.shape[0] == len(exp.completions) == len(exp.answers) == exp.rewards.shape[0]
-    # Rows stay aligned: each kept completion re-scores to its recorded reward.
-    for c, a, r in zip(exp.completions, exp.answers, exp.rewards):
-        assert digit_reward(c, a) == r
-    batch = train.make_train_batch(cfg, exp)
-    assert batch["advantages"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
-    assert batch["input_ids"].shape[0] % cfg.rl.micro_batch_size == 0 and (batch["token_index"][len(exp.completions) :] == -1).all()
-
-
 def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path):
     """`--config.mesh.data=2` on 2 (CPU) devices: rollouts and train batches split over the data
     axis give the metrics of the 1-device run; a micro-batch that does not split is refused."""
@@ -507,43 +470,6 @@ def test_aqn_arm_at_sigma_zero_samples_the_same_rollouts_as_the_plain_arm(tmp_pa
     for tag in ("rollout/entropy_mc", "train/sampler_abs_log_ratio", "rollout/response_length_mean", "train/loss"):
         assert runs[True][tag][0] == runs[False][tag][0], tag  # step 0: bit-identical
     assert runs[True]["rollout/entropy_mc"][1] != runs[False]["rollout/entropy_mc"][1]
-
-
-def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_model_dir):
-    from qerl_jax import reward_pool
-    from qerl_jax.data import PromptLoader, load_math_dataset
-    from qerl_jax.policy import load_policy
-    from qerl_jax.rl import losses
-
-    cfg = _run(
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "rl.reward": f"{DIGIT_REWARD},worker_rewards:prompt_reward",
-            "rl.reward_weights": (1.0, 0.5),
-            "rollout.prompts_per_step": 4,
-            "rollout.group_size": 4,
-            "rollout.max_new_tokens": 8,
-        },
-    )
-    policy = load_policy(cfg)
-    dataset = load_math_dataset(cfg.data.train)
-    loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
-    with reward_pool.RewardPool(2) as pool:
-        exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
-    digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
-    prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])
-    assert np.ptp(prompt) > 0  # the second reward really varies with the row
-    np.testing.assert_allclose(exp.rewards, digits + 0.5 * prompt, rtol=1e-6)
-    # Tags keep TensorBoard's characters: "module:function" is logged as "module_function".
-    np.testing.assert_allclose(stats["reward/worker_rewards_digit_reward_mean_sampled"], digits.mean(), rtol=1e-5)
-    np.testing.assert_allclose(stats["reward/worker_rewards_prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
-    for scale in ("group", "batch", "none"):
-        cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, scale_rewards=scale))
-        got = np.asarray(train.make_train_batch(cfg, exp)["advantages"])[: len(exp.rewards)]
-        np.testing.assert_allclose(got, np.asarray(losses.group_advantages(exp.rewards, 4, scale=scale)), rtol=1e-6)
-    g = exp.rewards.reshape(-1, 4)
-    np.testing.assert_allclose(got, (g - g.mean(1, keepdims=True)).reshape(-1), atol=1e-6)  # "none"
 
 
 def test_mismatch_correction_run_logs_its_weights(tmp_path, tiny_model_dir):

@@ -4,6 +4,7 @@ seconds)."""
 
 import os
 import uuid
+import zlib
 
 
 def digit_reward(completion: str, ground_truth: str) -> float:
@@ -31,3 +32,9 @@ def fails_after_one_step(completion: str, ground_truth: str) -> float:
         if len(os.listdir(calls)) > CALLS_BEFORE_FAILING:
             raise ConnectionError("the reward service is down")
     return digit_reward(completion, ground_truth)
+
+
+def hashed_reward(completion: str, ground_truth: str) -> float:
+    """1.0 for about a fifth of completions, by a hash of the text: groups of 4 vary about 60% of the time."""
+    del ground_truth
+    return float(zlib.crc32(completion.encode()) % 5 == 0)

@@ -273,7 +273,7 @@ def rollout_programs(setup: dict[str, Any], device) -> list[tuple[str, int, Any,
     jobs = [("admit", plan.rows, programs.admit, (run_params, cache, state, *setup["admit_inputs"]))]
     for bucket in plan.buckets:
         cache, state = setup["bucket_args"](bucket)
-        step_args = (setup["key"], setup["stop"], setup["scalar"])
+        step_args = (setup["key"], setup["stop"], setup["scalar"], setup["scalar"])
         jobs.append(("decode", bucket, programs.decode, (run_params, cache, state, *step_args)))
     sharding = jax.sharding.SingleDeviceSharding(device)
     for big, small in zip(plan.buckets, plan.buckets[1:]):
@@ -299,7 +299,7 @@ def decode_step_hlo(
     cache, state = setup["bucket_args"](bucket)
     t0 = time.perf_counter()
     with as_if_hopper():
-        args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"])
+        args = (setup["run_params"], cache, state, setup["key"], setup["stop"], setup["scalar"], setup["scalar"])
         compiled = programs.decode.trace(setup["static"], *args).lower().compile()
     plan = setup["plan"]
     info = dict(rows_bucket=bucket, dense_copies=list(plan.dense_names), wgmma_copies=list(plan.wgmma_names))

@@ -3,17 +3,18 @@
     batch = generate_data_parallel(config, params, prompt_ids, prompt_mask, key, sampling,
                                    mesh=mesh, group_size=8)
 
-The B prompts are cut into `mesh.shape["data"]` contiguous blocks (`prompt_blocks`), so a
-prompt's group never spans two shards and its advantages need no communication. A shard is one
+The B prompts are cut into `mesh.shape["data"]` contiguous blocks (`prompt_blocks`; or any
+split the caller gives, `shard_prompts`), so a prompt's group never spans two shards and its
+advantages need no communication. A shard is one
 row of the mesh: its `model` devices (tensor parallel within the shard, or one device). Each
 shard this process holds (`local_shards`) runs `generate` on its own devices in its own thread,
 with its own continuous-batching scheduler and programs, over a zero-copy view of the
 parameters on its devices (`on_submesh`): nothing crosses shards while decoding. The blocks'
-results are gathered once, in prompt order, on every process (`gather_blocks`).
+results are gathered once on every process (`gather_blocks`) and put back in prompt order.
 
-Each block samples with `seq_offset` = its first row, so the tokens equal those of one
-`generate` call over the whole batch with the same key (up to the float error of other row
-buckets).
+Each shard samples its rows with their streams in the whole batch (`generate(streams=...)`), so
+the tokens equal those of one `generate` call over the whole batch with the same key (up to
+the float error of other row buckets).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.rollout.batch import PER_ROW, RolloutBatch, concat
+from qerl_jax.rollout.batch import PER_ROW, RolloutBatch, concat, select_rows
 from qerl_jax.rollout.sampler import RolloutOptions, generate
 
 
@@ -136,16 +137,6 @@ def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
     return out
 
 
-def concat_blocks(parts: list[dict[str, np.ndarray]], group_size: int) -> RolloutBatch:
-    """One RolloutBatch of the blocks in order (`batch.concat`), prompt_index made global."""
-    firsts = np.cumsum([0] + [p["lengths"].shape[0] // group_size for p in parts])
-    return concat([
-        RolloutBatch(**{f: jnp.asarray(p[f] + first if f == "prompt_index" else p[f]) for f in (*PER_ROW, "steps")},
-                     group_size=group_size)
-        for p, first in zip(parts, firsts)
-    ])  # fmt: skip
-
-
 def generate_data_parallel(
     config,
     params: dict[str, Any],
@@ -159,38 +150,61 @@ def generate_data_parallel(
     lora_scale: float = 1.0,
     max_batch: int | None = None,
     max_new_tokens_per_seq=None,
+    streams=None,
+    shard_prompts: list[np.ndarray] | None = None,
+    monitors: dict[int, Any] | None = None,
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch:
     """`generate` over the mesh's data shards (module doc); the same arguments, and the same
-    RolloutBatch on every process. max_batch and the memory budget are per shard."""
-    limits = None if max_new_tokens_per_seq is None else np.asarray(max_new_tokens_per_seq)
+    RolloutBatch on every process. max_batch and the memory budget are per shard.
+
+    shard_prompts: the prompts (indices, in the order it samples them) of each shard; default
+    contiguous blocks (`prompt_blocks`). monitors: {data index: `RolloutMonitor`} for this
+    process's shards, each over its shard's sequences (its call's rows).
+    """
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
-    if ids.ndim != 2 or ids.shape[0] < mesh.shape["data"]:
+    shards = mesh.shape["data"]
+    if ids.ndim != 2 or ids.shape[0] < shards:
         raise ValueError(
             f"a data-parallel rollout needs at least one prompt per data shard: {ids.shape[0] if ids.ndim else 0} "
-            f"prompts for {mesh.shape['data']} shards"
+            f"prompts for {shards} shards"
         )
-    blocks = prompt_blocks(ids.shape[0], mesh.shape["data"])
+    if shard_prompts is None:
+        shard_prompts = [np.arange(b.start, b.stop) for b in prompt_blocks(ids.shape[0], shards)]
+    rows_of = [(p[:, None] * group_size + np.arange(group_size)).reshape(-1) for p in shard_prompts]
+    limits = None if max_new_tokens_per_seq is None else np.asarray(max_new_tokens_per_seq)
+    streams = np.arange(ids.shape[0] * group_size) if streams is None else np.asarray(streams)
     key = np.asarray(jax.random.key_data(key)), jax.random.key_impl(key)
 
     def run(d: int, sub: Mesh) -> dict[str, np.ndarray]:
-        block = blocks[d]
-        device = sub.devices.flat[0]
+        prompts, rows = shard_prompts[d], rows_of[d]
         shard_options = options
         if sub.devices.size > 1:  # rows replicated over the shard's tensor-parallel devices
             shard_options = dataclasses.replace(options, batch_sharding=NamedSharding(sub, P()))
-        with jax.default_device(device):
+        with jax.default_device(sub.devices.flat[0]):
             shard_key = jax.device_put(jax.random.wrap_key_data(key[0], impl=key[1]), NamedSharding(sub, P()))
             batch = generate(
-                config, on_submesh(params, sub), ids[block], mask[block], shard_key, sampling,
+                config, on_submesh(params, sub), ids[prompts], mask[prompts], shard_key, sampling,
                 group_size=group_size, lora_scale=lora_scale, max_batch=max_batch,
-                max_new_tokens_per_seq=None if limits is None else limits[block.start * group_size : block.stop * group_size],
-                seq_offset=block.start * group_size, options=shard_options,
+                max_new_tokens_per_seq=None if limits is None else limits[rows], streams=streams[rows],
+                monitor=(monitors or {}).get(d), options=shard_options,
             )  # fmt: skip
-            return _host(batch)
+            out = _host(batch)
+            out["prompt_index"] = prompts[out["prompt_index"]].astype(np.int32)
+            return out
 
-    shards = local_shards(mesh)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="rollout-shard") as pool:
-        futures = {d: pool.submit(run, d, sub) for d, sub in shards}
-        local = {d: f.result() for d, f in futures.items()}
-    return concat_blocks(gather_blocks(local, len(blocks)), group_size)
+    local = local_shards(mesh)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(local), thread_name_prefix="rollout-shard") as pool:
+        futures = {d: pool.submit(run, d, sub) for d, sub in local}
+        done = {d: f.result() for d, f in futures.items()}
+    return in_prompt_order(gather_blocks(done, shards), group_size)
+
+
+def in_prompt_order(parts: list[dict[str, np.ndarray]], group_size: int) -> RolloutBatch:
+    """One RolloutBatch of the shards' rows (`prompt_index` global), sorted back into prompt-major
+    order (a stable sort: sample g of a prompt stays its row g)."""
+    joined = concat([
+        RolloutBatch(**{f: jnp.asarray(p[f]) for f in (*PER_ROW, "steps")}, group_size=group_size) for p in parts
+    ])
+    order = np.argsort(np.asarray(joined.prompt_index), kind="stable")
+    return select_rows(joined, order)

@@ -205,8 +205,9 @@ def _admit(
     return cache, rows
 
 
-def _decode(static: Static, params, cache, rows: Rows, key, stop_V, exit_live):
-    """Decode steps while more than `exit_live` rows are live. Returns (cache, rows, steps run).
+def _decode(static: Static, params, cache, rows: Rows, key, stop_V, exit_live, max_steps):
+    """Decode steps while more than `exit_live` rows are live, at most `max_steps` of them.
+    Returns (cache, rows, steps run).
 
     A live row feeds its last token at slot P + t - 1 (position P + t - 1 - start), attends to
     [start, P + t), samples its token t and retires on a stop id (stop_V: bool [V]) or at its
@@ -219,8 +220,8 @@ def _decode(static: Static, params, cache, rows: Rows, key, stop_V, exit_live):
     row_ids = jnp.arange(r)
 
     def cond(carry):
-        _, _, rows = carry
-        return jnp.sum(rows.live, dtype=jnp.int32) > exit_live
+        step, _, rows = carry
+        return (jnp.sum(rows.live, dtype=jnp.int32) > exit_live) & (step < max_steps)
 
     def body(carry):
         step, cache, rows = carry
@@ -257,6 +258,11 @@ def _compact(static: Static, cache, rows: Rows, keep_N, valid_N):
     return cache, rows.replace(live=rows.live & valid_N)
 
 
+def _stop(rows: Rows, stop_R):
+    """Rows where stop_R (bool [R]) is True no longer decode."""
+    return rows.replace(live=rows.live & ~stop_R)
+
+
 # XLA's dot merger fuses a projection's LoRA-A dot (small) into its base dot (large), which
 # share an input, by concatenating [W; A] inside the decode loop: compiled for an H100 (jax
 # 0.10.2), a copy of every bf16 weight per step (7B, 256 rows: 56 concatenations, an 8.7 GiB
@@ -267,3 +273,4 @@ COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 admit = jax.jit(_admit, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
 decode = jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
 compact = jax.jit(_compact, static_argnums=0)
+stop = jax.jit(_stop, donate_argnums=0)

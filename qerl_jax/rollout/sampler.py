@@ -10,8 +10,9 @@ retire, refill, compaction) over the device programs (`programs`: admit, decode,
 assembles the `RolloutBatch`. The row order is prompt-major: row b * G + g is sample g of prompt b.
 
 Randomness: sequence r (its row in the full [B * G] output) draws its step-t token with key
-fold_in(fold_in(key, r), t). So results do not depend on `max_batch`, the row buckets, `share_prefill`, or on whether prompts are passed repeated with group_size 1 or once
-with group_size G.
+fold_in(fold_in(key, s), t), s its stream (`streams[r]`, default r). So results do not depend on
+`max_batch`, the row buckets, `share_prefill`, the admission order, or on whether prompts are
+passed repeated with group_size 1 or once with group_size G.
 
 Log-probs are those of `sampling.sample`: log_softmax(logits / T) before top-k/top-p.
 
@@ -25,7 +26,7 @@ import concurrent.futures
 import dataclasses
 import importlib.util
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from qerl_jax.rollout import budget, programs, scheduler, weights
 from qerl_jax.rollout.batch import RolloutBatch, to_train_batch
 from qerl_jax.rollout.sampling import SamplingConfig
 
-__all__ = ["RolloutBatch", "RolloutOptions", "RolloutPlan", "generate", "plan_rollout", "to_train_batch"]
+__all__ = ["RolloutBatch", "RolloutMonitor", "RolloutOptions", "RolloutPlan", "generate", "plan_rollout", "to_train_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,22 @@ class RolloutPlan:
         return (self.rows, *self.smaller)
 
 
+class RolloutMonitor(Protocol):
+    """What `generate` asks while it runs, for a caller that decides which sequences it needs."""
+
+    def finished(self, seqs_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> None:
+        """Sequences (indices of the call's rows) that stopped, with their tokens and lengths."""
+
+    def bounds(self, wait: bool) -> tuple[int, int]:
+        """(limit, end): sequences below `limit` may be admitted; those at or past `end` are not
+        needed (`end` never grows). wait: nothing is decoding or admissible, so block until
+        something can change (e.g. a pending score arrives), or return the same bounds when
+        nothing can."""
+
+
+# With a monitor, the decode loop hands back at least every this many steps (to harvest the
+# rows that stopped and stop those no longer needed).
+MONITOR_STEPS = 128
 # Programs `generate` compiles at once (XLA's GPU compiler also autotunes GEMMs on the device
 # while it compiles).
 COMPILE_THREADS = 4
@@ -311,6 +328,18 @@ def _check_limits(limits: Any, num_seqs: int, max_new: int) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _check_streams(streams: Any, num_seqs: int) -> np.ndarray:
+    """The uint32 [N] PRNG streams of the sequences (default 0..N-1)."""
+    if streams is None:
+        return np.arange(num_seqs, dtype=np.uint32)
+    arr = np.asarray(streams)
+    if arr.shape != (num_seqs,) or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"streams must be an int array of shape [{num_seqs}] (one per sequence); got {arr.dtype} {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError(f"streams must be in [0, 2**32); got [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.uint32)
+
+
 def decode_attention_backend(requested: str | None) -> str:
     """The decode attention `generate` uses: `requested`, or by default the Pallas kernel
     (`pallas_kernels.decode_attention`) on a GPU, whatever the weights' format (H100, 7B shapes,
@@ -336,7 +365,8 @@ def generate(
     lora_scale: float = 1.0,
     max_batch: int | None = None,
     max_new_tokens_per_seq: Sequence[int] | np.ndarray | None = None,
-    seq_offset: int = 0,
+    streams: Sequence[int] | np.ndarray | None = None,
+    monitor: RolloutMonitor | None = None,
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
@@ -353,9 +383,14 @@ def generate(
         or takes all B * G where the device reports no memory (CPU).
       max_new_tokens_per_seq: int [B * G] each sequence's token limit (<= max_new_tokens); a
         sequence stopped by it is truncated, like one stopped by max_new_tokens.
-      seq_offset: the PRNG stream of output row r is seq_offset + r: a call that samples one
-        block of a larger batch (a data shard's, `rollout.data_parallel`) draws the tokens the
-        whole batch's call would draw for those rows.
+      streams: int [B * G] the PRNG stream of each output row (default its row index r): a call
+        that samples some rows of a larger batch (a data shard's, `rollout.data_parallel`, or
+        several rounds of prompts at once) draws the tokens the larger call would for them.
+      monitor: told of each sequence as it stops (`RolloutMonitor.finished`), it bounds which
+        sequences are admitted and which are still needed (`RolloutMonitor.bounds`): DAPO's
+        dynamic sampling decides while the rollout runs. Rows of sequences no longer needed
+        stop decoding (their output rows stay empty: length 0); the decode loop hands back
+        every MONITOR_STEPS steps to ask.
       options: the engine's choices (`RolloutOptions`: backend, cache dtype, memory budget,
         row sharding, weight copies, compaction buckets, decode attention).
 
@@ -372,8 +407,6 @@ def generate(
         raise ValueError(f"group_size must be >= 1; got {group_size}")
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
-    if seq_offset < 0:
-        raise ValueError(f"seq_offset must be >= 0; got {seq_offset}")
     ids_np = np.asarray(prompt_ids)
     mask_np = np.asarray(prompt_mask)
     lengths = _check_prompts(config, ids_np, mask_np, sampling.max_new_tokens)
@@ -381,6 +414,7 @@ def generate(
     num_prompts = ids_np.shape[0]
     total = num_prompts * group_size
     limits = _check_limits(max_new_tokens_per_seq, total, sampling.max_new_tokens)
+    streams_N = _check_streams(streams, total)
     attention = decode_attention_backend(options.decode_attention)
     backend, batch_sharding = options.backend, options.batch_sharding
 
@@ -416,30 +450,40 @@ def generate(
     dense = plan.dense_names
     run_params = weights.split_layers(params, backend if dense else None, dense or None, plan.wgmma_names)
     if batch_sharding is None:
-        _precompile(static, run_params, plan, p_b, key, stop_V)
+        _precompile(static, run_params, plan, p_b, key, stop_V, admit_smaller=monitor is not None)
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
     cache, rows = programs.new_rows(static, plan.rows, p_b, pad_id, batch_sharding)
     prompt_of_seq = np.arange(total) // group_size
     out = _Outputs(total, sampling.max_new_tokens, pad_id)
+    max_steps = np.int32(MONITOR_STEPS if monitor is not None else new_slots)
     segments = []
-    while not sched.finished:
+    while True:
+        if monitor is not None:
+            dropped = sched.set_bounds(*monitor.bounds(wait=sched.idle))
+            if dropped.size:
+                rows = programs.stop(rows, put(np.isin(np.arange(sched.rows), dropped)))
+        if sched.idle:
+            break
         seqs, dest = sched.admissions()
         for i in range(0, len(seqs), plan.admit_rows):
             args = _admission(
                 ids_np, mask_np, prompt_of_seq, limits, seqs[i : i + plan.admit_rows], dest[i : i + plan.admit_rows],
                 rows=sched.rows, admit_rows=plan.admit_rows, admit_prompts=plan.admit_prompts, share=options.share_prefill,
-                seq_offset=seq_offset,
+                streams=streams_N,
             )  # fmt: skip
             cache, rows = programs.admit(
                 static, run_params, cache, rows, *map(put, args), key, stop_V, np.int32(pad_id)
             )
-        cache, rows, steps = programs.decode(static, run_params, cache, rows, key, stop_V, np.int32(sched.exit_live()))
+        exit_live = np.int32(sched.exit_live())
+        cache, rows, steps = programs.decode(static, run_params, cache, rows, key, stop_V, exit_live, max_steps)
         live = np.asarray(rows.live)
         segments.append(int(steps))
         done_rows, done_seqs = sched.retire(live)
         if done_rows.size:
             out.harvest(jax.device_get((rows.t, rows.stopped, rows.tokens, rows.logp)), done_rows, done_seqs)
+            if monitor is not None:
+                monitor.finished(done_seqs, out.tokens[done_seqs], out.lengths[done_seqs])
         keep = sched.compaction()
         if keep is not None:
             valid = sched.row_seq >= 0
@@ -461,11 +505,14 @@ def generate(
     )
 
 
-def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_slots: int, key, stop_V) -> None:
+def _precompile(
+    static: programs.Static, run_params, plan: RolloutPlan, prompt_slots: int, key, stop_V, *, admit_smaller: bool
+) -> None:
     """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
     compiles; tracing stays serial, each program compiling while the next is traced): `jax.jit`'s
     cache then serves the calls. Programs compiled before (an earlier call, or the persistent
-    compilation cache) come back at once."""
+    compilation cache) come back at once. admit_smaller: admissions into the compacted buckets
+    too (a monitor may let sequences in after a compaction)."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     key_spec = jax.ShapeDtypeStruct(key.shape, key.dtype)
@@ -476,8 +523,11 @@ def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_s
         spec((bp, prompt_slots), jnp.int32), spec((bp, prompt_slots), jnp.int32), spec((k,), jnp.int32),
         spec((k,), jnp.int32), spec((k,), jnp.uint32), spec((k,), jnp.int32), key_spec, stop_spec, scalar,
     )  # fmt: skip
-    jobs = [(programs.admit, (static, run_params, *buckets[plan.rows], *admission))]
-    jobs += [(programs.decode, (static, run_params, *buckets[b], key_spec, stop_spec, scalar)) for b in plan.buckets]
+    admit_buckets = plan.buckets if admit_smaller else (plan.rows,)
+    jobs = [(programs.admit, (static, run_params, *buckets[b], *admission)) for b in admit_buckets]
+    jobs += [
+        (programs.decode, (static, run_params, *buckets[b], key_spec, stop_spec, scalar, scalar)) for b in plan.buckets
+    ]
     for big, small in zip(plan.buckets, plan.buckets[1:]):
         jobs.append((programs.compact, (static, *buckets[big], spec((small,), jnp.int32), spec((small,), bool))))
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
@@ -488,10 +538,10 @@ def _precompile(static: programs.Static, run_params, plan: RolloutPlan, prompt_s
             future.result()
 
 
-def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share, seq_offset=0):
+def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share, streams):
     """The host arrays of one `programs.admit` call: (ids, mask, src, dest, seq, limit), padded
     to admit_prompts prompts (filler: one real pad token) and admit_rows sequences (dest = rows:
-    dropped); seq is each sequence's PRNG stream, seq_offset + its index."""
+    dropped); seq is each sequence's PRNG stream (`streams`)."""
     p = ids_np.shape[1]
     prompts = np.unique(prompt_of_seq[seqs]) if share else prompt_of_seq[seqs]
     ids = np.zeros((admit_prompts, p), np.int32)
@@ -505,7 +555,7 @@ def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admi
     dest_k = np.full((admit_rows,), rows, np.int32)
     dest_k[:count] = dest
     seq_k = np.zeros((admit_rows,), np.uint32)
-    seq_k[:count] = seqs + seq_offset
+    seq_k[:count] = streams[seqs]
     limit_k = np.ones((admit_rows,), np.int32)
     limit_k[:count] = limits[seqs]
     return ids, mask, src, dest_k, seq_k, limit_k

@@ -9,6 +9,10 @@ every free row takes the next queued sequence (its prompt prefilled
   smaller bucket of `smaller` (e.g. 64, then 16), and they are compacted into it
 (`programs.compact`): the tail of long completions runs at a small batch.
 
+A caller that decides while the rollout runs which sequences it needs (DAPO's dynamic
+sampling, `rl.dynamic_sampling`) bounds the queue (`set_bounds`): sequences at or past `limit`
+wait (they may be admitted later), those at or past `end` are dropped, queued or decoding.
+
 Shape buckets keep the compiled programs few: prompts are padded to `prompt_bucket`, the new
 tokens to `new_tokens_bucket`, rows to `rows_bucket`, and the smaller buckets are a short fixed
 list (`DEFAULT_SMALLER_ROWS`), so a call compiles one admission program and one decode program
@@ -117,14 +121,26 @@ class Scheduler:
         self.refill = refill or max(1, max_batch // REFILL_FRACTION)
         self.row_seq = np.full((rows,), -1, np.int64)
         self.next_seq = 0
+        self.limit = num_seqs  # sequences [next_seq, min(limit, end)) may be admitted now
+        self.end = num_seqs  # sequences at or past it are not needed
 
     @property
     def queued(self) -> int:
-        return self.num_seqs - self.next_seq
+        return max(0, min(self.limit, self.end) - self.next_seq)
 
     @property
-    def finished(self) -> bool:
+    def idle(self) -> bool:
+        """Nothing decoding and nothing admissible."""
         return self.queued == 0 and bool(np.all(self.row_seq < 0))
+
+    def set_bounds(self, limit: int, end: int) -> np.ndarray:
+        """Admits sequences below `limit` only and drops those at or past `end` (both only ever
+        lower `end`); returns the rows of dropped sequences that were decoding (now free)."""
+        self.limit = limit
+        self.end = min(self.end, end)
+        rows = np.flatnonzero(self.row_seq >= self.end)
+        self.row_seq[rows] = -1
+        return rows
 
     def admissions(self) -> tuple[np.ndarray, np.ndarray]:
         """The (sequences, rows) to admit now, in queue order into ascending free rows."""

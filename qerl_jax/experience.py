@@ -1,0 +1,313 @@
+"""One step's experience: rollouts of the step's prompts, scored, and the groups it trains on.
+
+    exp, stats = collect_experience(cfg, policy, rollout_params, loader, pool, key, mesh, keep_rate)
+
+With DAPO's dynamic sampling (`rl.dynamic_sampling`), the loader batches a step may need (1 +
+`rl.max_refill_rounds`) are sampled in ONE continuous-batching rollout, in loader order:
+sequences are scored as they stop, while the rest decode, and once enough groups with varied
+rewards are certain the rest are dropped (`rl.dynamic_sampling.GroupTracker`). The kept groups
+are those refill rounds (one rollout per batch, until enough groups vary) would keep from the
+same samples: sample g of prompt i of peeked batch b draws from PRNG stream (b * B + i) * G + g
+whichever call samples it. The loader ends after the last batch a kept group came from, as the
+rounds would leave it: the batches peeked but not needed are given back.
+
+With a mesh, each data shard samples its block of every batch and keeps its share of the groups
+(the first ones with varied rewards in its own order); its process scores its sequences.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import re
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from qerl_jax import lora, rewards
+from qerl_jax.data import PromptLoader, tokenize_prompts
+from qerl_jax.policy import Policy
+from qerl_jax.reward_pool import RewardPool
+from qerl_jax.rl import dynamic_sampling, losses
+from qerl_jax.rollout import batch as rollout_batch
+from qerl_jax.rollout import data_parallel
+from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate
+from qerl_jax.run_config import RunConfig, sampling_config
+
+
+@dataclasses.dataclass
+class Experience:
+    """Scored rollouts of the groups kept for training."""
+
+    rollout: RolloutBatch
+    answers: list[str]
+    completions: list[str]
+    prompts: list[str]
+    rewards: np.ndarray  # float32 [N], after shaping
+    accuracy: np.ndarray  # float32 [N], 1 where the answer was right
+    groups_sampled: int
+    groups_kept: int
+
+
+@dataclasses.dataclass
+class StepPrompts:
+    """The prompts of the loader batches a step may sample, in loader order (B of them)."""
+
+    ids: np.ndarray  # int32 [B, P], left-padded
+    mask: np.ndarray  # int32 [B, P]
+    prompts: list[str]
+    answers: list[str]
+    fields: list[dict[str, Any]]  # per prompt, the keyword fields a reward may take
+    batch_of: np.ndarray  # int [B]: the peeked batch each prompt came from
+    position: np.ndarray  # int [B]: its row in that batch
+
+
+def peek_prompts(cfg: RunConfig, policy: Policy, loader: PromptLoader, batches: int) -> StepPrompts:
+    """The next `batches` loader batches, tokenized (prompts over data.max_prompt_len dropped)."""
+    parts = []
+    for b in range(batches):
+        rows = next(loader)
+        tok = tokenize_prompts(
+            policy.tokenizer, rows["prompt"], cfg.data.max_prompt_len, cfg.data.template,
+            system_prompt=cfg.data.system_prompt,
+        )  # fmt: skip
+        kept = np.asarray(tok.kept_indices, np.int64)
+        fields = _reward_fields(rows, kept)
+        parts.append((tok, kept, [rows["prompt"][i] for i in kept], [rows["answer"][i] for i in kept], fields, b))
+    return StepPrompts(
+        ids=np.concatenate([p[0].input_ids for p in parts]).astype(np.int32),
+        mask=np.concatenate([p[0].attention_mask for p in parts]).astype(np.int32),
+        prompts=[x for p in parts for x in p[2]],
+        answers=[x for p in parts for x in p[3]],
+        fields=[x for p in parts for x in p[4]],
+        batch_of=np.concatenate([np.full(len(p[1]), p[5]) for p in parts]).astype(np.int64),
+        position=np.concatenate([p[1] for p in parts]),
+    )
+
+
+def _reward_fields(rows: dict[str, Any], indices: np.ndarray) -> list[dict[str, Any]]:
+    """Per prompt, the keyword fields a reward may take: its text and its dataset row's other columns."""
+    columns = [k for k in rows if k != "answer"]
+    value = lambda x: x.item() if isinstance(x, np.generic) else x  # noqa: E731 (plain Python for the workers)
+    return [{k: value(rows[k][i]) for k in columns} for i in indices]
+
+
+def shard_order(batch_of: np.ndarray, shards: int) -> list[np.ndarray]:
+    """Per data shard, its prompts in the order it samples them: its block of each batch in turn."""
+    order = [[] for _ in range(shards)]
+    for b in np.unique(batch_of):
+        members = np.flatnonzero(batch_of == b)
+        for d, block in enumerate(data_parallel.prompt_blocks(len(members), shards)):
+            order[d].append(members[block])
+    return [np.concatenate(o) if o else np.zeros((0,), np.int64) for o in order]
+
+
+class _Scorer:
+    """Decodes stopped sequences and submits them to the reward pool; keeps their texts."""
+
+    def __init__(self, cfg: RunConfig, policy: Policy, pool: RewardPool, step: StepPrompts, group_size: int):
+        self.cfg, self.tokenizer, self.pool, self.step, self.g = cfg, policy.tokenizer, pool, step, group_size
+        self.spec = rewards.parse_reward_spec(cfg.rl.reward, cfg.rl.reward_weights)
+        self.weights = np.asarray([w for _, w in self.spec], np.float32)
+        self.texts: dict[int, str] = {}
+        self._lock = threading.Lock()  # shard threads decode through one tokenizer
+
+    def for_rows(self, rows_N: np.ndarray):
+        """A `GroupTracker` submit function over a call whose row k is global row rows_N[k]."""
+        return lambda seqs, tokens, lengths: self.submit(rows_N[seqs], tokens, lengths)
+
+    def submit(self, rows_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> concurrent.futures.Future:
+        with self._lock:
+            texts = self.tokenizer.batch_decode(
+                [t[:n] for t, n in zip(tokens_KxM, lengths_K)], skip_special_tokens=True
+            )
+        self.texts.update(zip(rows_K.tolist(), texts))
+        prompts = rows_K // self.g
+        future = self.pool.submit_each(
+            texts, [self.step.answers[p] for p in prompts], [name for name, _ in self.spec],
+            fields=[self.step.fields[p] for p in prompts],
+        )  # fmt: skip
+        return _then(future, lambda each_RxK: (self.shape(each_RxK, lengths_K), each_RxK))
+
+    def completions(self, rows_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> list[str]:
+        """The texts of rows; those another process scored are decoded here."""
+        missing = [k for k, r in enumerate(rows_K) if int(r) not in self.texts]
+        if missing:
+            texts = self.tokenizer.batch_decode(
+                [tokens_KxM[k][: lengths_K[k]] for k in missing], skip_special_tokens=True
+            )
+            self.texts.update(zip(rows_K[missing].tolist(), texts))
+        return [self.texts[int(r)] for r in rows_K]
+
+    def shape(self, each_RxK: np.ndarray, lengths_K: np.ndarray) -> np.ndarray:
+        """The shaped rewards: the weighted sum of the rewards, DAPO's overlong penalty added."""
+        shaped = self.weights @ each_RxK
+        if self.cfg.rl.overlong_cache:
+            shaped = shaped + np.asarray(
+                losses.overlong_penalty(
+                    lengths_K, self.cfg.rollout.max_new_tokens, self.cfg.rl.overlong_cache, self.cfg.rl.overlong_penalty
+                )
+            )
+        return shaped.astype(np.float32)
+
+
+def _then(future: concurrent.futures.Future, fn) -> concurrent.futures.Future:
+    """A future of fn(future's result)."""
+    out = concurrent.futures.Future()
+
+    def done(f):
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 (handed to whoever waits on it)
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
+
+
+def collect_experience(
+    cfg: RunConfig,
+    policy: Policy,
+    rollout_params,
+    loader: PromptLoader,
+    pool: RewardPool,
+    key,
+    mesh: jax.sharding.Mesh | None = None,
+    keep_rate: float = 1.0,
+) -> tuple[Experience | None, dict[str, float]]:
+    """Rollouts + rewards for `prompts_per_step` groups (module doc). keep_rate: the expected
+    share of groups with varied rewards (the last step's `rollout/keep_rate`): it paces how many
+    prompts are admitted before their groups' rewards are known, not what is kept. Returns
+    (None, stats) when no group is kept."""
+    g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
+    before = loader.state()
+    step = peek_prompts(cfg, policy, loader, 1 + (cfg.rl.max_refill_rounds if dynamic else 0))
+    shards = mesh.shape["data"] if mesh is not None else 1
+    order = shard_order(step.batch_of, shards)
+    wants = [b.stop - b.start for b in data_parallel.prompt_blocks(want, shards)]
+    scorer = _Scorer(cfg, policy, pool, step, g)
+    local = [d for d, _ in data_parallel.local_shards(mesh)] if mesh is not None else [0]
+    rows_of = [(o[:, None] * g + np.arange(g)).reshape(-1) for o in order]
+    trackers = {
+        d: dynamic_sampling.GroupTracker(
+            len(order[d]), g, wants[d], scorer.for_rows(rows_of[d]), dynamic=dynamic, keep_rate=keep_rate
+        )
+        for d in local
+    }
+    t0 = time.perf_counter()
+    batch = _rollout(cfg, policy, rollout_params, step, key, mesh, order, trackers)
+    t_rollout = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shaped_N, each_RxN = _scores(trackers, rows_of, len(step.answers) * g, len(scorer.spec))
+    t_reward = time.perf_counter() - t0
+    needed = [
+        dynamic_sampling.needed_groups(shaped_N[rows_of[d]], g, wants[d]) if dynamic else min(wants[d], len(order[d]))
+        for d in range(shards)
+    ]
+    kept = np.sort(np.concatenate([
+        order[d][dynamic_sampling.kept_groups(shaped_N[rows_of[d][: needed[d] * g]], g, wants[d], dynamic)]
+        for d in range(shards)
+    ]))  # fmt: skip
+    used = max((int(step.batch_of[order[d][needed[d] - 1]]) + 1 for d in range(shards) if needed[d]), default=1)
+    loader.restore(before)
+    for _ in range(used):
+        next(loader)
+    sampled = np.concatenate([order[d][: needed[d]] for d in range(shards)])
+    stats = _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, len(kept), used, t_rollout, t_reward)
+    if not len(kept):
+        return None, stats
+    return _experience(batch, scorer, step, shaped_N, each_RxN, kept, g, len(sampled)), stats
+
+
+def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers) -> RolloutBatch:
+    """One rollout call over every peeked prompt (each sample on its stream, module doc)."""
+    g = cfg.rollout.group_size
+    streams = ((step.batch_of * cfg.rollout.prompts_per_step + step.position)[:, None] * g + np.arange(g)).reshape(-1)
+    common = dict(
+        group_size=g,
+        lora_scale=lora.lora_scale(cfg.lora),
+        max_batch=cfg.rollout.max_batch or None,
+        options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
+    )
+    sampling = sampling_config(cfg, policy)
+    if mesh is None:  # one shard: its order is the loader's
+        batch = generate(
+            policy.config, rollout_params, step.ids, step.mask, key, sampling,
+            streams=streams, monitor=trackers[0], **common,
+        )  # fmt: skip
+    else:
+        batch = data_parallel.generate_data_parallel(
+            policy.config, rollout_params, step.ids, step.mask, key, sampling, mesh=mesh,
+            streams=streams, shard_prompts=order, monitors=trackers, **common,
+        )  # fmt: skip
+    jax.block_until_ready(batch.tokens)
+    return batch
+
+
+def _scores(trackers, rows_of, num_rows: int, num_rewards: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shaped_N, each_RxN) over the step's rows (NaN / 0 where not scored), on every process."""
+    shaped_N = np.zeros((num_rows,), np.float32)
+    known_N = np.zeros((num_rows,), bool)
+    each_RxN = np.zeros((num_rewards, num_rows), np.float32)
+    mine_N = np.zeros((num_rows,), bool)
+    for d, tracker in trackers.items():
+        shaped, each = tracker.results()
+        rows = rows_of[d]
+        mine_N[rows] = True
+        known_N[rows] = ~np.isnan(shaped)
+        shaped_N[rows] = np.nan_to_num(shaped)
+        if each.shape[0]:
+            each_RxN[:, rows] = each
+    shaped_N, each_RxN = data_parallel.share_rows(shaped_N, mine_N), data_parallel.share_rows(each_RxN, mine_N)
+    known_N = data_parallel.share_rows(known_N, mine_N)
+    return np.where(known_N, shaped_N, np.nan).astype(np.float32), each_RxN
+
+
+def _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t_rollout, t_reward) -> dict[str, float]:
+    """The step's rollout metrics; reward statistics over the groups sampled (those up to each
+    shard's last needed one, every reward known)."""
+    g = cfg.rollout.group_size
+    lengths = np.asarray(batch.lengths)
+    rows = (np.sort(sampled)[:, None] * g + np.arange(g)).reshape(-1)
+    stats = {
+        "time/rollout_s": t_rollout,
+        "time/reward_s": t_reward,
+        "rollout/tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
+        "rollout/groups_sampled": float(len(sampled)),
+        "rollout/groups_kept": float(kept),
+        "rollout/prompt_batches": float(used),
+        "rollout/keep_rate": float(dynamic_sampling.varied_groups(shaped_N[rows], g).mean()) if len(rows) else 1.0,
+    }
+    if not len(rows):
+        return stats
+    raw = scorer.weights @ each_RxN[:, rows]
+    stats["reward/mean_sampled"] = float(shaped_N[rows].mean())
+    stats["reward/accuracy_sampled"] = float((raw >= 1.0).mean())
+    for (name, _), scores in zip(scorer.spec, each_RxN[:, rows]):  # unweighted, per reward
+        # TensorBoard keeps [A-Za-z0-9_./-] in tags: "module:function" would be logged under another name.
+        stats[f"reward/{re.sub(r'[^A-Za-z0-9_./-]', '_', name)}_mean_sampled"] = float(scores.mean())
+    # -log p of the sampled tokens under the sampler (quantized, AQN noise in its norms): a Monte
+    # Carlo estimate of the sampling policy's entropy per token
+    mask = np.asarray(batch.response_mask, bool)[rows]
+    logp = np.asarray(batch.logprobs, np.float64)[rows]
+    stats["rollout/entropy_mc"] = -float(logp[mask].sum()) / max(int(mask.sum()), 1)
+    return stats
+
+
+def _experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampled: int) -> Experience:
+    rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
+    raw = scorer.weights @ each_RxN[:, rows]
+    selected = rollout_batch.select_rows(batch, rows)
+    return Experience(
+        rollout=selected,
+        answers=[step.answers[r // g] for r in rows],
+        completions=scorer.completions(rows, np.asarray(selected.tokens), np.asarray(selected.lengths)),
+        prompts=[step.prompts[r // g] for r in rows],
+        rewards=shaped_N[rows].astype(np.float32),
+        accuracy=(raw >= 1.0).astype(np.float32),
+        groups_sampled=sampled,
+        groups_kept=len(kept),
+    )
