@@ -112,6 +112,7 @@ def run_dapo_case(args, fmt: str) -> dict:
     from benchmarks.grpo_step import backend_for, time_packed_train
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
+    from qerl_jax.rl import dynamic_sampling
     from qerl_jax.rl.step import init_train_state
     from qerl_jax.rollout.sampler import RolloutOptions, generate
     from qerl_jax.rollout.sampling import SamplingConfig
@@ -129,11 +130,13 @@ def run_dapo_case(args, fmt: str) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=run["max_new"], ignore_eos=True)
     options = RolloutOptions(backend=backend, min_prompt_len=run["prompt_len"])
 
+    planned = dynamic_sampling.groups_to_plan(p, args.keep_rate) * g  # the loop's rows for this keep rate
+
     def sample(prompt_ids, limits, streams, monitor):
         batch = generate(
             config, policy, prompt_ids, np.ones_like(prompt_ids), jax.random.key(3), sampling, group_size=g,
             lora_scale=lora.lora_scale(lcfg), max_new_tokens_per_seq=limits, streams=streams, monitor=monitor,
-            options=options,
+            expected_seqs=planned if monitor is not None else None, options=options,
         )  # fmt: skip
         jax.block_until_ready(batch.tokens)
         return batch

@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--formats", default="bf16,nvfp4,peer", help="bf16 | nvfp4 | mxfp4 | nf4 | peer, comma-separated")
     p.add_argument("--attention", default="flash", choices=("flash", "xla"))
     p.add_argument("--remat", default="auto", help="auto | full | proj | none (auto: the training loop's choice)")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=None, help="default: 8 (fixed), the recipe's 32 (gsm8k, dapo)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=512)
@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--refill-rounds", type=int, default=2, help="dapo: rl.max_refill_rounds")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.prompts is None and args.workload == "fixed":
+        args.prompts = 8
     if args.tiny:
         args.model, args.prompts, args.group, args.prompt_len, args.new_tokens = "tiny", 2, 4, 16, 16
         args.rank, args.micro_batch_size, args.logprob_chunk = 4, 4, 16
@@ -423,8 +425,7 @@ def main(argv=None) -> None:
             fmt,
             "--model",
             args.model,
-            "--prompts",
-            str(args.prompts),
+            *(["--prompts", str(args.prompts)] if args.prompts else []),
             "--group",
             str(args.group),
             "--prompt-len",

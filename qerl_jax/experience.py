@@ -198,7 +198,8 @@ def collect_experience(
         for d in local
     }
     t0 = time.perf_counter()
-    batch = _rollout(cfg, policy, rollout_params, step, key, mesh, order, trackers)
+    planned = [dynamic_sampling.groups_to_plan(w, keep_rate) if dynamic else w for w in wants]
+    batch = _rollout(cfg, policy, rollout_params, step, key, mesh, order, trackers, planned)
     t_rollout = time.perf_counter() - t0
     t0 = time.perf_counter()
     shaped_N, each_RxN = _scores(trackers, rows_of, len(step.answers) * g, len(scorer.spec))
@@ -222,8 +223,9 @@ def collect_experience(
     return _experience(batch, scorer, step, shaped_N, each_RxN, kept, g, len(sampled)), stats
 
 
-def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers) -> RolloutBatch:
-    """One rollout call over every peeked prompt (each sample on its stream, module doc)."""
+def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers, planned) -> RolloutBatch:
+    """One rollout call over every peeked prompt (each sample on its stream, module doc), each
+    shard's rows planned for `planned` groups (those it expects to admit; more as rows free up)."""
     g = cfg.rollout.group_size
     streams = ((step.batch_of * cfg.rollout.prompts_per_step + step.position)[:, None] * g + np.arange(g)).reshape(-1)
     common = dict(
@@ -236,12 +238,13 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
     if mesh is None:  # one shard: its order is the loader's
         batch = generate(
             policy.config, rollout_params, step.ids, step.mask, key, sampling,
-            streams=streams, monitor=trackers[0], **common,
+            streams=streams, monitor=trackers[0], expected_seqs=planned[0] * g, **common,
         )  # fmt: skip
     else:
         batch = data_parallel.generate_data_parallel(
             policy.config, rollout_params, step.ids, step.mask, key, sampling, mesh=mesh,
-            streams=streams, shard_prompts=order, monitors=trackers, **common,
+            streams=streams, shard_prompts=order, monitors=trackers,
+            expected_seqs={d: n * g for d, n in enumerate(planned)}, **common,
         )  # fmt: skip
     jax.block_until_ready(batch.tokens)
     return batch

@@ -50,7 +50,9 @@ def test_tracker_paces_admissions_by_the_keep_rate():
     values = np.zeros(20)  # 10 groups, all with equal rewards so far
     scorer = _FakeScorer(values)
     tracker = ds.GroupTracker(10, G, want=2, submit=scorer, keep_rate=0.5)
-    assert tracker.bounds(wait=False) == (4 * G, 10 * G)  # 2 wanted / 0.5 -> 4 groups admitted
+    assert ds.groups_to_admit(2, 0.5) == 5  # 2 wanted / 0.5 -> 4 groups, x1.2 margin
+    assert ds.groups_to_plan(32, 0.78) == 64 and ds.groups_to_plan(32, 1.0) == 48  # multiples of 16
+    assert tracker.bounds(wait=False) == (5 * G, 10 * G)
     _finish(tracker, range(8))
     scorer.resolve()
     limit, end = tracker.bounds(wait=False)

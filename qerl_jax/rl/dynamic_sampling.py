@@ -11,7 +11,8 @@ submits it; the scores arrive asynchronously). A group's rewards are known to va
 two of its scores differ. Once `want` groups are known to vary, no group after the last of them
 can be kept: those sequences are dropped, queued or decoding (`GroupTracker.bounds`' `end`).
 Before that, prompts are admitted as the keep rate says they will be needed (`limit`): enough
-groups that the undecided ones are expected to supply what is still missing.
+groups that the undecided ones are expected to supply what is still missing, with a margin
+(ADMIT_MARGIN).
 """
 
 from __future__ import annotations
@@ -24,9 +25,24 @@ import numpy as np
 
 # Groups whose keep rate is assumed to be the prior's, in the estimate that paces admissions.
 PRIOR_GROUPS = 4
+# Admissions aim this much above the groups the keep rate says are needed: a group admitted late
+# pays its own long tail after the others', while an extra one costs a few rows of the batch.
+ADMIT_MARGIN = 1.2
 # The lowest keep rate the pacing assumes (a step whose groups all have equal rewards would
 # otherwise admit nothing more).
 MIN_KEEP_RATE = 0.05
+
+
+def groups_to_admit(want: int, keep_rate: float) -> int:
+    """Groups to admit at first for `want` with varied rewards at this keep rate (with a margin)."""
+    return math.ceil(want / max(keep_rate, MIN_KEEP_RATE) * ADMIT_MARGIN - 1e-9)
+
+
+def groups_to_plan(want: int, keep_rate: float) -> int:
+    """`groups_to_admit` rounded up to a multiple of half of `want`: the rollout's rows, sized for
+    it, take few distinct shapes as the keep rate moves (each new one compiles its programs)."""
+    quantum = max(1, want // 2)
+    return -(-groups_to_admit(want, keep_rate) // quantum) * quantum
 
 
 def varied_groups(shaped_N: np.ndarray, group_size: int) -> np.ndarray:
@@ -80,11 +96,9 @@ class GroupTracker:
         self.shaped_N = np.full((num_groups * group_size,), np.nan, np.float32)
         self.each_RxN: np.ndarray | None = None
         self._pending: list[tuple[np.ndarray, concurrent.futures.Future]] = []
-        self._limit = self.num_groups if not dynamic else min(self.num_groups, self._initial_groups())
+        self._limit = self.num_groups if not dynamic else min(self.num_groups, groups_to_admit(want, keep_rate))
         self._end = self.num_groups
 
-    def _initial_groups(self) -> int:
-        return math.ceil(self.want / max(self.keep_rate, MIN_KEEP_RATE))
 
     def finished(self, seqs_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> None:
         seqs_K = np.asarray(seqs_K)
@@ -145,7 +159,7 @@ class GroupTracker:
         decided = varied | ~np.isnan(r_GxN).any(axis=1)
         rate = (varied[decided].sum() + PRIOR_GROUPS * self.keep_rate) / (decided.sum() + PRIOR_GROUPS)
         rate = max(float(rate), MIN_KEEP_RATE)
-        missing = self.want - int(varied.sum()) - (~decided).sum() * rate
+        missing = self.want - int(varied.sum()) - (~decided).sum() * rate / ADMIT_MARGIN
         if missing > 1e-6:
-            self._limit = min(self._end, self._limit + math.ceil(missing / rate - 1e-6))
+            self._limit = min(self._end, self._limit + groups_to_admit(math.ceil(missing - 1e-6), rate))
         self._limit = min(self._limit, self._end)

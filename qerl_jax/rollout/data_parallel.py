@@ -153,6 +153,7 @@ def generate_data_parallel(
     streams=None,
     shard_prompts: list[np.ndarray] | None = None,
     monitors: dict[int, Any] | None = None,
+    expected_seqs: dict[int, int] | None = None,
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch:
     """`generate` over the mesh's data shards (module doc); the same arguments, and the same
@@ -160,7 +161,8 @@ def generate_data_parallel(
 
     shard_prompts: the prompts (indices, in the order it samples them) of each shard; default
     contiguous blocks (`prompt_blocks`). monitors: {data index: `RolloutMonitor`} for this
-    process's shards, each over its shard's sequences (its call's rows).
+    process's shards, each over its shard's sequences (its call's rows); expected_seqs: {data
+    index: `generate`'s expected_seqs}.
     """
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
     shards = mesh.shape["data"]
@@ -187,7 +189,7 @@ def generate_data_parallel(
                 config, on_submesh(params, sub), ids[prompts], mask[prompts], shard_key, sampling,
                 group_size=group_size, lora_scale=lora_scale, max_batch=max_batch,
                 max_new_tokens_per_seq=None if limits is None else limits[rows], streams=streams[rows],
-                monitor=(monitors or {}).get(d), options=shard_options,
+                monitor=(monitors or {}).get(d), expected_seqs=(expected_seqs or {}).get(d), options=shard_options,
             )  # fmt: skip
             out = _host(batch)
             out["prompt_index"] = prompts[out["prompt_index"]].astype(np.int32)

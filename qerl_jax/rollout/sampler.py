@@ -367,6 +367,7 @@ def generate(
     max_new_tokens_per_seq: Sequence[int] | np.ndarray | None = None,
     streams: Sequence[int] | np.ndarray | None = None,
     monitor: RolloutMonitor | None = None,
+    expected_seqs: int | None = None,
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
@@ -391,6 +392,10 @@ def generate(
         dynamic sampling decides while the rollout runs. Rows of sequences no longer needed
         stop decoding (their output rows stay empty: length 0); the decode loop hands back
         every MONITOR_STEPS steps to ask.
+      expected_seqs: the rows are planned (`plan_rollout`) for at most this many sequences at
+        once (default all B * G): a call whose monitor will likely stop it short (DAPO's
+        over-provisioned prompts) runs the programs of the batch it expects to need, the rest
+        admitted as rows free up.
       options: the engine's choices (`RolloutOptions`: backend, cache dtype, memory budget,
         row sharding, weight copies, compaction buckets, decode attention).
 
@@ -443,8 +448,9 @@ def generate(
         new_slots=new_slots,
         cache_dtype=jnp.dtype(options.cache_dtype).name,
     )
+    planned = total if expected_seqs is None else max(1, min(total, expected_seqs))
     plan = plan_rollout(
-        config, params, total, p_b, new_slots, group_size=group_size, max_batch=max_batch, options=options
+        config, params, planned, p_b, new_slots, group_size=group_size, max_batch=max_batch, options=options
     )
 
     dense = plan.dense_names
