@@ -151,13 +151,63 @@ def _default_num_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """A submitted batch: item i is reward i // n on completion i % n; resolved when `left` reaches 0."""
+
+    fns: list[RewardFn]
+    names: list[str]
+    completions: list[str]
+    answers: list[str]
+    fields: list[dict[str, Any]]
+    timeout_s: float
+    squeeze: bool
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+    def __post_init__(self) -> None:
+        self.future.set_running_or_notify_cancel()  # its items are queued: it cannot be cancelled
+        self.rewards = np.zeros((len(self.fns), len(self.completions)), np.float32)
+        self.left = self.rewards.size
+
+    def payload(self, i: int) -> bytes:
+        j, c = divmod(i, len(self.completions))
+        item = (self.fns[j], self.completions[c], self.answers[c], self.fields[c])
+        return pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def name(self, i: int) -> str:
+        return self.names[i // len(self.completions)]
+
+    def store(self, i: int, reward: float) -> None:
+        """Stores item i's reward; the last item resolves the future."""
+        self.rewards.reshape(-1)[i] = reward
+        self.left -= 1
+        if self.left == 0:
+            self.resolve()
+
+    def resolve(self) -> None:
+        self.future.set_result(self.rewards[0] if self.squeeze else self.rewards)
+
+
+@dataclasses.dataclass
+class _Job:
+    """An item on a worker: until the worker says it started the item (its reward unpickled, the
+    module imported), the deadline is the start-up one."""
+
+    batch: _Batch
+    i: int
+    deadline: float
+    scoring: bool = False
+
+
 class RewardPool:
     """Scores (completion, answer) batches in worker processes with a per-item timeout.
 
     Workers are started once and reused; a worker exceeding `timeout_s` on an
     item is killed and replaced, and that item scores 0.0 (counted in
-    `stats["timeouts"]`). Batches run one at a time in a background thread, so
-    `submit` returns a future at once and the caller can overlap work.
+    `stats["timeouts"]`). `submit` returns a future at once: a background thread
+    hands the items of all submitted batches to idle workers in submission order
+    (one queue of items), and resolves each batch's future when its own items are
+    scored, so a slow item costs its own deadline, not a wait for later batches.
     Use as a context manager or call `close()`.
     """
 
@@ -177,10 +227,15 @@ class RewardPool:
         self.reward_stats: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.first_errors: dict[str, str] = {}
         self._env = _worker_env()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _closed, _todo and _scheduler
         self._closed = False
+        self._todo: collections.deque[tuple[_Batch, int]] = collections.deque()  # items not yet on a worker
+        self._scheduler: threading.Thread | None = None  # runs while items are queued or being scored
+        # A new batch wakes the scheduler from its wait on the workers' pipes.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._workers = [self._start_worker() for _ in range(num_workers)]
-        self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
 
     def _start_worker(self) -> _Worker:
         proc = subprocess.Popen(
@@ -248,8 +303,6 @@ class RewardPool:
         Every (reward, item) pair is one work item with its own deadline; one that raises, times
         out or crashes its worker scores 0.0 and is counted in `stats`.
         """
-        if self._closed:
-            raise RuntimeError("RewardPool is closed.")
         completions, answers = list(completions), list(answers)
         if len(completions) != len(answers):
             raise ValueError(f"got {len(completions)} completions but {len(answers)} answers.")
@@ -277,8 +330,26 @@ class RewardPool:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
         names = [reward_name(f) for f in reward_fns]
-        run = lambda: self._run(fns, names, completions, answers, fields, timeout_s)  # noqa: E731
-        return self._dispatcher.submit((lambda: run()[0]) if _squeeze else run)
+        batch = _Batch(fns, names, completions, answers, fields, timeout_s, _squeeze)
+        self._enqueue(batch)
+        return batch.future
+
+    def _enqueue(self, batch: _Batch) -> None:
+        """Queues a batch's items behind those already submitted; starts the scheduler if none runs."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed.")
+            self._todo.extend((batch, i) for i in range(batch.left))
+            if batch.left and self._scheduler is None:
+                self._scheduler = threading.Thread(target=self._schedule, name="reward-pool")
+                self._scheduler.start()
+            elif batch.left:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:  # The pipe is full of wake-ups already.
+                    pass
+        if not batch.left:
+            batch.resolve()
 
     def score(
         self,
@@ -304,81 +375,104 @@ class RewardPool:
         """Blocking `submit_each(...).result()`: float32 rewards [len(reward_fns), len(completions)]."""
         return self.submit_each(completions, answers, reward_fns, timeout_s=timeout_s, fields=fields).result()
 
-    def _run(
-        self,
-        fns: list[RewardFn],
-        names: list[str],
-        completions: list[str],
-        answers: list[str],
-        fields: list[dict[str, Any]],
-        timeout_s: float,
-    ) -> np.ndarray:
-        n = len(completions)
-        rewards = np.zeros((len(fns), n), np.float32)
-        flat = rewards.reshape(-1)  # item k: reward k // n on completion k % n
-        todo = collections.deque(range(len(fns) * n))
-        # Worker slot -> [item, deadline, scoring]: until the worker says it started the item (its
-        # reward unpickled, the module imported), the deadline is the start-up one.
-        busy: dict[int, list] = {}
-        fail = lambda i, why: self._record(names[i // n], why)  # noqa: E731
-        while todo or busy:
-            self._dispatch(todo, busy, fns, completions, answers, fields, n)
-            for k, tag, r, err in self._receive(busy):
-                if tag == "started":
-                    busy[k][1:] = [time.monotonic() + timeout_s, True]
-                elif tag == "crashed":
-                    i = busy.pop(k)[0]
-                    log.warning("reward worker crashed on item %d; reward 0.0.", i)
-                    fail(i, f"its worker process died (exit code {r})")
-                else:
-                    i = busy.pop(k)[0]
-                    flat[i] = r
-                    self.stats["scored"] += 1
-                    self._record(names[i // n], err)
-                    if err is not None:
-                        self.stats["errors"] += 1
-                        log.debug("reward fn raised on item %d: %s", i, err)
-            now = time.monotonic()
-            for k in [k for k, (_, d, _) in busy.items() if now > d]:
-                i, _, scoring = busy.pop(k)
-                flat[i] = 0.0
-                self.stats["timeouts"] += 1
-                why = f"ran past {timeout_s:g} s"
-                if not scoring:
-                    why = f"was not loaded in a worker within {self.startup_timeout_s:g} s"
-                log.warning("reward item %d %s; worker restarted, reward 0.0.", i, why)
-                fail(i, f"timed out: {why}")
-                self._replace(k)
-            for w in self._workers:
-                if not w.ready and now > w.started + self.startup_timeout_s:
-                    raise RuntimeError(f"reward worker not ready after {self.startup_timeout_s:.0f}s.")
-        return rewards
+    def _schedule(self) -> None:
+        """The scheduler thread: hands queued items to idle workers and collects their results until no
+        item is queued or being scored. A worker failing to start fails every batch not yet resolved."""
+        busy: dict[int, _Job] = {}  # worker slot -> its item
+        try:
+            while True:
+                with self._lock:
+                    if not self._todo and not busy:
+                        self._scheduler = None
+                        return
+                self._dispatch(busy)
+                for k, tag, r, err in self._receive(busy):
+                    self._take_frame(busy, k, tag, r, err)
+                self._expire(busy)
+        except Exception as e:  # noqa: BLE001 (the batches' futures carry it)
+            self._fail_pending(busy, e)
 
-    def _dispatch(self, todo, busy, fns, completions, answers, fields, n: int) -> None:
-        """Sends the next items to the idle, ready workers."""
+    def _dispatch(self, busy: dict[int, _Job]) -> None:
+        """Sends the next queued items to the idle, ready workers."""
         for k, w in enumerate(self._workers):
-            if w.ready and k not in busy and todo:
-                i = todo.popleft()
-                j, c = divmod(i, n)
-                item = (fns[j], completions[c], answers[c], fields[c])
-                payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-                try:
-                    _write_frame(w.in_fd, (i, payload))
-                except (OSError, ValueError):  # The worker died while idle.
-                    todo.appendleft(i)
-                    self.stats["crashes"] += 1
-                    self._replace(k)
-                    continue
-                busy[k] = [i, time.monotonic() + self.startup_timeout_s, False]
+            if not w.ready or k in busy:
+                continue
+            with self._lock:
+                if not self._todo:
+                    return
+                batch, i = self._todo.popleft()
+            try:
+                _write_frame(w.in_fd, (i, batch.payload(i)))
+            except (OSError, ValueError):  # The worker died while idle.
+                with self._lock:
+                    self._todo.appendleft((batch, i))
+                self.stats["crashes"] += 1
+                self._replace(k)
+                continue
+            busy[k] = _Job(batch, i, time.monotonic() + self.startup_timeout_s)
 
-    def _receive(self, busy) -> list[tuple[int, str | None, Any, str | None]]:
-        """(slot, tag, reward or exit code, error) of the frames that arrive before the nearest deadline:
-        tag "started" (an item's scoring began), None (a result), "crashed" (the busy worker died)."""
+    def _take_frame(self, busy: dict[int, _Job], k: int, tag: str | None, r: Any, err: str | None) -> None:
+        """Acts on what `_receive` read from worker slot k."""
+        if tag == "started":
+            busy[k].deadline = time.monotonic() + busy[k].batch.timeout_s
+            busy[k].scoring = True
+            return
+        job = busy.pop(k)
+        if tag == "crashed":
+            log.warning("reward worker crashed on item %d; reward 0.0.", job.i)
+            self._record(job.batch.name(job.i), f"its worker process died (exit code {r})")
+        else:
+            self.stats["scored"] += 1
+            self._record(job.batch.name(job.i), err)
+            if err is not None:
+                self.stats["errors"] += 1
+                log.debug("reward fn raised on item %d: %s", job.i, err)
+        job.batch.store(job.i, 0.0 if tag == "crashed" else r)
+
+    def _expire(self, busy: dict[int, _Job]) -> None:
+        """Items past their deadline score 0.0 and their workers are replaced; raises if a worker is not
+        ready within the start-up deadline."""
+        now = time.monotonic()
+        for k in [k for k, job in busy.items() if now > job.deadline]:
+            job = busy.pop(k)
+            self.stats["timeouts"] += 1
+            why = f"ran past {job.batch.timeout_s:g} s"
+            if not job.scoring:
+                why = f"was not loaded in a worker within {self.startup_timeout_s:g} s"
+            log.warning("reward item %d %s; worker restarted, reward 0.0.", job.i, why)
+            self._record(job.batch.name(job.i), f"timed out: {why}")
+            self._replace(k)
+            job.batch.store(job.i, 0.0)
+        for w in self._workers:
+            if not w.ready and now > w.started + self.startup_timeout_s:
+                raise RuntimeError(f"reward worker not ready after {self.startup_timeout_s:.0f}s.")
+
+    def _fail_pending(self, busy: dict[int, _Job], error: BaseException) -> None:
+        """Fails the future of every batch with an item queued or on a worker (their workers are
+        replaced: a late result must not be read as a later item's); a later batch tries again."""
+        with self._lock:
+            pending = [batch for batch, _ in self._todo]
+            self._todo.clear()
+            self._scheduler = None
+        for k, job in busy.items():
+            pending.append(job.batch)
+            self._replace(k)
+        for batch in dict.fromkeys(pending):
+            if not batch.future.done():
+                batch.future.set_exception(error)
+
+    def _receive(self, busy: dict[int, _Job]) -> list[tuple[int, str | None, Any, str | None]]:
+        """(slot, tag, reward or exit code, error) of the frames that arrive before the nearest deadline
+        or a new batch: tag "started" (an item's scoring began), None (a result), "crashed" (the busy
+        worker died)."""
         waiting = {w.out_fd: k for k, w in enumerate(self._workers) if k in busy or not w.ready}
-        deadlines = [d for _, d, _ in busy.values()]
+        deadlines = [job.deadline for job in busy.values()]
         deadlines += [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
-        wait_s = max(0.0, min(deadlines) - time.monotonic())
-        readable, _, _ = select.select(list(waiting), [], [], wait_s)
+        wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        readable, _, _ = select.select([*waiting, self._wake_r], [], [], wait_s)
+        if self._wake_r in readable:  # New items: the caller dispatches them.
+            readable.remove(self._wake_r)
+            os.read(self._wake_r, 4096)  # Any wake-ups left make the next wait return at once.
         out = []
         for fd in readable:
             k = waiting[fd]
@@ -415,14 +509,18 @@ class RewardPool:
             self.first_errors.setdefault(name, error)
 
     def close(self) -> None:
-        """Waits for a running batch, then stops the workers (idempotent)."""
+        """Waits for every submitted batch, then stops the workers (idempotent)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._dispatcher.shutdown(wait=True)
+            scheduler = self._scheduler
+        if scheduler is not None:
+            scheduler.join()
         for w in self._workers:
             self._stop_worker(w, kill=not w.ready)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -436,6 +534,9 @@ class RewardPool:
             for w in getattr(self, "_workers", []):
                 if w.proc.poll() is None:
                     w.proc.kill()
+            for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):
+                if fd is not None:
+                    os.close(fd)
 
 
 def score_batch(

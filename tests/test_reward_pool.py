@@ -209,3 +209,88 @@ def test_score_each_runs_every_reward_with_the_row_fields_in_the_workers(pool):
     assert pool.stats["errors"] == errors_before + 1
     with pytest.raises(ValueError, match="3 completions but 2 field dicts"):
         pool.submit_each(completions, ["3"] * 3, ["accuracy"], fields=fields[:2])
+
+
+SLEEPY = "worker_rewards:sleepy_exact"  # imported by name in the workers (this module imports pytest, numpy)
+
+
+def _wait_until_workers_ready(p: P.RewardPool, limit_s: float = 300.0) -> None:
+    """Scores tiny batches until every worker has said it is ready (the scheduler reads that while it
+    runs), so that which worker takes which item below does not hang on a start-up."""
+    t_end = time.monotonic() + limit_s
+    while not all(w.ready for w in p._workers):
+        assert time.monotonic() < t_end, "reward workers not ready"
+        np.testing.assert_array_equal(p.score(["a"], ["a"], SLEEPY), [1.0])
+        time.sleep(0.1)
+
+
+def test_a_slow_item_does_not_hold_back_a_later_batch():
+    """Items of all batches share the workers: a fast batch submitted after one whose item runs to its
+    deadline is done while that item still runs; the slow item then scores 0 as a timeout."""
+    with P.RewardPool(2, timeout_s=5.0) as p:
+        _wait_until_workers_ready(p)
+        scored_before = p.stats["scored"]
+        done = []
+        slow = p.submit(["sleep 30"], ["sleep 30"], SLEEPY)
+        fast = p.submit(["a", "b", "c", "d"], ["a", "x", "c", "d"], SLEEPY)
+        slow.add_done_callback(lambda _: done.append("slow"))
+        fast.add_done_callback(lambda _: done.append("fast"))
+        np.testing.assert_array_equal(fast.result(timeout=10), [1.0, 0.0, 1.0, 1.0])
+        assert not slow.done()  # its item has 5 s to run, the fast ones took milliseconds
+        np.testing.assert_array_equal(slow.result(timeout=60), [0.0])
+        assert done == ["fast", "slow"]
+        assert p.stats["timeouts"] == 1 and p.stats["scored"] == scored_before + 4
+        assert p.reward_stats[SLEEPY]["failed"] == 1
+        assert p.first_errors[SLEEPY] == "timed out: ran past 5 s"
+
+
+def test_small_batches_from_two_threads_score_as_one_batch(pool):
+    """Many small batches (1-3 completions, two rewards each) submitted at once from two threads give
+    the scores of one score_each call over all their items."""
+    rng = random.Random(1)
+    completions = [f"so \\boxed{{{rng.randint(0, 9)}}} {'7' * rng.randint(0, 9)}" for _ in range(60)]
+    answers = [str(rng.randint(0, 9)) for _ in completions]
+    rewards = ["accuracy", "worker_rewards:digit_reward"]
+    want = pool.score_each(completions, answers, rewards)
+    assert 0 < want[0].sum() < len(completions)  # both outcomes occur
+    cuts = [0]
+    while cuts[-1] < len(completions):
+        cuts.append(min(len(completions), cuts[-1] + rng.randint(1, 3)))
+    spans = list(zip(cuts[:-1], cuts[1:]))
+
+    def submit_every_other(parity: int) -> list:
+        return [
+            (a, pool.submit_each(completions[a:b], answers[a:b], rewards))
+            for a, b in spans[parity::2]
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        submitted = [f for part in ex.map(submit_every_other, (0, 1)) for f in part]
+    got = np.zeros_like(want)
+    for a, fut in submitted:
+        scores = fut.result(timeout=120)
+        got[:, a : a + scores.shape[1]] = scores
+    np.testing.assert_array_equal(got, want)
+
+
+def test_close_finishes_the_pending_batches():
+    p = P.RewardPool(1, timeout_s=30.0)
+    procs = [w.proc for w in p._workers]
+    futs = [p.submit([f"sleep 0.5 {b}{i}" for i in range(2)], [f"sleep 0.5 {b}0", "x"], SLEEPY) for b in range(3)]
+    assert not futs[-1].done()  # 6 items of 0.5 s each on one worker
+    assert not futs[-1].cancel()  # queued items are scored
+    p.close()
+    for fut in futs:
+        assert fut.done()
+        np.testing.assert_array_equal(fut.result(), [1.0, 0.0])
+    assert all(proc.poll() is not None for proc in procs)
+    assert p.stats["scored"] == 6 and p.stats["timeouts"] == 0
+
+
+def test_workers_not_ready_in_time_fail_every_pending_batch():
+    with P.RewardPool(1, startup_timeout_s=0.01) as p:  # a worker takes far longer to start
+        futs = [p.submit(["a"], ["a"], SLEEPY) for _ in range(3)]
+        for fut in futs:
+            with pytest.raises(RuntimeError, match="not ready after"):
+                fut.result(timeout=60)
+        assert not p.stats and not p.reward_stats  # nothing was scored or counted

@@ -3,6 +3,7 @@ this module imports nothing heavy (a test module importing jax and torch would c
 seconds)."""
 
 import os
+import time
 import uuid
 import zlib
 
@@ -17,6 +18,14 @@ def prompt_reward(completion: str, ground_truth: str, prompt: str, source_id: st
     """A reward reading the row's fields: the prompt's length / 1000, + 1 when the row has an id."""
     del completion, ground_truth
     return len(prompt) / 1000 + float(bool(source_id))
+
+
+def sleepy_exact(completion: str, ground_truth: str) -> float:
+    """1.0 when the completion is the answer, else 0.0; a completion "sleep <seconds> ..." first sleeps
+    that long (a slow reward)."""
+    if completion.startswith("sleep "):
+        time.sleep(float(completion.split()[1]))
+    return float(completion == ground_truth)
 
 
 CALLS_BEFORE_FAILING = 16  # configs/tiny.py's completions per step: 4 prompts x 4
