@@ -151,11 +151,12 @@ def load_config(name: str, arg: str | None = None):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """The tiny random Qwen2 checkpoint + tokenizer that configs/tiny.py builds (qerl_jax.model_io.tiny)."""
+def tiny_model_dir():
+    """The tiny random Qwen2 checkpoint + tokenizer that configs/tiny.py builds (qerl_jax.model_io.tiny),
+    one for the whole test run (`once_per_test_run`); tests must not change it."""
     from qerl_jax.model_io import tiny
 
-    return tiny.build_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny_gsm8k") / "model"))
+    return once_per_test_run("tiny_gsm8k", lambda d: tiny.build_tiny_checkpoint(os.path.join(d, "model")))
 
 
 # Put first on PYTHONPATH, it makes the packages named in $QERL_TEST_HIDE look uninstalled to every
@@ -191,27 +192,57 @@ def extra_only_modules(extra: str) -> set[str]:
     return {IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names}
 
 
+def once_per_test_run(name: str, build):
+    """`build(directory)` once in the whole test run, its JSON-able result returned to every caller:
+    the xdist workers share the run's directory, so the first worker to ask builds (under a file lock)
+    and the others wait for it and reuse the result instead of running the same work again beside it.
+    A build that raises leaves nothing behind: the next caller tries again (and fails the same way)."""
+    import fcntl
+    import json
+
+    directory = os.path.join(os.environ[_RUN_DIR_ENV], "once", name)
+    os.makedirs(directory, exist_ok=True)
+    done = os.path.join(directory, "result.json")
+    with open(directory + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(done):
+            result = build(directory)
+            with open(done + ".tmp", "w") as f:
+                json.dump(result, f)
+            os.replace(done + ".tmp", done)
+        with open(done) as f:
+            return json.load(f)
+
+
 @pytest.fixture(scope="session")
-def finished_tiny_run(tmp_path_factory):
+def finished_tiny_run():
     """The README's first command (configs/tiny.py: the tiny model built in the workdir), 3 steps, a
     checkpoint each, no eval, with every package of the `test` extra hidden (QERL_TEST_HIDE): the
-    main job must not need them. (workdir, the hidden import names); tests must not change the run."""
-    import subprocess
-    import sys
+    main job must not need them. (workdir, the hidden import names); tests must not change the run.
+    Run once for the whole test run (`once_per_test_run`): test_cli and test_eval share it."""
+    import pathlib
 
-    root = tmp_path_factory.mktemp("finished_tiny_run")
-    (root / "hide").mkdir()
-    (root / "hide" / "sitecustomize.py").write_text(HIDING_SITECUSTOMIZE)
-    hidden = extra_only_modules("test")
-    workdir = root / "run"
-    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
-           "--config.train.total_steps=3", "--config.train.checkpoint_every=1",
-           "--config.eval.num_examples=0"]  # fmt: skip
-    paths = [str(root / "hide"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "QERL_TEST_HIDE": ",".join(sorted(hidden)), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return workdir, hidden
+    def run(root: str):
+        import subprocess
+        import sys
+
+        hide = os.path.join(root, "hide")
+        os.makedirs(hide)
+        with open(os.path.join(hide, "sitecustomize.py"), "w") as f:
+            f.write(HIDING_SITECUSTOMIZE)
+        hidden = extra_only_modules("test")
+        workdir = os.path.join(root, "run")
+        cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+               "--config.train.total_steps=3", "--config.train.checkpoint_every=1",
+               "--config.eval.num_examples=0"]  # fmt: skip
+        path = os.pathsep.join(filter(None, [hide, os.environ.get("PYTHONPATH", "")]))
+        env = {**os.environ, "QERL_TEST_HIDE": ",".join(sorted(hidden)), "PYTHONPATH": path}
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [workdir, sorted(hidden)]
+
+    workdir, hidden = once_per_test_run("finished_tiny_run", run)
+    return pathlib.Path(workdir), set(hidden)
 
 
 def faulty_json_save(step: int, fault: str):

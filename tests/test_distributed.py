@@ -30,9 +30,36 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+# Put first on PYTHONPATH, it gives jax.distributed.initialize a heartbeat timeout of HEARTBEAT_S
+# instead of jax's 100 s: a process whose peer was killed outside a collective is stopped by the
+# coordination service once the peer's heartbeats are missed, and the suite need not wait 100 s.
+HEARTBEAT_S = 15
+SHORT_HEARTBEAT_SITECUSTOMIZE = f"""
+import functools, jax
+_initialize = jax.distributed.initialize
+@functools.wraps(_initialize)
+def initialize(*args, **kwargs):
+    kwargs.setdefault("heartbeat_timeout_seconds", {HEARTBEAT_S})
+    return _initialize(*args, **kwargs)
+jax.distributed.initialize = initialize
+"""
+
+
+def _short_heartbeat_dir() -> str:
+    from conftest import once_per_test_run
+
+    def write(directory: str) -> str:
+        with open(os.path.join(directory, "sitecustomize.py"), "w") as f:
+            f.write(SHORT_HEARTBEAT_SITECUSTOMIZE)
+        return directory
+
+    return once_per_test_run("short_heartbeat", write)
+
+
 def _env(devices: int = 1, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_", "JAX_COORDINATOR", "JAX_NUM_PROC"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=REPO)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.update(PYTHONPATH=os.pathsep.join([_short_heartbeat_dir(), REPO]))
     env.update(extra)
     return env
 
@@ -83,18 +110,23 @@ def _adapter(workdir: str) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs():
     """The one-process mesh run, and the two-process run with one process killed after the first
-    checkpoint, then resumed."""
-    root = tmp_path_factory.mktemp("distributed")
-    single = str(root / "single")
+    checkpoint, then resumed (once in the test run: `once_per_test_run`, whichever worker its tests go to)."""
+    from conftest import once_per_test_run
+
+    return once_per_test_run("distributed_runs", _distributed_runs)
+
+
+def _distributed_runs(root: str) -> dict:
+    single = os.path.join(root, "single")
     proc = subprocess.run(
         _main(single, "--config.mesh.data=2", *STEPS), cwd=REPO, env=_env(devices=2), capture_output=True, text=True,
         timeout=400,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    multi = str(root / "multi")
+    multi = os.path.join(root, "multi")
     procs = _launch_pair(multi, *STEPS)
     first = os.path.join(multi, "checkpoints", "1")
     deadline = time.monotonic() + 300

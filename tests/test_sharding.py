@@ -212,6 +212,12 @@ def test_distributed_init_rejects_incomplete_environment(clean_env):
 
 @pytest.fixture(scope="module")
 def four_device_results():
+    from conftest import once_per_test_run
+
+    return once_per_test_run("four_device_results", _four_device_results)
+
+
+def _four_device_results(_directory: str) -> dict:
     # Low XLA CPU optimisation: the worker compiles ~20 small programs; their speed does not matter.
     flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
-from conftest import faulty_json_save, load_config, set_fields
+from conftest import faulty_json_save, load_config, once_per_test_run, set_fields
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -121,11 +121,15 @@ RESUME_RUN = {"train.total_steps": 4, "train.checkpoint_every": 2, "rl.reward": 
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, tiny_model_dir):
-    """A 4-step run without interruption: what every resumed run must reproduce."""
-    cfg = _config(tmp_path_factory.mktemp("straight") / "run", tiny_model_dir, **RESUME_RUN)
-    train.train(cfg)
-    return cfg
+def straight_run(tiny_model_dir):
+    """A 4-step run without interruption: what every resumed run must reproduce (once in the test run,
+    whichever worker its tests go to: `once_per_test_run`)."""
+
+    def run(directory):
+        train.train(_config(os.path.join(directory, "run"), tiny_model_dir, **RESUME_RUN))
+        return os.path.join(directory, "run")
+
+    return _config(once_per_test_run("straight_run", run), tiny_model_dir, **RESUME_RUN)
 
 
 def _assert_same_run(reference, other):
@@ -418,35 +422,27 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
     assert outputs[0] == outputs[1]
 
 
-def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path):
+def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path, finished_tiny_run):
     """`--config.mesh.data=2` on 2 (CPU) devices: rollouts and train batches split over the data
-    axis give the metrics of the 1-device run; a micro-batch that does not split is refused."""
-    one_device = {**os.environ, "JAX_PLATFORMS": "cpu"}  # as the suite's other tiny runs: their cached programs
-    env = {**one_device, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    metrics = {}
-    for name, extra, run_env in (("one", [], one_device), ("dp", ["--config.mesh.data=2"], env)):
-        workdir = tmp_path / name
-        cmd = [
-            sys.executable,
-            "-m",
-            "qerl_jax.main",
-            "--config=configs/tiny.py",
-            f"--config.workdir={workdir}",
-            "--config.train.total_steps=2",
-            "--config.eval.num_examples=0",
-            *extra,
-        ]
-        out = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 2
-        metrics[name] = read_scalars(os.path.join(workdir, "tensorboard"))
+    axis give the metrics of the 1-device run (the suite's `finished_tiny_run`, the same command
+    without the mesh); a micro-batch that does not split is refused."""
+    one_device, _ = finished_tiny_run
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    workdir = tmp_path / "dp"
+    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
+           "--config.train.total_steps=3", "--config.train.checkpoint_every=1", "--config.eval.num_examples=0",
+           "--config.mesh.data=2"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 3
+    metrics = {name: read_scalars(os.path.join(w, "tensorboard")) for name, w in (("one", one_device), ("dp", workdir))}
     assert "mesh {'data': 2, 'model': 1}" in out.stdout + out.stderr
     for tag in ("train/entropy", "train/grad_norm", "rollout/response_length_mean"):
         one, dp = np.array(metrics["one"][tag])[:, 1], np.array(metrics["dp"][tag])[:, 1]
-        assert one.shape == (2,) and np.all(np.isfinite(one)), tag
+        assert one.shape == (3,) and np.all(np.isfinite(one)), tag
         np.testing.assert_allclose(dp, one, rtol=2e-3, err_msg=tag)
     bad = subprocess.run(
-        [*cmd[:-1], "--config.mesh.data=2", "--config.rl.micro_batch_size=3"],
+        [*cmd, "--config.rl.micro_batch_size=3"],
         cwd=REPO,
         env=env,
         capture_output=True,
