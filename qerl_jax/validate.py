@@ -3,7 +3,7 @@
 `validate_config(cfg, command)` runs before the model is loaded or anything is written to the
 workdir (`run_config.build`, which `train.train` and `evaluation.evaluate` call first, runs it and
 then turns the config into the run's typed tree). It checks each field's type
-and range, the rules that tie fields together (group size >= 2, the micro-batch divides the
+and range (the check each field declares in `qerl_jax.config`), the rules that tie fields together (group size >= 2, the micro-batch divides the
 batch, prompt + completion within the model's context, AQN stages vs steps, the quantization
 block size vs the model's shapes), and the files the run will read: the model directory
 (config.json, every safetensors header, the shard index, tensor shapes against config.json,
@@ -14,27 +14,25 @@ traceback, exit status 2. `qerl_jax.quantize` checks its arguments with `checkpo
 
 from __future__ import annotations
 
-import math
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import ml_collections
 from safetensors import SafetensorError, safe_open
 
-from qerl_jax import aqn, linear, optim, rewards
+from qerl_jax import aqn, rewards
 from qerl_jax.checkpoint import RECIPE_FIELDS, latest_meta, resume_problems, saved_steps
+from qerl_jax.config import field_checks
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
 from qerl_jax.model_io import loader
 from qerl_jax.model_io.tiny import hf_config as tiny_hf_config
-from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
-from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
-from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
+from qerl_jax.models.qwen2 import ModelConfig, projection_shapes
+from qerl_jax.quant.formats import FORMATS, REGISTRY
+from qerl_jax.schema import Check
 
 COMMANDS = ("train", "eval")
-BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
-DTYPES = ("bfloat16", "float32", "float16")  # what loader.load_model reads dense tensors as
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json")
 
 
@@ -57,200 +55,7 @@ def format_problems(problems: Sequence[str]) -> str:
 
 # ----------------------------------------------------------------------------- one field
 
-Check = Callable[[Any], "str | None"]  # value -> what is wrong with it, or None
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def integer(lo: int | None = None, why: str = "") -> Check:
-    def check(v):
-        if not _is_int(v):
-            return f"expected an integer, got {type(v).__name__}"
-        if lo is not None and v < lo:
-            return f"must be >= {lo}{why}"
-        return None
-
-    return check
-
-
-def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> Check:
-    def check(v):
-        if not _is_number(v):
-            return f"expected a finite number, got {v!r}"
-        too_low = lo is not None and (v <= lo if lo_open else v < lo)
-        too_high = hi is not None and (v >= hi if hi_open else v > hi)
-        if too_low or too_high:
-            left = "(" if lo_open else "["
-            right = ")" if hi_open else "]"
-            return f"must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
-        return None
-
-    return check
-
-
-def boolean(optional: bool = False) -> Check:
-    def check(v):
-        if isinstance(v, bool) or (optional and v is None):
-            return None
-        return f"expected True or False{' or None' if optional else ''}, got {v!r}"
-
-    return check
-
-
-def text(nonempty: bool = False, optional: bool = False) -> Check:
-    def check(v):
-        if optional and v is None:
-            return None
-        if not isinstance(v, str):
-            return f"expected a string, got {type(v).__name__}"
-        if nonempty and not v:
-            return "must not be empty"
-        return None
-
-    return check
-
-
-def choice(options: Sequence[str]) -> Check:
-    def check(v):
-        return None if v in options else f"expected one of {', '.join(map(str, options))}"
-
-    return check
-
-
-def names(options: Sequence[str], nonempty: bool) -> Check:
-    def check(v):
-        if isinstance(v, str) or not isinstance(v, (tuple, list)):
-            return f"expected a tuple of names, got {v!r}"
-        unknown = [x for x in v if x not in options]
-        if unknown:
-            return f"unknown name(s) {unknown}; expected names from {', '.join(options)}"
-        if len(set(v)) != len(v):
-            return "has duplicates"
-        if nonempty and not v:
-            return f"must not be empty; expected names from {', '.join(options)}"
-        return None
-
-    return check
-
-
-def paths(nonempty: bool) -> Check:
-    def check(v):
-        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
-            return f"expected a tuple of file paths, got {v!r}"
-        return "must not be empty" if nonempty and not v else None
-
-    return check
-
-
-def numbers() -> Check:
-    def check(v):
-        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(_is_number(x) for x in v):
-            return f"expected a tuple of finite numbers, got {v!r}"
-        return None
-
-    return check
-
-
-def _mesh_axis(v):
-    if not _is_int(v) or (v < 1 and v != -1):
-        return f"expected a positive integer or -1 (all remaining devices), got {v!r}"
-    return None
-
-
-FIELDS: dict[str, Check] = {
-    "seed": integer(),
-    "workdir": text(nonempty=True),
-    "resume": boolean(),
-    "resume_changes": text(),
-    "compile_cache": boolean(),
-    "compile_cache_dir": text(),
-    "model.path": text(),
-    "model.tiny": boolean(),
-    "model.dtype": choice(DTYPES),
-    "model.quant": choice(CONFIG_FORMATS),
-    "model.quant_skip": names(PROJECTIONS, nonempty=False),
-    "model.backend": choice(BACKENDS),
-    "model.cache_dir": text(),
-    "data.train": text(nonempty=True),
-    "data.eval": text(),
-    "data.system_prompt": text(optional=True),
-    "data.template": text(nonempty=True),
-    "data.max_prompt_len": integer(1),
-    "data.max_bad_fraction": number(0.0, 1.0),
-    "rollout.prompts_per_step": integer(1),
-    "rollout.group_size": integer(2, " (GRPO scores each completion against the others of its prompt's group)"),
-    "rollout.max_new_tokens": integer(1),
-    "rollout.temperature": number(0.0, lo_open=True),
-    "rollout.top_p": number(0.0, 1.0, lo_open=True),
-    "rollout.top_k": integer(0),
-    "rollout.max_batch": integer(0),
-    "rl.loss": choice(LOSS_KINDS),
-    "rl.eps_low": number(0.0, 1.0, hi_open=True),
-    "rl.eps_high": number(0.0),
-    "rl.beta": number(0.0),
-    "rl.reward": text(nonempty=True),
-    "rl.reward_weights": numbers(),
-    "rl.reward_timeout_s": number(0.0, lo_open=True),
-    "rl.reward_failure_fraction": number(0.0, 1.0, lo_open=True),
-    "rl.reward_workers": integer(0),
-    "rl.old_logp_source": choice(OLD_LOGP_SOURCES),
-    "rl.is_correction": choice(IS_CORRECTIONS),
-    "rl.is_cap": number(1.0),
-    "rl.scale_rewards": choice(REWARD_SCALES),
-    "rl.dynamic_sampling": boolean(),
-    "rl.max_refill_rounds": integer(0),
-    "rl.mask_truncated": boolean(),
-    "rl.overlong_cache": integer(0),
-    "rl.overlong_penalty": number(0.0),
-    "rl.micro_batch_size": integer(0, " (0: auto, the largest that fits)"),
-    "rl.ppo_epochs": integer(1),
-    "rl.logprob_chunk": integer(0, " (0: auto, the largest that fits)"),
-    "rl.remat": choice(("auto", *REMAT_MODES)),
-    "rl.attention": choice(ATTENTION_MODES),
-    "lora.rank": integer(1),
-    "lora.alpha": number(0.0, lo_open=True),
-    "lora.targets": names(PROJECTIONS, nonempty=True),
-    "lora.rslora": boolean(),
-    "lora.train_norms": boolean(),
-    "aqn.enabled": boolean(optional=True),
-    "aqn.sigma_start": number(0.0),
-    "aqn.sigma_end": number(0.0),
-    "aqn.num_stages": integer(2, " (stage 0 is noise-free)"),
-    "aqn.decay": choice(aqn.DECAYS),
-    "aqn.first_stage_noise": boolean(),
-    "optim.lr": number(0.0, lo_open=True),
-    "optim.warmup_frac": number(0.0, 1.0),
-    "optim.schedule": choice(optim.SCHEDULES),
-    "optim.b1": number(0.0, 1.0, hi_open=True),
-    "optim.b2": number(0.0, 1.0, hi_open=True),
-    "optim.weight_decay": number(0.0),
-    "optim.clip_norm": number(0.0),
-    "train.total_steps": integer(1),
-    "train.log_every": integer(1),
-    "train.sample_every": integer(0),
-    "train.checkpoint_every": integer(1),
-    "train.eval_every": integer(0),
-    "train.max_nonfinite": integer(1),
-    "train.stop_after_steps": integer(0),
-    "train.stop_after_minutes": number(0.0),
-    "eval.checkpoint": text(),
-    "eval.datasets": paths(nonempty=False),
-    "eval.num_examples": integer(0),
-    "eval.batch_size": integer(1),
-    "eval.max_new_tokens": integer(1),
-    "eval.num_samples": integer(0),
-    "eval.temperature": number(0.0),
-    "eval.top_p": number(0.0, 1.0, lo_open=True),
-    "eval.output_dir": text(),
-    "mesh.data": _mesh_axis,
-    "mesh.model": _mesh_axis,
-}
+FIELDS: dict[str, Check] = field_checks()  # path -> its check, as the config declares it (qerl_jax.config)
 
 
 def _get(cfg: ml_collections.ConfigDict, path: str) -> Any:
