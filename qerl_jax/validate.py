@@ -15,7 +15,7 @@ traceback, exit status 2. `qerl_jax.quantize` checks its arguments with `checkpo
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ml_collections
 from safetensors import SafetensorError, safe_open
@@ -100,90 +100,167 @@ def validate_config(cfg: ml_collections.ConfigDict, command: str = "train") -> N
         raise ConfigError(problems)
 
 
+Rule = Callable[[dict[str, Any]], list[str]]  # the values of its fields -> its problems
+_RULES: list[tuple[tuple[str, ...], bool, Rule]] = []  # (fields, train only, rule), in the order reported
+
+
+def _rule(*paths: str, train_only: bool = True) -> Callable[[Rule], Rule]:
+    """Registers a rule between `paths`, checked when each passed its own check (and, if `train_only`,
+    for the train command only)."""
+
+    def register(rule: Rule) -> Rule:
+        _RULES.append((paths, train_only, rule))
+        return rule
+
+    return register
+
+
 def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
     """The rules between fields, each checked when its fields passed their own checks."""
-    has = lambda *paths: all(p in f for p in paths)  # noqa: E731
-    train = command == "train"
-    mesh_problems = _mesh_device_problems(f) if train and has("mesh.data", "mesh.model") else []
-    out = list(mesh_problems)
-    if train and has("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size"):
-        batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
-        if f["rl.micro_batch_size"] and batch % f["rl.micro_batch_size"]:  # 0: auto chooses a divisor
-            out.append(
-                f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
-                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
-            )
-    if train and has("rl.micro_batch_size", "mesh.data") and f["mesh.data"] > 1 and not mesh_problems:
-        if f["rl.micro_batch_size"] % f["mesh.data"]:  # 0 (auto) chooses a multiple
-            out.append(
-                f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
-                f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"
-            )
-    if train and has("rollout.max_batch", "rollout.group_size"):
-        if 0 < f["rollout.max_batch"] < f["rollout.group_size"]:
-            out.append(
-                f"rollout.max_batch = {f['rollout.max_batch']}: smaller than one group (rollout.group_size = "
-                f"{f['rollout.group_size']}); set it to at least {f['rollout.group_size']}, or to 0 to size the "
-                "rollout's rows to the free device memory"
-            )
-    if has("mesh.data", "mesh.model") and f["mesh.data"] == f["mesh.model"] == -1:
-        out.append("mesh.data = mesh.model = -1: only one axis may take all remaining devices")
-    if train and has("rl.overlong_cache", "rollout.max_new_tokens"):
-        if 0 < f["rollout.max_new_tokens"] <= f["rl.overlong_cache"]:
-            out.append(
-                f"rl.overlong_cache = {f['rl.overlong_cache']}: the penalty window must be shorter than "
-                f"rollout.max_new_tokens ({f['rollout.max_new_tokens']})"
-            )
-    if train and has("aqn.enabled", "model.quant", "aqn.num_stages", "train.total_steps", "aqn.sigma_start"):
-        enabled = aqn_enabled(f["aqn.enabled"], f["model.quant"])
-        if enabled and f["aqn.num_stages"] > f["train.total_steps"]:
-            out.append(
-                f"aqn.num_stages = {f['aqn.num_stages']}: more noise stages than train.total_steps "
-                f"({f['train.total_steps']}); every stage needs at least one step"
-            )
-        if enabled and f["aqn.sigma_start"] <= 0:
-            out.append("aqn.sigma_start = 0: AQN is on, so the first noise stage needs sigma_start > 0")
-        if enabled and has("aqn.decay", "aqn.sigma_end") and f["aqn.decay"] == "exponential":
-            if f["aqn.sigma_end"] <= 0:
-                out.append("aqn.sigma_end = 0: the exponential decay needs sigma_end > 0 (or aqn.decay=linear)")
-    if has("eval.num_samples", "eval.temperature") and f["eval.num_samples"] and f["eval.temperature"] == 0:
-        out.append(
-            f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
-        )
-    if train and "resume_changes" in f:
-        unknown = [n for n in f["resume_changes"].split(",") if n.strip() and n.strip() not in RECIPE_FIELDS]
-        if unknown:
-            out.append(
-                f"resume_changes = {f['resume_changes']!r}: {', '.join(unknown)} is not a recipe field a resume "
-                f"checks; expected comma-separated names from {', '.join(RECIPE_FIELDS)}"
-            )
-    if train and has("rl.reward", "rl.reward_weights"):
-        try:
-            rewards.parse_reward_spec(f["rl.reward"], f["rl.reward_weights"])
-        except ValueError as e:
-            out.append(f"rl.reward = {f['rl.reward']!r}: {e}")
-    if train and has("rl.is_correction", "rl.old_logp_source"):
-        if f["rl.is_correction"] != "none" and f["rl.old_logp_source"] != "current":
-            out.append(
-                f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with "
-                f"{f['rl.old_logp_source']!r} the ratio's denominator already is the sampler's log-prob, so the "
-                "PPO ratio is the sampler/trainer importance ratio"
-            )
-    if train and has("rl.loss", "rl.scale_rewards") and f["rl.loss"] == "dr_grpo" and f["rl.scale_rewards"] != "none":
-        out.append(
-            f"rl.scale_rewards = {f['rl.scale_rewards']!r}: Dr. GRPO (rl.loss=dr_grpo) does not divide advantages by "
-            "a std; set rl.scale_rewards=none"
-        )
-    if train and has("rl.loss", "rl.beta") and f["rl.loss"] == "dapo" and f["rl.beta"] > 0:
-        out.append(f"rl.beta = {f['rl.beta']}: DAPO has no KL term; use rl.loss=grpo or bnpo for a KL penalty")
-    if train and has("workdir", "resume") and not f["resume"]:
-        steps = saved_steps(os.path.join(f["workdir"], "checkpoints"))
-        if steps:
-            out.append(
-                f"resume = False, but workdir {f['workdir']!r} holds a run's checkpoints (steps {steps}): pass "
-                "--config.resume=True to continue it, or a new --config.workdir to start over"
-            )
+    out = []
+    for paths, train_only, rule in _RULES:
+        if all(p in f for p in paths) and (command == "train" or not train_only):
+            out += rule(f)
     return out
+
+
+@_rule("mesh.data", "mesh.model")
+def _mesh_devices(f):
+    return _mesh_device_problems(f)
+
+
+@_rule("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size")
+def _micro_batch_divides_the_batch(f):
+    batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
+    if f["rl.micro_batch_size"] and batch % f["rl.micro_batch_size"]:  # 0: auto chooses a divisor
+        return [
+            f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
+            f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
+        ]
+    return []
+
+
+@_rule("rl.micro_batch_size", "mesh.data", "mesh.model")
+def _micro_batch_splits_over_the_mesh(f):
+    if f["mesh.data"] > 1 and not _mesh_device_problems(f) and f["rl.micro_batch_size"] % f["mesh.data"]:
+        return [  # 0 (auto) chooses a multiple
+            f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
+            f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"
+        ]
+    return []
+
+
+@_rule("rollout.max_batch", "rollout.group_size")
+def _rollout_batch_holds_a_group(f):
+    if 0 < f["rollout.max_batch"] < f["rollout.group_size"]:
+        return [
+            f"rollout.max_batch = {f['rollout.max_batch']}: smaller than one group (rollout.group_size = "
+            f"{f['rollout.group_size']}); set it to at least {f['rollout.group_size']}, or to 0 to size the "
+            "rollout's rows to the free device memory"
+        ]
+    return []
+
+
+@_rule("mesh.data", "mesh.model", train_only=False)
+def _one_axis_takes_the_rest(f):
+    if f["mesh.data"] == f["mesh.model"] == -1:
+        return ["mesh.data = mesh.model = -1: only one axis may take all remaining devices"]
+    return []
+
+
+@_rule("rl.overlong_cache", "rollout.max_new_tokens")
+def _overlong_window_within_the_completion(f):
+    if 0 < f["rollout.max_new_tokens"] <= f["rl.overlong_cache"]:
+        return [
+            f"rl.overlong_cache = {f['rl.overlong_cache']}: the penalty window must be shorter than "
+            f"rollout.max_new_tokens ({f['rollout.max_new_tokens']})"
+        ]
+    return []
+
+
+@_rule("aqn.enabled", "model.quant", "aqn.num_stages", "train.total_steps", "aqn.sigma_start")
+def _aqn_schedule(f):
+    if not aqn_enabled(f["aqn.enabled"], f["model.quant"]):
+        return []
+    out = []
+    if f["aqn.num_stages"] > f["train.total_steps"]:
+        out.append(
+            f"aqn.num_stages = {f['aqn.num_stages']}: more noise stages than train.total_steps "
+            f"({f['train.total_steps']}); every stage needs at least one step"
+        )
+    if f["aqn.sigma_start"] <= 0:
+        out.append("aqn.sigma_start = 0: AQN is on, so the first noise stage needs sigma_start > 0")
+    if f.get("aqn.decay") == "exponential" and "aqn.sigma_end" in f and f["aqn.sigma_end"] <= 0:
+        out.append("aqn.sigma_end = 0: the exponential decay needs sigma_end > 0 (or aqn.decay=linear)")
+    return out
+
+
+@_rule("eval.num_samples", "eval.temperature", train_only=False)
+def _mean_at_k_samples(f):
+    if f["eval.num_samples"] and f["eval.temperature"] == 0:
+        return [
+            f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
+        ]
+    return []
+
+
+@_rule("resume_changes")
+def _resume_changes_are_recipe_fields(f):
+    unknown = [n for n in f["resume_changes"].split(",") if n.strip() and n.strip() not in RECIPE_FIELDS]
+    if unknown:
+        return [
+            f"resume_changes = {f['resume_changes']!r}: {', '.join(unknown)} is not a recipe field a resume "
+            f"checks; expected comma-separated names from {', '.join(RECIPE_FIELDS)}"
+        ]
+    return []
+
+
+@_rule("rl.reward", "rl.reward_weights")
+def _reward_spec(f):
+    try:
+        rewards.parse_reward_spec(f["rl.reward"], f["rl.reward_weights"])
+    except ValueError as e:
+        return [f"rl.reward = {f['rl.reward']!r}: {e}"]
+    return []
+
+
+@_rule("rl.is_correction", "rl.old_logp_source")
+def _is_correction_needs_the_current_logp(f):
+    if f["rl.is_correction"] != "none" and f["rl.old_logp_source"] != "current":
+        return [
+            f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with "
+            f"{f['rl.old_logp_source']!r} the ratio's denominator already is the sampler's log-prob, so the "
+            "PPO ratio is the sampler/trainer importance ratio"
+        ]
+    return []
+
+
+@_rule("rl.loss", "rl.scale_rewards")
+def _dr_grpo_does_not_scale(f):
+    if f["rl.loss"] == "dr_grpo" and f["rl.scale_rewards"] != "none":
+        return [
+            f"rl.scale_rewards = {f['rl.scale_rewards']!r}: Dr. GRPO (rl.loss=dr_grpo) does not divide advantages "
+            "by a std; set rl.scale_rewards=none"
+        ]
+    return []
+
+
+@_rule("rl.loss", "rl.beta")
+def _dapo_has_no_kl(f):
+    if f["rl.loss"] == "dapo" and f["rl.beta"] > 0:
+        return [f"rl.beta = {f['rl.beta']}: DAPO has no KL term; use rl.loss=grpo or bnpo for a KL penalty"]
+    return []
+
+
+@_rule("workdir", "resume")
+def _no_restart_over_checkpoints(f):
+    steps = saved_steps(os.path.join(f["workdir"], "checkpoints")) if not f["resume"] else []
+    if steps:
+        return [
+            f"resume = False, but workdir {f['workdir']!r} holds a run's checkpoints (steps {steps}): pass "
+            "--config.resume=True to continue it, or a new --config.workdir to start over"
+        ]
+    return []
 
 
 def _mesh_device_problems(f: dict[str, Any]) -> list[str]:
