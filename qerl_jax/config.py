@@ -42,7 +42,7 @@ DATA_DIR = os.environ.get("QERL_DATA_DIR", os.path.join(os.path.dirname(__file__
 
 BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
 DTYPES = ("bfloat16", "float32", "float16")  # what loader.load_model reads dense tensors as
-AUTO = " (0: auto, the largest that fits)"
+_AUTO = " (0: auto, the largest that fits)"
 
 
 def data_path(relative: str) -> str:
@@ -184,14 +184,14 @@ class RLSection:
         0,
         "Packed rows per forward/backward of the train step; 0 = auto: the largest that fits the device's free "
         "memory (`memory.fit`; 8 on a device of unknown size). A positive value is lowered only if it does not fit.",
-        integer(0, AUTO),
+        integer(0, _AUTO),
     )
     ppo_epochs: int = setting(1, "train steps on each step's rollouts", integer(1))
     logprob_chunk: int = setting(
         0,
         "Positions per chunk of the LM-head log-probs; 0 = auto: the largest that fits beside the micro-batch "
         "(256 on a device of unknown size).",
-        integer(0, AUTO),
+        integer(0, _AUTO),
     )
     remat: str = setting(
         "auto",
