@@ -35,6 +35,8 @@ from jax.experimental import multihost_utils
 from absl import logging as absl_logging
 from orbax.checkpoint._src import asyncio_utils
 
+from qerl_jax.config import recipe_fields
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the earlier checkpoints are untouched."""
@@ -249,30 +251,10 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 LORA_SHAPE_FIELDS = ("lora.rank", "lora.targets")
 
-# Fields that change what a run means (its batch, length, schedules, loss, rewards, noise, policy): a
-# resumed run whose config differs from its checkpoint's in one of them is refused unless the config's
-# `resume_changes` names it (`resume_problems`).
-RECIPE_FIELDS = (
-    "rollout.prompts_per_step",
-    "rollout.group_size",
-    "train.total_steps",
-    "optim.lr",
-    "optim.schedule",
-    "optim.warmup_frac",
-    "rl.loss",
-    "rl.beta",
-    "rl.eps_low",
-    "rl.eps_high",
-    "rl.scale_rewards",
-    "rl.reward",
-    "rl.reward_weights",
-    "aqn.enabled",
-    "aqn.sigma_start",
-    "aqn.sigma_end",
-    "aqn.num_stages",
-    "aqn.decay",
-    "model.quant",
-)
+# Fields that change what a run means: a resumed run whose config differs from its checkpoint's in one
+# of them is refused unless the config's `resume_changes` names it (`resume_problems`). Each is declared
+# with recipe=True in `qerl_jax.config`.
+RECIPE_FIELDS = recipe_fields()
 
 
 def config_differences(cfg: Any, saved: Any, fields: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

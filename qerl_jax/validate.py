@@ -3,7 +3,7 @@
 `validate_config(cfg, command)` runs before the model is loaded or anything is written to the
 workdir (`run_config.build`, which `train.train` and `evaluation.evaluate` call first, runs it and
 then turns the config into the run's typed tree). It checks each field's type
-and range, the rules that tie fields together (group size >= 2, the micro-batch divides the
+and range (the check each field declares in `qerl_jax.config`), the rules that tie fields together (group size >= 2, the micro-batch divides the
 batch, prompt + completion within the model's context, AQN stages vs steps, the quantization
 block size vs the model's shapes), and the files the run will read: the model directory
 (config.json, every safetensors header, the shard index, tensor shapes against config.json,
@@ -14,27 +14,25 @@ traceback, exit status 2. `qerl_jax.quantize` checks its arguments with `checkpo
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Callable, Sequence
 
 import ml_collections
 from safetensors import SafetensorError, safe_open
 
-from qerl_jax import aqn, linear, optim, rewards
+from qerl_jax import aqn, rewards
 from qerl_jax.checkpoint import RECIPE_FIELDS, latest_meta, resume_problems, saved_steps
+from qerl_jax.config import field_checks
 from qerl_jax.data import ALIASES, KNOWN_DATASETS, arithmetic
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_dir import resolve_model_dir, tiny_model_dir
 from qerl_jax.model_io import loader
 from qerl_jax.model_io.tiny import hf_config as tiny_hf_config
-from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, REMAT_MODES, ModelConfig, projection_shapes
-from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
-from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
+from qerl_jax.models.qwen2 import ModelConfig, projection_shapes
+from qerl_jax.quant.formats import FORMATS, REGISTRY
+from qerl_jax.schema import Check
 
 COMMANDS = ("train", "eval")
-BACKENDS = ("auto", *linear.BACKENDS)  # auto: pallas on a GPU, xla elsewhere
-DTYPES = ("bfloat16", "float32", "float16")  # what loader.load_model reads dense tensors as
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json")
 
 
@@ -57,200 +55,7 @@ def format_problems(problems: Sequence[str]) -> str:
 
 # ----------------------------------------------------------------------------- one field
 
-Check = Callable[[Any], "str | None"]  # value -> what is wrong with it, or None
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def integer(lo: int | None = None, why: str = "") -> Check:
-    def check(v):
-        if not _is_int(v):
-            return f"expected an integer, got {type(v).__name__}"
-        if lo is not None and v < lo:
-            return f"must be >= {lo}{why}"
-        return None
-
-    return check
-
-
-def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> Check:
-    def check(v):
-        if not _is_number(v):
-            return f"expected a finite number, got {v!r}"
-        too_low = lo is not None and (v <= lo if lo_open else v < lo)
-        too_high = hi is not None and (v >= hi if hi_open else v > hi)
-        if too_low or too_high:
-            left = "(" if lo_open else "["
-            right = ")" if hi_open else "]"
-            return f"must be in {left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
-        return None
-
-    return check
-
-
-def boolean(optional: bool = False) -> Check:
-    def check(v):
-        if isinstance(v, bool) or (optional and v is None):
-            return None
-        return f"expected True or False{' or None' if optional else ''}, got {v!r}"
-
-    return check
-
-
-def text(nonempty: bool = False, optional: bool = False) -> Check:
-    def check(v):
-        if optional and v is None:
-            return None
-        if not isinstance(v, str):
-            return f"expected a string, got {type(v).__name__}"
-        if nonempty and not v:
-            return "must not be empty"
-        return None
-
-    return check
-
-
-def choice(options: Sequence[str]) -> Check:
-    def check(v):
-        return None if v in options else f"expected one of {', '.join(map(str, options))}"
-
-    return check
-
-
-def names(options: Sequence[str], nonempty: bool) -> Check:
-    def check(v):
-        if isinstance(v, str) or not isinstance(v, (tuple, list)):
-            return f"expected a tuple of names, got {v!r}"
-        unknown = [x for x in v if x not in options]
-        if unknown:
-            return f"unknown name(s) {unknown}; expected names from {', '.join(options)}"
-        if len(set(v)) != len(v):
-            return "has duplicates"
-        if nonempty and not v:
-            return f"must not be empty; expected names from {', '.join(options)}"
-        return None
-
-    return check
-
-
-def paths(nonempty: bool) -> Check:
-    def check(v):
-        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
-            return f"expected a tuple of file paths, got {v!r}"
-        return "must not be empty" if nonempty and not v else None
-
-    return check
-
-
-def numbers() -> Check:
-    def check(v):
-        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(_is_number(x) for x in v):
-            return f"expected a tuple of finite numbers, got {v!r}"
-        return None
-
-    return check
-
-
-def _mesh_axis(v):
-    if not _is_int(v) or (v < 1 and v != -1):
-        return f"expected a positive integer or -1 (all remaining devices), got {v!r}"
-    return None
-
-
-FIELDS: dict[str, Check] = {
-    "seed": integer(),
-    "workdir": text(nonempty=True),
-    "resume": boolean(),
-    "resume_changes": text(),
-    "compile_cache": boolean(),
-    "compile_cache_dir": text(),
-    "model.path": text(),
-    "model.tiny": boolean(),
-    "model.dtype": choice(DTYPES),
-    "model.quant": choice(CONFIG_FORMATS),
-    "model.quant_skip": names(PROJECTIONS, nonempty=False),
-    "model.backend": choice(BACKENDS),
-    "model.cache_dir": text(),
-    "data.train": text(nonempty=True),
-    "data.eval": text(),
-    "data.system_prompt": text(optional=True),
-    "data.template": text(nonempty=True),
-    "data.max_prompt_len": integer(1),
-    "data.max_bad_fraction": number(0.0, 1.0),
-    "rollout.prompts_per_step": integer(1),
-    "rollout.group_size": integer(2, " (GRPO scores each completion against the others of its prompt's group)"),
-    "rollout.max_new_tokens": integer(1),
-    "rollout.temperature": number(0.0, lo_open=True),
-    "rollout.top_p": number(0.0, 1.0, lo_open=True),
-    "rollout.top_k": integer(0),
-    "rollout.max_batch": integer(0),
-    "rl.loss": choice(LOSS_KINDS),
-    "rl.eps_low": number(0.0, 1.0, hi_open=True),
-    "rl.eps_high": number(0.0),
-    "rl.beta": number(0.0),
-    "rl.reward": text(nonempty=True),
-    "rl.reward_weights": numbers(),
-    "rl.reward_timeout_s": number(0.0, lo_open=True),
-    "rl.reward_failure_fraction": number(0.0, 1.0, lo_open=True),
-    "rl.reward_workers": integer(0),
-    "rl.old_logp_source": choice(OLD_LOGP_SOURCES),
-    "rl.is_correction": choice(IS_CORRECTIONS),
-    "rl.is_cap": number(1.0),
-    "rl.scale_rewards": choice(REWARD_SCALES),
-    "rl.dynamic_sampling": boolean(),
-    "rl.max_refill_rounds": integer(0),
-    "rl.mask_truncated": boolean(),
-    "rl.overlong_cache": integer(0),
-    "rl.overlong_penalty": number(0.0),
-    "rl.micro_batch_size": integer(0, " (0: auto, the largest that fits)"),
-    "rl.ppo_epochs": integer(1),
-    "rl.logprob_chunk": integer(0, " (0: auto, the largest that fits)"),
-    "rl.remat": choice(("auto", *REMAT_MODES)),
-    "rl.attention": choice(ATTENTION_MODES),
-    "lora.rank": integer(1),
-    "lora.alpha": number(0.0, lo_open=True),
-    "lora.targets": names(PROJECTIONS, nonempty=True),
-    "lora.rslora": boolean(),
-    "lora.train_norms": boolean(),
-    "aqn.enabled": boolean(optional=True),
-    "aqn.sigma_start": number(0.0),
-    "aqn.sigma_end": number(0.0),
-    "aqn.num_stages": integer(2, " (stage 0 is noise-free)"),
-    "aqn.decay": choice(aqn.DECAYS),
-    "aqn.first_stage_noise": boolean(),
-    "optim.lr": number(0.0, lo_open=True),
-    "optim.warmup_frac": number(0.0, 1.0),
-    "optim.schedule": choice(optim.SCHEDULES),
-    "optim.b1": number(0.0, 1.0, hi_open=True),
-    "optim.b2": number(0.0, 1.0, hi_open=True),
-    "optim.weight_decay": number(0.0),
-    "optim.clip_norm": number(0.0),
-    "train.total_steps": integer(1),
-    "train.log_every": integer(1),
-    "train.sample_every": integer(0),
-    "train.checkpoint_every": integer(1),
-    "train.eval_every": integer(0),
-    "train.max_nonfinite": integer(1),
-    "train.stop_after_steps": integer(0),
-    "train.stop_after_minutes": number(0.0),
-    "eval.checkpoint": text(),
-    "eval.datasets": paths(nonempty=False),
-    "eval.num_examples": integer(0),
-    "eval.batch_size": integer(1),
-    "eval.max_new_tokens": integer(1),
-    "eval.num_samples": integer(0),
-    "eval.temperature": number(0.0),
-    "eval.top_p": number(0.0, 1.0, lo_open=True),
-    "eval.output_dir": text(),
-    "mesh.data": _mesh_axis,
-    "mesh.model": _mesh_axis,
-}
+FIELDS: dict[str, Check] = field_checks()  # path -> its check, as the config declares it (qerl_jax.config)
 
 
 def _get(cfg: ml_collections.ConfigDict, path: str) -> Any:
@@ -295,90 +100,167 @@ def validate_config(cfg: ml_collections.ConfigDict, command: str = "train") -> N
         raise ConfigError(problems)
 
 
+Rule = Callable[[dict[str, Any]], list[str]]  # the values of its fields -> its problems
+_RULES: list[tuple[tuple[str, ...], bool, Rule]] = []  # (fields, train only, rule), in the order reported
+
+
+def _rule(*paths: str, train_only: bool = True) -> Callable[[Rule], Rule]:
+    """Registers a rule between `paths`, checked when each passed its own check (and, if `train_only`,
+    for the train command only)."""
+
+    def register(rule: Rule) -> Rule:
+        _RULES.append((paths, train_only, rule))
+        return rule
+
+    return register
+
+
 def _rule_problems(f: dict[str, Any], command: str) -> list[str]:
     """The rules between fields, each checked when its fields passed their own checks."""
-    has = lambda *paths: all(p in f for p in paths)  # noqa: E731
-    train = command == "train"
-    mesh_problems = _mesh_device_problems(f) if train and has("mesh.data", "mesh.model") else []
-    out = list(mesh_problems)
-    if train and has("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size"):
-        batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
-        if f["rl.micro_batch_size"] and batch % f["rl.micro_batch_size"]:  # 0: auto chooses a divisor
-            out.append(
-                f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
-                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
-            )
-    if train and has("rl.micro_batch_size", "mesh.data") and f["mesh.data"] > 1 and not mesh_problems:
-        if f["rl.micro_batch_size"] % f["mesh.data"]:  # 0 (auto) chooses a multiple
-            out.append(
-                f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
-                f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"
-            )
-    if train and has("rollout.max_batch", "rollout.group_size"):
-        if 0 < f["rollout.max_batch"] < f["rollout.group_size"]:
-            out.append(
-                f"rollout.max_batch = {f['rollout.max_batch']}: smaller than one group (rollout.group_size = "
-                f"{f['rollout.group_size']}); set it to at least {f['rollout.group_size']}, or to 0 to size the "
-                "rollout's rows to the free device memory"
-            )
-    if has("mesh.data", "mesh.model") and f["mesh.data"] == f["mesh.model"] == -1:
-        out.append("mesh.data = mesh.model = -1: only one axis may take all remaining devices")
-    if train and has("rl.overlong_cache", "rollout.max_new_tokens"):
-        if 0 < f["rollout.max_new_tokens"] <= f["rl.overlong_cache"]:
-            out.append(
-                f"rl.overlong_cache = {f['rl.overlong_cache']}: the penalty window must be shorter than "
-                f"rollout.max_new_tokens ({f['rollout.max_new_tokens']})"
-            )
-    if train and has("aqn.enabled", "model.quant", "aqn.num_stages", "train.total_steps", "aqn.sigma_start"):
-        enabled = aqn_enabled(f["aqn.enabled"], f["model.quant"])
-        if enabled and f["aqn.num_stages"] > f["train.total_steps"]:
-            out.append(
-                f"aqn.num_stages = {f['aqn.num_stages']}: more noise stages than train.total_steps "
-                f"({f['train.total_steps']}); every stage needs at least one step"
-            )
-        if enabled and f["aqn.sigma_start"] <= 0:
-            out.append("aqn.sigma_start = 0: AQN is on, so the first noise stage needs sigma_start > 0")
-        if enabled and has("aqn.decay", "aqn.sigma_end") and f["aqn.decay"] == "exponential":
-            if f["aqn.sigma_end"] <= 0:
-                out.append("aqn.sigma_end = 0: the exponential decay needs sigma_end > 0 (or aqn.decay=linear)")
-    if has("eval.num_samples", "eval.temperature") and f["eval.num_samples"] and f["eval.temperature"] == 0:
-        out.append(
-            f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
-        )
-    if train and "resume_changes" in f:
-        unknown = [n for n in f["resume_changes"].split(",") if n.strip() and n.strip() not in RECIPE_FIELDS]
-        if unknown:
-            out.append(
-                f"resume_changes = {f['resume_changes']!r}: {', '.join(unknown)} is not a recipe field a resume "
-                f"checks; expected comma-separated names from {', '.join(RECIPE_FIELDS)}"
-            )
-    if train and has("rl.reward", "rl.reward_weights"):
-        try:
-            rewards.parse_reward_spec(f["rl.reward"], f["rl.reward_weights"])
-        except ValueError as e:
-            out.append(f"rl.reward = {f['rl.reward']!r}: {e}")
-    if train and has("rl.is_correction", "rl.old_logp_source"):
-        if f["rl.is_correction"] != "none" and f["rl.old_logp_source"] != "current":
-            out.append(
-                f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with "
-                f"{f['rl.old_logp_source']!r} the ratio's denominator already is the sampler's log-prob, so the "
-                "PPO ratio is the sampler/trainer importance ratio"
-            )
-    if train and has("rl.loss", "rl.scale_rewards") and f["rl.loss"] == "dr_grpo" and f["rl.scale_rewards"] != "none":
-        out.append(
-            f"rl.scale_rewards = {f['rl.scale_rewards']!r}: Dr. GRPO (rl.loss=dr_grpo) does not divide advantages by "
-            "a std; set rl.scale_rewards=none"
-        )
-    if train and has("rl.loss", "rl.beta") and f["rl.loss"] == "dapo" and f["rl.beta"] > 0:
-        out.append(f"rl.beta = {f['rl.beta']}: DAPO has no KL term; use rl.loss=grpo or bnpo for a KL penalty")
-    if train and has("workdir", "resume") and not f["resume"]:
-        steps = saved_steps(os.path.join(f["workdir"], "checkpoints"))
-        if steps:
-            out.append(
-                f"resume = False, but workdir {f['workdir']!r} holds a run's checkpoints (steps {steps}): pass "
-                "--config.resume=True to continue it, or a new --config.workdir to start over"
-            )
+    out = []
+    for paths, train_only, rule in _RULES:
+        if all(p in f for p in paths) and (command == "train" or not train_only):
+            out += rule(f)
     return out
+
+
+@_rule("mesh.data", "mesh.model")
+def _mesh_devices(f):
+    return _mesh_device_problems(f)
+
+
+@_rule("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size")
+def _micro_batch_divides_the_batch(f):
+    batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
+    if f["rl.micro_batch_size"] and batch % f["rl.micro_batch_size"]:  # 0: auto chooses a divisor
+        return [
+            f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must divide the batch of "
+            f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
+        ]
+    return []
+
+
+@_rule("rl.micro_batch_size", "mesh.data", "mesh.model")
+def _micro_batch_splits_over_the_mesh(f):
+    if f["mesh.data"] > 1 and not _mesh_device_problems(f) and f["rl.micro_batch_size"] % f["mesh.data"]:
+        return [  # 0 (auto) chooses a multiple
+            f"rl.micro_batch_size = {f['rl.micro_batch_size']}: must be a multiple of mesh.data "
+            f"({f['mesh.data']}): each micro-batch is split over the data-parallel devices"
+        ]
+    return []
+
+
+@_rule("rollout.max_batch", "rollout.group_size")
+def _rollout_batch_holds_a_group(f):
+    if 0 < f["rollout.max_batch"] < f["rollout.group_size"]:
+        return [
+            f"rollout.max_batch = {f['rollout.max_batch']}: smaller than one group (rollout.group_size = "
+            f"{f['rollout.group_size']}); set it to at least {f['rollout.group_size']}, or to 0 to size the "
+            "rollout's rows to the free device memory"
+        ]
+    return []
+
+
+@_rule("mesh.data", "mesh.model", train_only=False)
+def _one_axis_takes_the_rest(f):
+    if f["mesh.data"] == f["mesh.model"] == -1:
+        return ["mesh.data = mesh.model = -1: only one axis may take all remaining devices"]
+    return []
+
+
+@_rule("rl.overlong_cache", "rollout.max_new_tokens")
+def _overlong_window_within_the_completion(f):
+    if 0 < f["rollout.max_new_tokens"] <= f["rl.overlong_cache"]:
+        return [
+            f"rl.overlong_cache = {f['rl.overlong_cache']}: the penalty window must be shorter than "
+            f"rollout.max_new_tokens ({f['rollout.max_new_tokens']})"
+        ]
+    return []
+
+
+@_rule("aqn.enabled", "model.quant", "aqn.num_stages", "train.total_steps", "aqn.sigma_start")
+def _aqn_schedule(f):
+    if not aqn_enabled(f["aqn.enabled"], f["model.quant"]):
+        return []
+    out = []
+    if f["aqn.num_stages"] > f["train.total_steps"]:
+        out.append(
+            f"aqn.num_stages = {f['aqn.num_stages']}: more noise stages than train.total_steps "
+            f"({f['train.total_steps']}); every stage needs at least one step"
+        )
+    if f["aqn.sigma_start"] <= 0:
+        out.append("aqn.sigma_start = 0: AQN is on, so the first noise stage needs sigma_start > 0")
+    if f.get("aqn.decay") == "exponential" and "aqn.sigma_end" in f and f["aqn.sigma_end"] <= 0:
+        out.append("aqn.sigma_end = 0: the exponential decay needs sigma_end > 0 (or aqn.decay=linear)")
+    return out
+
+
+@_rule("eval.num_samples", "eval.temperature", train_only=False)
+def _mean_at_k_samples(f):
+    if f["eval.num_samples"] and f["eval.temperature"] == 0:
+        return [
+            f"eval.temperature = 0: mean@{f['eval.num_samples']} (eval.num_samples) needs sampling, temperature > 0"
+        ]
+    return []
+
+
+@_rule("resume_changes")
+def _resume_changes_are_recipe_fields(f):
+    unknown = [n for n in f["resume_changes"].split(",") if n.strip() and n.strip() not in RECIPE_FIELDS]
+    if unknown:
+        return [
+            f"resume_changes = {f['resume_changes']!r}: {', '.join(unknown)} is not a recipe field a resume "
+            f"checks; expected comma-separated names from {', '.join(RECIPE_FIELDS)}"
+        ]
+    return []
+
+
+@_rule("rl.reward", "rl.reward_weights")
+def _reward_spec(f):
+    try:
+        rewards.parse_reward_spec(f["rl.reward"], f["rl.reward_weights"])
+    except ValueError as e:
+        return [f"rl.reward = {f['rl.reward']!r}: {e}"]
+    return []
+
+
+@_rule("rl.is_correction", "rl.old_logp_source")
+def _is_correction_needs_the_current_logp(f):
+    if f["rl.is_correction"] != "none" and f["rl.old_logp_source"] != "current":
+        return [
+            f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with "
+            f"{f['rl.old_logp_source']!r} the ratio's denominator already is the sampler's log-prob, so the "
+            "PPO ratio is the sampler/trainer importance ratio"
+        ]
+    return []
+
+
+@_rule("rl.loss", "rl.scale_rewards")
+def _dr_grpo_does_not_scale(f):
+    if f["rl.loss"] == "dr_grpo" and f["rl.scale_rewards"] != "none":
+        return [
+            f"rl.scale_rewards = {f['rl.scale_rewards']!r}: Dr. GRPO (rl.loss=dr_grpo) does not divide advantages "
+            "by a std; set rl.scale_rewards=none"
+        ]
+    return []
+
+
+@_rule("rl.loss", "rl.beta")
+def _dapo_has_no_kl(f):
+    if f["rl.loss"] == "dapo" and f["rl.beta"] > 0:
+        return [f"rl.beta = {f['rl.beta']}: DAPO has no KL term; use rl.loss=grpo or bnpo for a KL penalty"]
+    return []
+
+
+@_rule("workdir", "resume")
+def _no_restart_over_checkpoints(f):
+    steps = saved_steps(os.path.join(f["workdir"], "checkpoints")) if not f["resume"] else []
+    if steps:
+        return [
+            f"resume = False, but workdir {f['workdir']!r} holds a run's checkpoints (steps {steps}): pass "
+            "--config.resume=True to continue it, or a new --config.workdir to start over"
+        ]
+    return []
 
 
 def _mesh_device_problems(f: dict[str, Any]) -> list[str]:

@@ -285,7 +285,7 @@ def test_help_lists_every_config_field_with_its_value_and_a_line_of_help():
     from qerl_jax.config import default_config, field_docs
 
     flat = _flat_fields(default_config())
-    assert set(field_docs()) == set(flat) and all(field_docs().values())  # a comment per field in config.py
+    assert set(field_docs()) == set(flat) and all(field_docs().values())  # a help per field, declared in config.py
     for module in ("qerl_jax.main", "qerl_jax.eval"):
         lines = _help(module)
         fields = [i for i, line in enumerate(lines) if line.strip().startswith("--config.")]
