@@ -515,3 +515,76 @@ def test_the_run_resolves_auto_to_the_plan_and_prints_it(monkeypatch, capsys):
     assert f"micro-batch={big.micro_batch_size}" in out  # the table is the fitted plan's
     explicit = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64)
     assert (explicit.micro_batch_size, explicit.logprob_chunk) == (4, 64)
+
+
+# ----------------------------------------------------------------------------- frozen numbers
+# Plans and fits of Qwen2.5 0.5B / 1.5B / 7B (and 72B) shapes as `memory` computed them on the
+# day its functions were split up (issue 46): a refactor must give the same bytes, choices and
+# messages. Plans: (total, train_peak, rollout_peak, digest of as_dict() and table()).
+GOLDEN_MODELS = {"0.5B": QWEN_05B, "1.5B": qwen(1536, 8960, 28, 12, 2, vocab=151936, tied=True), "7B": QWEN_7B}
+GOLDEN_MODELS["72B"] = QWEN_72B
+GOLDEN_PLAN_INPUTS = {
+    "0.5B bf16": ("0.5B", None, dict(quant="bf16", rollout_batch=64, group_size=8, prompt_len=256, max_new_tokens=768, micro_batch_size=8, logprob_chunk=128)),
+    "1.5B nvfp4 proj flash": ("1.5B", None, dict(quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=768, attention="flash", remat="proj", train_norms=True)),
+    "7B nf4 no remat": ("7B", None, dict(quant="nf4", quant_skip=("embed", "lm_head", "down_proj"), lora_rank=8, lora_targets=("q_proj", "v_proj"), rollout_batch=32, max_batch=16, remat=False, logprob_chunk=None, backend="pallas")),
+    "7B mxfp4 defaults": ("7B", 80 * GIB, dict(quant="mxfp4", train_seq_len=1000)),
+    "7B bf16 mb16": ("7B", None, dict(quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)),
+    "72B proj": ("72B", None, dict(rollout_batch=64, group_size=8, micro_batch_size=8, max_new_tokens=512, prompt_len=256, remat="proj")),
+    "1.5B long": ("1.5B", None, dict(quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=8192 - 256, attention="flash", remat="full")),
+}  # fmt: skip
+GOLDEN_PLANS = {
+    "0.5B bf16": (4633571072, 4633571072, 3006621440, "3a75e34c4dddb9fc"),
+    "1.5B nvfp4 proj flash": (17339723536, 17339723536, 7233044240, "1ba7ce74ec92a23e"),
+    "7B nf4 no remat": (182506237600, 182506237600, 15035908768, "87e0fed46a435a3e"),
+    "7B mxfp4 defaults": (15814168336, 15814168336, 15442300688, "6edb808eebe860f4"),
+    "7B bf16 mb16": (39888497664, 39888497664, 36621406208, "4644857d509ec815"),
+    "72B proj": (154504218816, 154504218816, 73111395520, "5c94d2e3e3465d14"),
+    "1.5B long": (46702690064, 16340676368, 46702690064, "da4e876c5ccc946f"),
+}
+# Fits: (plan, device bytes, fit's options) -> (micro_batch_size, max_batch, remat, logprob_chunk,
+# changed, plan.total, digest of the plan's as_dict() and table() and the message), or the error.
+AUTO = dict(remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
+GOLDEN_FITS = {
+    "1.5B auto 16GiB": (("1.5B nvfp4 proj flash", 16 * GIB, AUTO), (4, 128, "proj", 512, (), 11374309136, "3f77811e5e2e9aad")),
+    "1.5B auto 141GiB x2": (("1.5B nvfp4 proj flash", 141 * GIB, dict(AUTO, micro_batch_multiple=2)), (32, 128, "proj", 512, (), 79270063888, "1f60f00cc9425437")),
+    "0.5B lowered 3GiB": (("0.5B bf16", 3 * GIB, {}), (4, 64, "full", 128, ("rl.micro_batch_size",), 3006621440, "fc2e79145db8fa95")),
+    "7B nf4 20GiB": (("7B nf4 no remat", 20 * GIB, dict(auto_logprob_chunk=True)), "does not fit on a 20.0 GiB device (19.0 GiB usable with a 5% margin): training on even 1 sequence needs 28.3 GiB: set rl.remat=True"),
+    "7B mxfp4 kept": (("7B mxfp4 defaults", None, dict(adjust=False)), (8, 64, "full", 256, (), 15814168336, "2983a957470a5c52")),
+    "7B bf16 lowered 30GiB": (("7B bf16 mb16", 30 * GIB, {}), (8, 8, "full", 256, ("rl.micro_batch_size", "rollout.max_batch"), 30597123584, "4c61bbb67a748374")),
+    "7B bf16 copies 26GiB": (("7B bf16 mb16", 26 * GIB, {}), "does not fit on a 26.0 GiB device (24.7 GiB usable with a 5% margin): the rollout needs 27.5 GiB before any KV cache (the weights plus their per-layer copies for the decode): set model.quant='nvfp4' (packed weights are read in place), or shard the model over more GPUs"),
+    "7B bf16 validate 30GiB": (("7B bf16 mb16", 30 * GIB, dict(adjust=False)), "does not fit on a 30.0 GiB device (28.5 GiB usable with a 5% margin): the rollout phase needs 34.1 GiB: lower rollout.max_batch from 64 to 8; the training phase needs 37.1 GiB: lower rl.micro_batch_size from 16 to 8"),
+    "72B proj fallback 80GiB": (("72B proj", 80 * GIB, dict(remat_fallback=True)), (8, 64, "full", 256, ("rl.remat",), 73111395520, "ee844e95dc82b4a6")),
+    "1.5B long smaller chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True, auto_logprob_chunk=True)), (1, 4, "full", 128, ("rollout.max_batch",), 3311791888, "552cb3448542299b")),
+    "1.5B long no chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True)), "does not fit on a 3.4 GiB device (3.2 GiB usable with a 5% margin): training on even 1 sequence needs 3.3 GiB: lower rollout.max_new_tokens (now 7936; training sequences are 8192 tokens)"),
+}  # fmt: skip
+
+
+def _digest(*parts) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _golden_plan(name: str):
+    model, device_bytes, kwargs = GOLDEN_PLAN_INPUTS[name]
+    return memory.plan_memory(GOLDEN_MODELS[model], **kwargs, device_bytes=device_bytes)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_PLANS))
+def test_plans_give_the_frozen_numbers(name):
+    plan = _golden_plan(name)
+    assert (plan.total, plan.train_peak, plan.rollout_peak, _digest(plan.as_dict(), plan.table())) == GOLDEN_PLANS[name]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_FITS))
+def test_fits_give_the_frozen_choices_and_messages(name):
+    (plan_name, device_bytes, options), expected = GOLDEN_FITS[name]
+    if isinstance(expected, str):
+        with pytest.raises(memory.DoesNotFitError) as e:
+            memory.fit(_golden_plan(plan_name), device_bytes, **options)
+        assert str(e.value) == expected
+        return
+    r = memory.fit(_golden_plan(plan_name), device_bytes, **options)
+    got = (r.micro_batch_size, r.max_batch, r.remat, r.logprob_chunk, r.changed, r.plan.total)
+    assert (*got, _digest(r.plan.as_dict(), r.plan.table(), r.message)) == expected
