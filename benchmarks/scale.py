@@ -396,7 +396,7 @@ def run_model(args, name: str) -> dict[str, Any]:
 
             def compile_step(backend_: str):
                 nonlocal step
-                step = rl_step.make_train_step(
+                step = rl_step.TrainStep(
                     config,
                     LossConfig(kind="dapo"),
                     optimizer,

@@ -163,7 +163,7 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     packed = packing.pack_batch(batch, seq, rows_multiple=mb)
     row.update({f"train_tokens_{k}": v for k, v in packing.token_counts(packed).items()})
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
-    step = rl_step.make_train_step(
+    step = rl_step.TrainStep(
         config,
         LossConfig(kind="dapo", eps_low=0.2, eps_high=0.28),
         optimizer,

@@ -290,9 +290,9 @@ def _await_precompile(future: concurrent.futures.Future | None) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn) -> Any:
-    """The run's jitted train step (`rl.step.make_train_step` with the config's settings)."""
-    return rl_step.make_train_step(
+def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn) -> rl_step.TrainStep:
+    """The run's jitted train step (`rl.step.TrainStep` with the config's settings)."""
+    return rl_step.TrainStep(
         policy.config,
         loss_config(cfg),
         optimizer,
