@@ -588,21 +588,23 @@ def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> RunC
     auto_mb, auto_chunk = cfg.rl.micro_batch_size == 0, cfg.rl.logprob_chunk == 0
     plan = memory.plan_memory(
         policy.config,
-        quant=policy.quant,
-        lora_rank=cfg.lora.rank,
-        lora_targets=cfg.lora.targets,
-        rollout_batch=rollout_batch,
-        max_batch=cfg.rollout.max_batch or None,
-        group_size=cfg.rollout.group_size,
-        prompt_len=cfg.data.max_prompt_len,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        micro_batch_size=cfg.rl.micro_batch_size or memory.default_micro_batch(rollout_batch, data_devices),
-        remat="proj" if cfg.rl.remat == "auto" else cfg.rl.remat,
-        attention=cfg.rl.attention,
-        logprob_chunk=cfg.rl.logprob_chunk or memory.DEFAULT_LOGPROB_CHUNK,
-        quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
-        backend=policy.backend,
-        train_norms=cfg.lora.train_norms,
+        memory.PlanInputs(
+            quant=policy.quant,
+            lora_rank=cfg.lora.rank,
+            lora_targets=cfg.lora.targets,
+            rollout_batch=rollout_batch,
+            max_batch=cfg.rollout.max_batch or None,
+            group_size=cfg.rollout.group_size,
+            prompt_len=cfg.data.max_prompt_len,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            micro_batch_size=cfg.rl.micro_batch_size or memory.default_micro_batch(rollout_batch, data_devices),
+            remat="proj" if cfg.rl.remat == "auto" else cfg.rl.remat,
+            attention=cfg.rl.attention,
+            logprob_chunk=cfg.rl.logprob_chunk or memory.DEFAULT_LOGPROB_CHUNK,
+            quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
+            backend=policy.backend,
+            train_norms=cfg.lora.train_norms,
+        ),
     )
     auto_remat = cfg.rl.remat == "auto"
     device_bytes = memory.device_memory_bytes()
@@ -630,8 +632,8 @@ def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> RunC
     rl = dataclasses.replace(
         cfg.rl,
         remat=remat,
-        micro_batch_size=fitted.inputs["micro_batch_size"],
-        logprob_chunk=cfg.rl.logprob_chunk or fitted.inputs["logprob_chunk"],
+        micro_batch_size=fitted.inputs.micro_batch_size,
+        logprob_chunk=cfg.rl.logprob_chunk or fitted.inputs.logprob_chunk,
     )
     rollout = cfg.rollout
     if result is not None and rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself

@@ -1,5 +1,7 @@
 """The memory plan against hand computations, published parameter counts and real array sizes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,13 +74,17 @@ def hand_frozen_bytes(name: str, fmt: str) -> int:
     return c.num_hidden_layers * per_layer + biases + norms + embeds
 
 
+def _plan(config: ModelConfig, device_bytes: int | None = None, **inputs) -> memory.MemoryPlan:
+    return memory.plan_memory(config, memory.PlanInputs(**inputs), device_bytes)
+
+
 def frozen(plan):
     return plan.base_linear + plan.embeddings + plan.biases_norms
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_bf16_plan_matches_published_parameter_counts(name):
-    plan = memory.plan_memory(CONFIGS[name], quant="bf16", lora_rank=0)
+    plan = _plan(CONFIGS[name], quant="bf16", lora_rank=0)
     assert frozen(plan) == 2 * PUBLISHED_PARAMS[name]
     assert frozen(plan) == hand_frozen_bytes(name, "bf16")
 
@@ -86,7 +92,7 @@ def test_bf16_plan_matches_published_parameter_counts(name):
 @pytest.mark.parametrize("name", ["7B", "14B", "32B", "72B"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
 def test_packed_plan_matches_hand_computation(name, fmt):
-    plan = memory.plan_memory(CONFIGS[name], quant=fmt)
+    plan = _plan(CONFIGS[name], quant=fmt)
     assert frozen(plan) == hand_frozen_bytes(name, fmt)
 
 
@@ -95,7 +101,7 @@ def test_nvfp4_32b_numbers_written_out():
     weights = 64 * (5120 * (5120 + 1024 + 1024 + 5120) + 3 * 5120 * 27648)
     assert weights == 31_205_621_760
     nvfp4_linear = weights * 9 // 16 + 64 * 7 * 4  # 4.5 bits per weight + 7 global scales per layer
-    plan = memory.plan_memory(
+    plan = _plan(
         QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024
     )
     assert plan.base_linear == nvfp4_linear == 17_553_164_032
@@ -109,12 +115,12 @@ def test_nvfp4_32b_numbers_written_out():
 
 
 def test_kv_cache_and_lora_for_7b_and_72b():
-    p7 = memory.plan_memory(
+    p7 = _plan(
         QWEN_7B, rollout_batch=16, prompt_len=256, max_new_tokens=768, lora_rank=8, lora_targets=("q_proj", "v_proj")
     )
     assert p7.kv_cache == 2 * 28 * 16 * 1024 * 4 * 128 * 2
     assert p7.lora_params == 28 * 8 * ((3584 + 3584) + (512 + 3584)) * 4
-    p72 = memory.plan_memory(QWEN_72B, rollout_batch=64, max_batch=32, prompt_len=512, max_new_tokens=1024)
+    p72 = _plan(QWEN_72B, rollout_batch=64, max_batch=32, prompt_len=512, max_new_tokens=1024)
     assert p72.kv_cache == 2 * 80 * 32 * 1536 * 8 * 128 * 2
 
 
@@ -164,7 +170,7 @@ def test_plan_equals_bytes_of_real_arrays(fmt):
     params = _tiny_dense_params(config, jax.random.key(1))
     skip = ("embed", "lm_head", "down_proj")
     q = quantize_params(params, fmt, skip=skip)
-    plan = memory.plan_memory(config, quant=fmt, quant_skip=skip, lora_rank=4, lora_targets=("q_proj", "down_proj"))
+    plan = _plan(config, quant=fmt, quant_skip=skip, lora_rank=4, lora_targets=("q_proj", "down_proj"))
     biases = _tree_bytes({p: q["base"]["layers"][p]["b"] for p in ("q_proj", "k_proj", "v_proj")})
     assert _tree_bytes(q["base"]["layers"]) - biases == plan.base_linear
     assert biases + _tree_bytes(q["norms"]) == plan.biases_norms
@@ -181,12 +187,12 @@ def test_kv_cache_matches_the_rollout_engine():
     from qerl_jax.rollout import cache_bytes
 
     for config in (QWEN_7B, QWEN_32B):
-        plan = memory.plan_memory(config, rollout_batch=32, max_batch=16, prompt_len=512, max_new_tokens=1024)
+        plan = _plan(config, rollout_batch=32, max_batch=16, prompt_len=512, max_new_tokens=1024)
         assert plan.kv_cache == cache_bytes(config, 16, 1536)
 
 
 def test_phases_and_total():
-    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4)
+    plan = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4)
     assert plan.rollout_peak == (
         plan.persistent + plan.kv_cache + plan.rollout_activations + plan.rollout_layer_copies + plan.dequant_workspace
     )
@@ -197,23 +203,23 @@ def test_phases_and_total():
         + c.num_hidden_layers * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     ) * 2
     assert plan.rollout_layer_copies == norms_biases + plan.lora_params
-    bf16 = memory.plan_memory(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=4)
+    bf16 = _plan(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=4)
     assert bf16.rollout_layer_copies == bf16.base_linear + norms_biases + bf16.lora_params
     assert plan.train_peak == plan.persistent + plan.lora_grads + plan.train_activations + plan.dequant_workspace
     assert plan.total == max(plan.rollout_peak, plan.train_peak)
     # Activations grow with the micro-batch; the frozen part does not.
-    bigger = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=8)
+    bigger = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=8)
     assert bigger.train_activations > plan.train_activations and bigger.persistent == plan.persistent
     # Per-layer checkpointing saves memory.
-    no_remat = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4, remat=False)
+    no_remat = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4, remat=False)
     assert no_remat.train_activations > 3 * plan.train_activations
     # The pallas backend needs no dequantized-layer workspace.
-    assert memory.plan_memory(QWEN_14B, backend="pallas").dequant_workspace == 0
-    assert memory.plan_memory(QWEN_14B, quant="bf16").dequant_workspace == 0
+    assert _plan(QWEN_14B, backend="pallas").dequant_workspace == 0
+    assert _plan(QWEN_14B, quant="bf16").dequant_workspace == 0
 
 
 def test_table_lists_terms_in_gib():
-    plan = memory.plan_memory(QWEN_32B, device_bytes=80 * GIB)
+    plan = _plan(QWEN_32B, device_bytes=80 * GIB)
     table = plan.table()
     assert "base linear weights (nvfp4)" in table and "KV cache" in table and "TOTAL" in table
     assert f"{plan.base_linear / GIB:9.2f} GiB" in table
@@ -222,7 +228,7 @@ def test_table_lists_terms_in_gib():
 
 
 def test_fit_keeps_sizes_that_fit():
-    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=2)
+    plan = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=2)
     result = memory.fit(plan, 140 * GIB)
     assert (result.micro_batch_size, result.max_batch, result.changed) == (2, 64, ())
     assert result.plan.total <= 0.95 * 140 * GIB
@@ -230,18 +236,18 @@ def test_fit_keeps_sizes_that_fit():
 
 def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
     device = int(60 * GIB)
-    plan = memory.plan_memory(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
+    plan = _plan(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
     result = memory.fit(plan, device)
     budget = 0.95 * device
     assert set(result.changed) == {"rl.micro_batch_size", "rollout.max_batch"}
     assert "rl.micro_batch_size 16 -> " in result.message
     assert result.plan.total <= budget
     # Maximal: the next larger divisor of 64 does not fit its phase.
-    up_chunk = memory.plan_memory(
+    up_chunk = _plan(
         QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, max_batch=2 * result.max_batch
     )
     assert up_chunk.rollout_peak > budget
-    up_mb = memory.plan_memory(
+    up_mb = _plan(
         QWEN_14B,
         quant="bf16",
         rollout_batch=64,
@@ -253,46 +259,46 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
 
 
 def test_fit_validate_names_the_value_to_lower():
-    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=64)
+    plan = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=64)
     with pytest.raises(memory.DoesNotFitError, match=r"lower rl\.micro_batch_size from 64 to \d+"):
         memory.fit(plan, 40 * GIB, adjust=False)
-    plan = memory.plan_memory(QWEN_32B, rollout_batch=64, group_size=8, micro_batch_size=1)
+    plan = _plan(QWEN_32B, rollout_batch=64, group_size=8, micro_batch_size=1)
     with pytest.raises(memory.DoesNotFitError, match=r"lower rollout\.max_batch from 64 to \d+"):
         memory.fit(plan, 40 * GIB, adjust=False)
 
 
 def test_fit_names_quant_when_bf16_rollout_copies_do_not_fit():
     # bf16 32B: 61 GiB of linears fit an 80 GB H100, but not twice (the decode's per-layer copies).
-    plan = memory.plan_memory(QWEN_32B, quant="bf16", micro_batch_size=1)
+    plan = _plan(QWEN_32B, quant="bf16", micro_batch_size=1)
     assert plan.persistent < 0.95 * 80 * GIB < plan.persistent + plan.rollout_layer_copies
     with pytest.raises(memory.DoesNotFitError, match=r"per-layer copies.*model\.quant='nvfp4'"):
         memory.fit(plan, 80 * GIB)
 
 
 def test_fit_names_quant_when_bf16_weights_do_not_fit():
-    plan = memory.plan_memory(QWEN_32B, quant="bf16")
+    plan = _plan(QWEN_32B, quant="bf16")
     with pytest.raises(memory.DoesNotFitError, match=r"model\.quant='nvfp4'"):
         memory.fit(plan, 60 * GIB)
     # The same model in NVFP4 does fit the same device.
-    assert memory.fit(memory.plan_memory(QWEN_32B, quant="nvfp4", group_size=8), 60 * GIB).plan.total <= 0.95 * 60 * GIB
+    assert memory.fit(_plan(QWEN_32B, quant="nvfp4", group_size=8), 60 * GIB).plan.total <= 0.95 * 60 * GIB
 
 
 def test_fit_names_max_new_tokens_when_one_sequence_does_not_fit():
     # one sequence's KV cache (~53 GiB) alone is over the device: the rollout phase names the field
-    plan = memory.plan_memory(QWEN_7B, prompt_len=512, max_new_tokens=1_000_000, rollout_batch=8)
+    plan = _plan(QWEN_7B, prompt_len=512, max_new_tokens=1_000_000, rollout_batch=8)
     with pytest.raises(memory.DoesNotFitError, match=r"rollout\.max_new_tokens \(now 1000000\)"):
         memory.fit(plan, 40 * GIB)
 
 
 def test_fit_names_multi_gpu_when_packed_72b_exceeds_the_device():
     with pytest.raises(memory.DoesNotFitError, match="more GPUs"):
-        memory.fit(memory.plan_memory(QWEN_72B), 40 * GIB)
+        memory.fit(_plan(QWEN_72B), 40 * GIB)
 
 
 def test_fit_needs_a_device_size(monkeypatch):
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: None)
     with pytest.raises(ValueError, match="device memory size is unknown"):
-        memory.fit(memory.plan_memory(QWEN_7B))
+        memory.fit(_plan(QWEN_7B))
 
 
 def test_device_memory_bytes_reads_bytes_limit():
@@ -321,14 +327,14 @@ def test_device_memory_bytes_reads_bytes_limit():
 )
 def test_bad_inputs_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match.replace(".", r"\.").replace("(", r"\(")):
-        memory.plan_memory(QWEN_7B, **kwargs)
+        memory.PlanInputs(**kwargs)
 
 
 def test_embeddings_stay_bf16_whatever_quant_skip_says():
-    a = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=())
-    b = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=("embed", "lm_head"))
+    a = _plan(QWEN_7B, quant="nvfp4", quant_skip=())
+    b = _plan(QWEN_7B, quant="nvfp4", quant_skip=("embed", "lm_head"))
     assert a.embeddings == b.embeddings == 2 * 152064 * 3584 * 2
-    c = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=("down_proj",))
+    c = _plan(QWEN_7B, quant="nvfp4", quant_skip=("down_proj",))
     assert c.base_linear - a.base_linear == 28 * (3584 * 18944 * 2 - memory.packed_matrix_bytes(3584, 18944, "nvfp4"))
 
 
@@ -340,55 +346,55 @@ def test_block_divisibility_is_checked():
 
 def test_packed_step_per_sequence_grids_count_batch_times_row_length():
     kw = dict(group_size=8, max_new_tokens=512, prompt_len=256)
-    plan = memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=4, **kw)
+    plan = _plan(QWEN_7B, rollout_batch=64, micro_batch_size=4, **kw)
     assert plan.train_sequence_arrays == 12 * 64 * 768 * 4  # 12 [B, T] f32/int32 arrays, T = 256 + 512 slots
     assert plan.train_activations == (
         plan.train_saved_activations + plan.train_layer_activations + plan.train_logits + plan.train_sequence_arrays
     )
     # Whatever the micro-batch; with the batch and with the packed row length actually used.
-    assert memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=8, **kw).train_sequence_arrays == (
+    assert _plan(QWEN_7B, rollout_batch=64, micro_batch_size=8, **kw).train_sequence_arrays == (
         plan.train_sequence_arrays
     )
-    assert memory.plan_memory(QWEN_7B, rollout_batch=128, micro_batch_size=4, **kw).train_sequence_arrays == (
+    assert _plan(QWEN_7B, rollout_batch=128, micro_batch_size=4, **kw).train_sequence_arrays == (
         2 * plan.train_sequence_arrays
     )
-    short = memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=4, train_seq_len=384, **kw)
+    short = _plan(QWEN_7B, rollout_batch=64, micro_batch_size=4, train_seq_len=384, **kw)
     assert short.train_sequence_arrays == plan.train_sequence_arrays // 2
     assert "per-sequence grids (64 seqs x 768, f32)" in plan.table()
 
 
 def test_proj_remat_saves_every_projection_output_and_flash_drops_the_scores():
     kw = dict(rollout_batch=64, group_size=8, micro_batch_size=4, max_new_tokens=512, prompt_len=256)
-    full = memory.plan_memory(QWEN_7B, remat="full", **kw)
-    proj = memory.plan_memory(QWEN_7B, remat="proj", **kw)
+    full = _plan(QWEN_7B, remat="full", **kw)
+    proj = _plan(QWEN_7B, remat="proj", **kw)
     c, tokens = QWEN_7B, 4 * 768
     out_features = sum(n for n, _ in projection_shapes(c).values())
     assert (
         proj.train_saved_activations - full.train_saved_activations == c.num_hidden_layers * tokens * out_features * 2
     )
-    assert memory.plan_memory(QWEN_7B, remat=True, **kw) == full  # a bool is still accepted
-    flash = memory.plan_memory(QWEN_7B, remat="full", attention="flash", **kw)
+    assert _plan(QWEN_7B, remat=True, **kw) == full  # a bool is still accepted
+    flash = _plan(QWEN_7B, remat="full", attention="flash", **kw)
     scores = 4 * c.num_attention_heads * 768 * 768 * memory.ATTN_SCORE_BYTES
     assert full.train_layer_activations - flash.train_layer_activations == scores - 4 * c.num_attention_heads * 768 * 4
     with pytest.raises(ValueError, match="attention 'sdpa'"):
-        memory.plan_memory(QWEN_7B, attention="sdpa")
+        _plan(QWEN_7B, attention="sdpa")
 
 
 def test_fit_keeps_proj_remat_where_it_fits_and_falls_back_to_full():
     kw = dict(rollout_batch=64, group_size=8, micro_batch_size=8, max_new_tokens=512, prompt_len=256)
-    roomy = memory.fit(memory.plan_memory(QWEN_7B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
+    roomy = memory.fit(_plan(QWEN_7B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
     assert (roomy.remat, roomy.micro_batch_size, roomy.changed) == ("proj", 8, ())
     # 72B: the projection outputs of even an efficient micro-batch (>= PROJ_REMAT_MIN_TOKENS tokens) do
     # not fit next to the packed base on 80 GB: "full" at the largest micro-batch that fits.
-    tight = memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
+    tight = memory.fit(_plan(QWEN_72B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
     assert tight.remat == "full" and "rl.remat" in tight.changed and "rl.remat proj -> full" in tight.message
-    assert tight.plan.inputs["remat"] == "full" and tight.plan.train_peak <= 0.95 * 80 * GIB
+    assert tight.plan.inputs.remat == "full" and tight.plan.train_peak <= 0.95 * 80 * GIB
     proj_min = -(-memory.PROJ_REMAT_MIN_TOKENS // 768)
     assert (
-        memory.plan_memory(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
+        _plan(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
     )
     # Without the fallback the plan's mode is kept (the micro-batch is lowered instead).
-    assert memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"
+    assert memory.fit(_plan(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"
 
 
 def test_trained_norms_add_their_masters_moments_and_grads():
@@ -399,7 +405,7 @@ def test_trained_norms_add_their_masters_moments_and_grads():
     config = qwen(128, 192, 3, 4, 2, vocab=200, head_dim=32)
     params = _tiny_dense_params(config, jax.random.key(1))
     kw = dict(quant="bf16", lora_rank=4, lora_targets=("q_proj", "down_proj"))
-    off, on = memory.plan_memory(config, **kw), memory.plan_memory(config, **kw, train_norms=True)
+    off, on = _plan(config, **kw), _plan(config, **kw, train_norms=True)
     lora = init_lora(jax.random.key(2), config, LoraConfig(rank=4, targets=("q_proj", "down_proj")))
     norms = init_trained_norms(params["norms"])
     assert _tree_bytes((lora, norms)) == on.lora_params > off.lora_params
@@ -418,7 +424,7 @@ STEP_15B = dict(
 
 
 def _train_peak(mb: int, chunk: int, remat: str = "proj") -> int:
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, micro_batch_size=mb, logprob_chunk=chunk, remat=remat)
+    plan = _plan(QWEN_15B, **STEP_15B, micro_batch_size=mb, logprob_chunk=chunk, remat=remat)
     return plan.train_peak
 
 
@@ -426,11 +432,11 @@ def _train_peak(mb: int, chunk: int, remat: str = "proj") -> int:
 def test_auto_micro_batch_and_chunk_are_the_largest_that_fit_a_large_device(device_gib):
     device = int(device_gib * GIB)
     budget = 0.95 * device
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj")  # micro-batch 8, chunk 256 planned
+    plan = _plan(QWEN_15B, **STEP_15B, remat="proj")  # micro-batch 8, chunk 256 planned
     result = memory.fit(plan, device, remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
     mb, chunk = result.micro_batch_size, result.logprob_chunk
     assert mb > 8 and result.remat == "proj" and 128 % mb == 0 and mb * 1024 <= memory.AUTO_MICRO_BATCH_TOKENS
-    assert result.plan.inputs["micro_batch_size"] == mb and result.plan.inputs["logprob_chunk"] == chunk
+    assert result.plan.inputs.micro_batch_size == mb and result.plan.inputs.logprob_chunk == chunk
     assert result.plan.train_peak <= budget and result.changed == ()
     assert f"auto rl.micro_batch_size = {mb}, rl.logprob_chunk = {chunk}" in result.message
     # Maximal: the next divisor of 128 up is past the token cap or does not fit (at the planned chunk).
@@ -443,13 +449,13 @@ def test_auto_micro_batch_and_chunk_are_the_largest_that_fit_a_large_device(devi
 
 def test_auto_micro_batch_shrinks_on_a_small_device_with_smaller_chunks_if_needed():
     device = 16 * GIB
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj")
+    plan = _plan(QWEN_15B, **STEP_15B, remat="proj")
     result = memory.fit(plan, device, remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
     assert result.micro_batch_size < 8 and result.plan.train_peak <= 0.95 * device
     assert _train_peak(8, 256, result.remat) > 0.95 * device
     # So small that the planned chunk of 256 leaves no micro-batch room: auto lowers the chunk.
-    tight = memory.plan_memory(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full")
-    one_row = memory.plan_memory(
+    tight = _plan(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full")
+    one_row = _plan(
         QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full", micro_batch_size=1
     )
     device = int((one_row.train_peak - one_row.train_logits // 4) / 0.95)  # a chunk of 64 fits, 256 does not
@@ -461,7 +467,7 @@ def test_auto_micro_batch_shrinks_on_a_small_device_with_smaller_chunks_if_neede
 
 def test_auto_micro_batch_is_a_multiple_of_the_data_axis():
     kw = {**STEP_15B, "rollout_batch": 96}
-    plan = memory.plan_memory(QWEN_15B, **kw, remat="full")
+    plan = _plan(QWEN_15B, **kw, remat="full")
     for multiple in (1, 3, 4):
         result = memory.fit(plan, 141 * GIB, auto_micro_batch=True, micro_batch_multiple=multiple)
         assert result.micro_batch_size % multiple == 0 and 96 % result.micro_batch_size == 0
@@ -471,7 +477,7 @@ def test_auto_micro_batch_is_a_multiple_of_the_data_axis():
 
 
 def test_explicit_sizes_are_kept_where_they_fit():
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj", micro_batch_size=4, logprob_chunk=128)
+    plan = _plan(QWEN_15B, **STEP_15B, remat="proj", micro_batch_size=4, logprob_chunk=128)
     result = memory.fit(plan, 141 * GIB, remat_fallback=True)
     assert (result.micro_batch_size, result.logprob_chunk, result.changed) == (4, 128, ())
     assert "auto" not in result.message and "lowered" not in result.message
@@ -515,6 +521,18 @@ def test_the_run_resolves_auto_to_the_plan_and_prints_it(monkeypatch, capsys):
     assert f"micro-batch={big.micro_batch_size}" in out  # the table is the fitted plan's
     explicit = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64)
     assert (explicit.micro_batch_size, explicit.logprob_chunk) == (4, 64)
+
+
+def test_plan_inputs_derive_and_cap_their_sizes():
+    i = memory.PlanInputs(rollout_batch=16, max_batch=64, prompt_len=100, max_new_tokens=28, logprob_chunk=None)
+    assert (i.max_batch, i.train_seq_len, i.logprob_chunk, i.remat) == (16, 128, 128, "full")
+    assert memory.PlanInputs(remat=False).remat == "none" and memory.PlanInputs(lora_rank=0).lora_targets == ()
+    assert memory.PlanInputs(logprob_chunk=4096, train_seq_len=512).logprob_chunk == 512
+    assert memory.PlanInputs(quant_skip=["down_proj"]).quant_skip == ("down_proj",)
+    # Re-planned sizes are checked again, as `fit` makes them.
+    with pytest.raises(ValueError, match=r"rl\.micro_batch_size must be a positive int; got 0"):
+        dataclasses.replace(i, micro_batch_size=0)
+    assert dataclasses.replace(i, max_batch=8).max_batch == 8
 
 
 # ----------------------------------------------------------------------------- frozen numbers
@@ -568,7 +586,7 @@ def _digest(*parts) -> str:
 
 def _golden_plan(name: str):
     model, device_bytes, kwargs = GOLDEN_PLAN_INPUTS[name]
-    return memory.plan_memory(GOLDEN_MODELS[model], **kwargs, device_bytes=device_bytes)
+    return _plan(GOLDEN_MODELS[model], **kwargs, device_bytes=device_bytes)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_PLANS))
