@@ -493,7 +493,8 @@ def test_auto_on_a_device_of_unknown_size_is_the_default():
     assert memory.logprob_chunk_candidates(1024) == [512, 256, 128, 64, 32, 16, 8, 4, 2, 1]
 
 
-def _check_memory(monkeypatch, device_bytes, **rl):
+def _check_memory(monkeypatch, device_bytes, max_batch=0, **rl):
+    """(what the run resolves, its config) for a 1.5B policy of 16 x 8 sequences on a device of device_bytes."""
     import types
 
     from qerl_jax import config as config_lib
@@ -502,25 +503,36 @@ def _check_memory(monkeypatch, device_bytes, **rl):
     cfg = config_lib.default_config()
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 16, 8
     cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 256, 768
+    cfg.rollout.max_batch = max_batch
     for k, v in rl.items():
         cfg.rl[k] = v
     run = run_config.from_config_dict(cfg)
     policy = types.SimpleNamespace(config=QWEN_15B, quant="nvfp4", backend="xla")
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: device_bytes)
-    return train._check_memory(run, policy).rl
+    return train._check_memory(run, policy), run
 
 
 def test_the_run_resolves_auto_to_the_plan_and_prints_it(monkeypatch, capsys):
-    cpu = _check_memory(monkeypatch, None)
-    assert (cpu.micro_batch_size, cpu.logprob_chunk, cpu.remat) == (8, 256, "full")
+    cpu, run = _check_memory(monkeypatch, None)
+    assert cpu == memory.Resolved(micro_batch_size=8, logprob_chunk=256, remat="full", max_batch=0)
     assert "micro-batch=8" in capsys.readouterr().out
-    big = _check_memory(monkeypatch, 141 * GIB)
+    # The config keeps what was written (0 and "auto"); the resolved sizes are a separate object.
+    assert (run.rl.micro_batch_size, run.rl.logprob_chunk, run.rl.remat) == (0, 0, "auto")
+    big, _ = _check_memory(monkeypatch, 141 * GIB)
     out = capsys.readouterr().out
-    assert big.micro_batch_size > 8 and big.logprob_chunk > 256
+    assert big.micro_batch_size > 8 and big.logprob_chunk > 256 and big.remat == "proj" and big.max_batch == 0
     assert f"auto rl.micro_batch_size = {big.micro_batch_size}, rl.logprob_chunk = {big.logprob_chunk}" in out
     assert f"micro-batch={big.micro_batch_size}" in out  # the table is the fitted plan's
-    explicit = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64)
-    assert (explicit.micro_batch_size, explicit.logprob_chunk) == (4, 64)
+    explicit, _ = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64, remat="full")
+    assert (explicit.micro_batch_size, explicit.logprob_chunk, explicit.remat) == (4, 64, "full")
+
+
+def test_the_run_lowers_rollout_rows_that_do_not_fit_and_keeps_the_config(monkeypatch, capsys):
+    small, run = _check_memory(monkeypatch, 5 * GIB, max_batch=128)
+    assert 0 < small.max_batch < 128 and 128 % small.max_batch == 0 and run.rollout.max_batch == 128
+    assert f"rollout.max_batch 128 -> {small.max_batch}" in capsys.readouterr().out
+    assert _check_memory(monkeypatch, 141 * GIB, max_batch=128)[0].max_batch == 128
+    assert _check_memory(monkeypatch, None, max_batch=128)[0].max_batch == 128  # nothing to fit to
 
 
 def test_plan_inputs_derive_and_cap_their_sizes():

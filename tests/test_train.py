@@ -235,8 +235,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_keeping_the_last_g
     real = train.make_train_batch
     calls = []
 
-    def poisoned(cfg, exp):  # from the third step on, the advantages (hence loss and gradients) are NaN
-        batch = real(cfg, exp)
+    def poisoned(cfg, exp, mb):  # from the third step on, the advantages (hence loss and gradients) are NaN
+        batch = real(cfg, exp, mb)
         calls.append(1)
         if len(calls) > 2:
             batch["advantages"] = batch["advantages"] * np.nan
@@ -440,7 +440,9 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     policy = load_policy(cfg)
     loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
     with reward_pool.RewardPool() as pool:
-        exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
+        exp, stats = train.collect_experience(
+            cfg, policy, policy.frozen, loader, pool, jax.random.key(0), max_batch=None
+        )
     assert exp is not None and 0 < exp.groups_kept <= 4
     assert stats["rollout/groups_sampled"] >= exp.groups_kept
     groups = exp.rewards.reshape(-1, 4)
@@ -450,7 +452,7 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     # Rows stay aligned: each kept completion re-scores to its recorded reward.
     for c, a, r in zip(exp.completions, exp.answers, exp.rewards):
         assert digit_reward(c, a) == r
-    batch = train.make_train_batch(cfg, exp)
+    batch = train.make_train_batch(cfg, exp, cfg.rl.micro_batch_size)
     assert batch["advantages"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
     assert batch["input_ids"].shape[0] % cfg.rl.micro_batch_size == 0 and (batch["token_index"][len(exp.completions) :] == -1).all()
 
@@ -530,7 +532,9 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     dataset = load_math_dataset(cfg.data.train)
     loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
     with reward_pool.RewardPool(2) as pool:
-        exp, stats = train.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
+        exp, stats = train.collect_experience(
+            cfg, policy, policy.frozen, loader, pool, jax.random.key(0), max_batch=None
+        )
     digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
     prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])
     assert np.ptp(prompt) > 0  # the second reward really varies with the row
@@ -540,7 +544,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     np.testing.assert_allclose(stats["reward/worker_rewards_prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
     for scale in ("group", "batch", "none"):
         cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, scale_rewards=scale))
-        got = np.asarray(train.make_train_batch(cfg, exp)["advantages"])[: len(exp.rewards)]
+        got = np.asarray(train.make_train_batch(cfg, exp, cfg.rl.micro_batch_size)["advantages"])[: len(exp.rewards)]
         np.testing.assert_allclose(got, np.asarray(losses.group_advantages(exp.rewards, 4, scale=scale)), rtol=1e-6)
     g = exp.rewards.reshape(-1, 4)
     np.testing.assert_allclose(got, (g - g.mean(1, keepdims=True)).reshape(-1), atol=1e-6)  # "none"
@@ -642,7 +646,7 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
     overrides = {"rl.micro_batch_size": 4}  # the real batch: several micro-batches
     cfg = _run(tmp_path, tiny_model_dir, **overrides)
     policy = load_policy(cfg)
-    cfg = train._check_memory(cfg, policy)  # remat "auto" resolved, as the run does
+    sizes = train._check_memory(cfg, policy)  # remat "auto" resolved, as the run does
     g, n = cfg.rollout.group_size, cfg.rollout.prompts_per_step * cfg.rollout.group_size
     p, m = prompt_bucket(cfg.data.max_prompt_len), cfg.rollout.max_new_tokens
     rng = np.random.default_rng(0)
@@ -668,9 +672,9 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
         rewards=rng.random(n).astype(np.float32), accuracy=np.zeros(n, np.float32), groups_sampled=n // g,
         groups_kept=n // g,
     )  # fmt: skip
-    real, like = train.make_train_batch(cfg, exp), train.train_batch_like(cfg)
+    mb = sizes.micro_batch_size
+    real, like = train.make_train_batch(cfg, exp, mb), train.train_batch_like(cfg, mb)
     assert real.keys() == like.keys()
-    mb = cfg.rl.micro_batch_size
     for k in real:
         assert real[k].dtype == like[k].dtype, k
         if k in ("input_ids", "segment_ids"):
@@ -680,7 +684,7 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
     assert real["input_ids"].shape[0] > mb  # the real batch has several micro-batches
     optimizer, lr_fn = run_config.optimizer_from_config(cfg)
     state = _train_state_like(_config(tmp_path, tiny_model_dir, **overrides))
-    step = train.make_step(cfg, policy, optimizer, lr_fn)
+    step = train.make_step(cfg, policy, optimizer, lr_fn, sizes)
     step.precompile(state, policy.frozen, like)
     compiled = []
     listener = lambda event, secs, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration") else None  # noqa: E731
