@@ -81,7 +81,7 @@ def measure(config, params, lora, n: int, prompts: int, path: str, args) -> dict
         run = lambda: generate(config, policy, ids, mask, jax.random.key(3), sampling, options=opts, **kw)  # noqa: E731
     out, roll_s = _timed(run)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=100)
-    step = rl_step.make_train_step(
+    step = rl_step.TrainStep(
         config, LossConfig(kind="dapo"), optimizer, lora_scale=lora_scale(args.lcfg), backend=backend, remat=True,
         micro_batch_size=args.micro_batch_size, logprob_chunk=args.logprob_chunk,
     )  # fmt: skip

@@ -86,7 +86,7 @@ def run_case(args, fmt: str) -> dict:
     from benchmarks import common, train_step
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.rl import losses, packing
-    from qerl_jax.rl.step import init_train_state, make_train_step
+    from qerl_jax.rl.step import TrainStep, init_train_state
     from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
@@ -166,7 +166,7 @@ def run_case(args, fmt: str) -> dict:
     padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), args.group))
     # The training loop's layout: packed rows of prompt + new tokens (`rl.packing`).
     train_batch = packing.pack_batch(padded, padded["input_ids"].shape[1], rows_multiple=micro_batch_size or 1)
-    step = make_train_step(
+    step = TrainStep(
         config,
         losses.LossConfig(kind="dapo"),
         optimizer,
@@ -207,7 +207,7 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import losses, packing
-    from qerl_jax.rl.step import init_train_state, make_train_step
+    from qerl_jax.rl.step import TrainStep, init_train_state
     from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
@@ -250,7 +250,7 @@ def run_gsm8k_case(args, fmt: str) -> dict:
         "padded": packing.pack_batch(padded, int(seq_len.max()), rows_multiple=mb, rows=[[i] for i in range(n)]),
         "packed": packing.pack_batch(padded, run["prompt_len"] + run["max_new"], rows_multiple=mb),
     }
-    step = make_train_step(
+    step = TrainStep(
         config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=scale, backend=backend,
         remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
         micro_batch_size=mb, logprob_chunk=args.logprob_chunk,

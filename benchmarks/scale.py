@@ -68,8 +68,11 @@ def model_config(name: str):
     return common.model_config(name)
 
 
-def plan_kwargs(args, quant: str | None = None, backend: str | None = None) -> dict[str, Any]:
-    return dict(
+def plan_inputs(args, quant: str | None = None, backend: str | None = None):
+    """The `memory.PlanInputs` of the benchmark's sizes."""
+    from qerl_jax import memory
+
+    return memory.PlanInputs(
         quant=quant or args.quant,
         lora_rank=args.lora_rank,
         rollout_batch=args.prompts * args.group_size,
@@ -100,7 +103,7 @@ def static_plans(args) -> list[dict[str, Any]]:
     out = []
     for model, quant, device, physical in cases:
         usable = int(physical * float(MEM_FRACTION))
-        plan = memory.plan_memory(model_config(model), **plan_kwargs(args, quant, backend), device_bytes=usable)
+        plan = memory.plan_memory(model_config(model), plan_inputs(args, quant, backend), usable)
         try:
             result = memory.fit(plan, usable)
             verdict, fitted = result.message, result.plan
@@ -238,7 +241,7 @@ def run_model(args, name: str) -> dict[str, Any]:
         "phases": {},
     }
     rows = args.prompts * args.group_size
-    plan = memory.plan_memory(config, **plan_kwargs(args, backend=backend), device_bytes=limit)
+    plan = memory.plan_memory(config, plan_inputs(args, backend=backend), limit)
     mb, chunk = args.micro_batch_size or 8, args.max_batch or rows
     remat = "full" if args.remat == "auto" else args.remat
     if limit is not None:
@@ -285,8 +288,8 @@ def run_model(args, name: str) -> dict[str, Any]:
 
     def plan_for(backend_: str) -> memory.MemoryPlan:
         """The plan with the sizes in use, for the backend a phase ran on."""
-        kw = {**plan.inputs, "micro_batch_size": mb, "max_batch": chunk, "backend": backend_}
-        return memory.plan_memory(config, **kw, device_bytes=limit)
+        inputs = dataclasses.replace(plan.inputs, micro_batch_size=mb, max_batch=chunk, backend=backend_)
+        return memory.plan_memory(config, inputs, limit)
 
     def with_fallback(out: dict[str, Any], fn):
         """fn(backend); a failure on the pallas backend is recorded and the phase re-run on xla."""
@@ -396,7 +399,7 @@ def run_model(args, name: str) -> dict[str, Any]:
 
             def compile_step(backend_: str):
                 nonlocal step
-                step = rl_step.make_train_step(
+                step = rl_step.TrainStep(
                     config,
                     LossConfig(kind="dapo"),
                     optimizer,

@@ -120,8 +120,7 @@ def resolve_remat(config, *, fmt: str, backend: str, attention: str, remat: str,
     device_bytes = memory.device_memory_bytes()
     if device_bytes is None:
         return "full", args.micro_batch_size
-    plan = memory.plan_memory(
-        config,
+    inputs = memory.PlanInputs(
         quant=fmt,
         lora_rank=args.rank,
         rollout_batch=args.batch if hasattr(args, "batch") else args.prompts * args.group,
@@ -133,7 +132,7 @@ def resolve_remat(config, *, fmt: str, backend: str, attention: str, remat: str,
         logprob_chunk=args.logprob_chunk,
         backend=backend,
     )
-    fit = memory.fit(plan, device_bytes, remat_fallback=True)
+    fit = memory.fit(memory.plan_memory(config, inputs), device_bytes, remat_fallback=True)
     return fit.remat, fit.micro_batch_size
 
 
@@ -163,7 +162,7 @@ def run_jax_case(args, fmt: str, attention: str, remat: str) -> dict[str, Any]:
     packed = packing.pack_batch(batch, seq, rows_multiple=mb)
     row.update({f"train_tokens_{k}": v for k, v in packing.token_counts(packed).items()})
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
-    step = rl_step.make_train_step(
+    step = rl_step.TrainStep(
         config,
         LossConfig(kind="dapo", eps_low=0.2, eps_high=0.28),
         optimizer,

@@ -217,7 +217,12 @@ def worker_base(exp: Experiment, args) -> None:
             summary_file = os.path.join(out_dir, name, "summary.json")
             if not os.path.isfile(summary_file):
                 evaluation.evaluate_params(
-                    cfg, policy, dict(policy.frozen), lora_scale=1.0, output_dir=os.path.join(out_dir, name)
+                    cfg,
+                    policy,
+                    dict(policy.frozen),
+                    lora_scale=1.0,
+                    output_dir=os.path.join(out_dir, name),
+                    max_batch=cfg.rollout.max_batch or None,
                 )
             dataset = load_math_dataset(cfg.data.train).select(range(num_prompts))
             tok = tokenize_prompts(

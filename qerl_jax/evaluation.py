@@ -95,8 +95,10 @@ def evaluate_params(
     output_dir: str,
     writer: MetricWriter | None = None,
     step: int = 0,
+    max_batch: int | None,
 ) -> dict[str, Any]:
-    """Scores `params` on every eval dataset; writes the per-example JSONL and summary JSON."""
+    """Scores `params` on every eval dataset; writes the per-example JSONL and summary JSON.
+    max_batch: rollout rows at once (None: sized to the free memory)."""
     os.makedirs(output_dir, exist_ok=True)
     summary: dict[str, Any] = {"metrics": {}, "datasets": {}}
     with reward_pool.RewardPool(timeout_s=cfg.rl.reward_timeout_s) as pool:
@@ -108,7 +110,7 @@ def evaluate_params(
                 else path.replace("/", "_").replace(":", "_")
             )
             result = _evaluate_dataset(
-                cfg, policy, params, lora_scale, path, pool, os.path.join(output_dir, f"{name}.jsonl")
+                cfg, policy, params, lora_scale, path, pool, os.path.join(output_dir, f"{name}.jsonl"), max_batch
             )
             summary["datasets"][name] = result
             for k, v in result.items():
@@ -144,7 +146,7 @@ def _eval_prompts(cfg: RunConfig, policy: Policy, path: str):
 
 
 def _evaluate_dataset(
-    cfg: RunConfig, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str
+    cfg: RunConfig, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str, max_batch: int | None
 ) -> dict[str, Any]:
     dataset, tok = _eval_prompts(cfg, policy, path)
     if tok.num_dropped:
@@ -184,7 +186,7 @@ def _evaluate_dataset(
                 sampling,
                 group_size=k,
                 lora_scale=lora_scale,
-                max_batch=cfg.rollout.max_batch or None,
+                max_batch=max_batch,
                 options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
             )
             tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
@@ -248,7 +250,15 @@ def evaluate(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     print(f"model: {policy.model_dir} ({policy.quant}); writing to {output_dir} (files of the same names are replaced)")
     writer = MetricWriter(os.path.join(output_dir, "tensorboard"))
     try:
-        summary = evaluate_params(run, policy, params, lora_scale=scale, output_dir=output_dir, writer=writer)
+        summary = evaluate_params(
+            run,
+            policy,
+            params,
+            lora_scale=scale,
+            output_dir=output_dir,
+            writer=writer,
+            max_batch=run.rollout.max_batch or None,
+        )
     finally:
         writer.close()
     summary["model"] = {"path": policy.model_dir, "quant": policy.quant, "adapter": run.eval.checkpoint or None}

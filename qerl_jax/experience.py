@@ -177,10 +177,13 @@ def collect_experience(
     key,
     mesh: jax.sharding.Mesh | None = None,
     keep_rate: float = 1.0,
+    *,
+    max_batch: int | None,
 ) -> tuple[Experience | None, dict[str, float]]:
     """Rollouts + rewards for `prompts_per_step` groups (module doc). keep_rate: the expected
     share of groups with varied rewards (the last step's `rollout/keep_rate`): it paces how many
-    prompts are admitted before their groups' rewards are known, not what is kept. Returns
+    prompts are admitted before their groups' rewards are known, not what is kept. max_batch:
+    rollout rows at once (`memory.Resolved.max_batch`; None: sized to the free memory). Returns
     (None, stats) when no group is kept."""
     g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
     before = loader.state()
@@ -199,7 +202,7 @@ def collect_experience(
     }
     t0 = time.perf_counter()
     planned = [dynamic_sampling.groups_to_plan(w, keep_rate) if dynamic else w for w in wants]
-    batch = _rollout(cfg, policy, rollout_params, step, key, mesh, order, trackers, planned)
+    batch = _rollout(cfg, policy, rollout_params, step, key, mesh, order, trackers, planned, max_batch)
     t_rollout = time.perf_counter() - t0
     t0 = time.perf_counter()
     shaped_N, each_RxN = _scores(trackers, rows_of, len(step.answers) * g, len(scorer.spec))
@@ -223,7 +226,7 @@ def collect_experience(
     return _experience(batch, scorer, step, shaped_N, each_RxN, kept, g, len(sampled)), stats
 
 
-def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers, planned) -> RolloutBatch:
+def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers, planned, max_batch) -> RolloutBatch:
     """One rollout call over every peeked prompt (each sample on its stream, module doc), each
     shard's rows planned for `planned` groups (those it expects to admit; more as rows free up)."""
     g = cfg.rollout.group_size
@@ -231,7 +234,7 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
     common = dict(
         group_size=g,
         lora_scale=lora.lora_scale(cfg.lora),
-        max_batch=cfg.rollout.max_batch or None,
+        max_batch=max_batch,
         options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
     )
     sampling = sampling_config(cfg, policy)

@@ -1,7 +1,8 @@
 """Memory plan: the bytes a QeRL run needs on one device, and whether (and how) it fits.
 
 `plan_memory` adds up, in bytes, everything a GRPO step keeps on the device, from the shapes
-alone (no arrays are built). A step has two phases that never overlap in time, so
+alone (the model config and the run's `PlanInputs`; no arrays are built). A step has two phases
+that never overlap in time, so
 
   persistent   = frozen base (packed or bf16 linears, bf16 embeddings, biases, norms)
                  + LoRA params + AdamW moments
@@ -11,18 +12,20 @@ alone (no arrays are built). A step has two phases that never overlap in time, s
   train peak   = persistent + LoRA gradients + training activations (+ one dequantized layer)
   total        = max(rollout peak, train peak)
 
-Every term is documented on the function that computes it. The weight, LoRA, optimizer and KV
-cache terms are exact array sizes; the activation terms are estimates of what XLA keeps live
-(checked against measured peaks by `benchmarks/scale.py`). `fit` chooses the training
-micro-batch and the rollout rows (max_batch) for a device (with rl.micro_batch_size = 0 and
-rl.logprob_chunk = 0, the largest micro-batch and log-prob chunk that fit) and, when nothing fits,
-names the config value to lower.
+Every term is documented on the function that computes it (`frozen_terms`, `lora_param_bytes`,
+`rollout_terms`, `train_terms`, `dequant_workspace`). The weight, LoRA, optimizer and KV cache
+terms are exact array sizes; the activation terms are estimates of what XLA keeps live (checked
+against measured peaks by `benchmarks/scale.py`). `fit` chooses the training micro-batch and the
+rollout rows (max_batch) for a device (with rl.micro_batch_size = 0 and rl.logprob_chunk = 0, the
+largest micro-batch and log-prob chunk that fit) and, when nothing fits, names the config value to
+lower. What a run settles on is passed on as a `Resolved`, beside the config (which keeps what was
+written).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable
 
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
@@ -93,12 +96,118 @@ def layer_activation_elements(config: ModelConfig, num_lora_targets: int = 0, lo
     return 4 * d + 3 * hq + 3 * hkv + 3 * inter + num_lora_targets * lora_rank
 
 
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What a memory plan is computed from besides the model: the run's sizes and settings.
+
+    Shared by `plan_memory` and `fit` (which re-plans with `dataclasses.replace` of some sizes).
+    Checked on construction (a ValueError names the field); a None size is derived and a size is
+    capped, so the fields always hold the sizes the plan is built with.
+
+    quant: "bf16" (dense base) or a packed 4-bit format ("nvfp4" | "mxfp4" | "nf4").
+    quant_skip: projection names kept bf16 when quantizing. "embed" and "lm_head" may be listed but
+      are bf16 either way (the model reads them as dense matrices).
+    lora_rank, lora_targets: LoRA rank r and the projections that carry an adapter (rank 0: none,
+      and lora_targets becomes ()).
+    rollout_batch: sequences generated per step (prompts x group size) = the training batch.
+    max_batch: sequences generated at once (None or more than the batch: the whole batch).
+    group_size: samples per prompt; the rollout prefills each prompt once for its group, so a chunk
+      of B sequences prefills ceil(B / group_size) prompts (1: every row is prefilled).
+    prompt_len, max_new_tokens: the KV cache holds S = prompt_len + max_new_tokens slots. The
+      rollout pads them to its shape buckets (prompts to a power of two, new tokens to a multiple
+      of 64): pass bucketed sizes for an exact cache term.
+    micro_batch_size: packed rows per forward/backward of the training step (`rl.packing`: several
+      sequences' real tokens share a row).
+    train_seq_len: slots per packed row (None: prompt_len + max_new_tokens, what the training loop
+      packs into).
+    remat: per-layer gradient checkpointing in the training forward: "full" (or True), "proj"
+      (projection outputs saved too) or "none" (or False); see `models.qwen2.REMAT_MODES`. Kept as
+      the mode's name.
+    attention: the training forward's attention, "xla" (scores materialized) or "flash".
+    logprob_chunk: sequence positions whose logits are materialised at once (None: all; at most
+      train_seq_len).
+    backend: "xla" dequantizes one layer's packed weights to bf16 before its matmuls; "pallas"
+      dequantizes inside the kernel (no workspace).
+    train_norms: the per-layer RMSNorm scales train beside LoRA (config lora.train_norms).
+    """
+
+    quant: str = "nvfp4"
+    quant_skip: tuple[str, ...] = ("embed", "lm_head")
+    lora_rank: int = 32
+    lora_targets: tuple[str, ...] = PROJECTIONS
+    rollout_batch: int = 64
+    max_batch: int | None = None
+    group_size: int = 1
+    prompt_len: int = 512
+    max_new_tokens: int = 1024
+    micro_batch_size: int = 8
+    train_seq_len: int | None = None
+    remat: bool | str = True
+    attention: str = "xla"
+    logprob_chunk: int | None = 256
+    backend: str = "xla"
+    train_norms: bool = False
+
+    def __post_init__(self):
+        self._check_names()
+        _positive("rollout_batch", self.rollout_batch)
+        _positive("group_size", self.group_size)
+        if self.max_batch is not None:
+            _positive(FIELD_MAX_BATCH, self.max_batch)
+        _positive("prompt_len", self.prompt_len)
+        _positive(FIELD_NEW_TOKENS, self.max_new_tokens)
+        _positive(FIELD_MICRO_BATCH, self.micro_batch_size)
+        remat = remat_mode(self.remat)
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention {self.attention!r} is not supported; expected one of {ATTENTION_MODES}")
+        t = self.prompt_len + self.max_new_tokens if self.train_seq_len is None else self.train_seq_len
+        _positive("train_seq_len", t)
+        if self.logprob_chunk is not None:
+            _positive(FIELD_LOGPROB_CHUNK, self.logprob_chunk)
+        derived = dict(
+            quant_skip=tuple(self.quant_skip),
+            lora_targets=tuple(self.lora_targets) if self.lora_rank else (),
+            max_batch=self.rollout_batch if self.max_batch is None else min(self.max_batch, self.rollout_batch),
+            train_seq_len=t,
+            remat=remat,
+            logprob_chunk=t if self.logprob_chunk is None else min(self.logprob_chunk, t),
+            train_norms=bool(self.train_norms),
+        )
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # a frozen dataclass sets its derived fields so
+
+    def _check_names(self) -> None:
+        if self.quant not in CONFIG_FORMATS:
+            raise ValueError(f"{FIELD_QUANT} {self.quant!r} is not supported; expected one of {CONFIG_FORMATS}")
+        if self.backend not in ("xla", "pallas"):
+            raise ValueError(f"backend {self.backend!r} is not supported; expected 'xla' or 'pallas'")
+        unknown = set(self.lora_targets) - set(PROJECTIONS)
+        if unknown:
+            raise ValueError(f"lora_targets {sorted(unknown)} are not projections; expected a subset of {PROJECTIONS}")
+        unknown = set(self.quant_skip) - set(PROJECTIONS) - {"embed", "lm_head"}
+        if unknown:
+            raise ValueError(f"quant_skip {sorted(unknown)} unknown; expected 'embed', 'lm_head' or projection names")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"{FIELD_LORA_RANK} must be an int >= 0; got {self.lora_rank!r}")
+
+    def quant_of(self, projection: str) -> str:
+        """The storage of a projection's weights: "bf16" if skipped, else `quant`."""
+        return "bf16" if projection in self.quant_skip else self.quant
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per term of a QeRL run on one device (see the module docstring for the phases)."""
+    """Bytes per term of a QeRL run on one device (see the module docstring for the phases and
+    the `*_terms` functions for each term's formula)."""
 
     config: ModelConfig
-    inputs: dict[str, Any]  # the keyword arguments of `plan_memory`, so `fit` can re-plan
+    inputs: PlanInputs  # what the plan was built from, so `fit` can re-plan
     base_linear: int
     embeddings: int
     biases_norms: int
@@ -154,8 +263,9 @@ class MemoryPlan:
         """JSON-ready: every term in bytes plus the inputs."""
         terms = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "inputs")}
         derived = ("persistent", "rollout_peak", "train_activations", "train_peak", "total", "fits")
+        inputs = {f.name: getattr(self.inputs, f.name) for f in dataclasses.fields(self.inputs)}
         return {
-            "inputs": {k: list(v) if isinstance(v, tuple) else v for k, v in self.inputs.items()},
+            "inputs": {k: list(v) if isinstance(v, tuple) else v for k, v in inputs.items()},
             **terms,
             **{k: getattr(self, k) for k in derived},
         }
@@ -163,46 +273,13 @@ class MemoryPlan:
     def table(self) -> str:
         """A human-readable table of the terms in GiB."""
         i, c = self.inputs, self.config
-        rows = [
-            (f"base linear weights ({i['quant']})", self.base_linear),
-            (
-                "embeddings + lm_head (bf16)" if not c.tie_word_embeddings else "embeddings (bf16, tied)",
-                self.embeddings,
-            ),
-            ("biases + norms (bf16)", self.biases_norms),
-            (
-                f"LoRA params (f32, r={i['lora_rank']}, {len(i['lora_targets'])} targets)"
-                + (" + trained norms" if i.get("train_norms") else ""),
-                self.lora_params,
-            ),
-            ("AdamW moments (f32, 2x)", self.optimizer_state),
-            ("= persistent", self.persistent),
-            (f"KV cache ({i['max_batch']} seqs x {i['prompt_len'] + i['max_new_tokens']} tokens)", self.kv_cache),
-            ("rollout activations", self.rollout_activations),
-            ("per-layer copies (dense linears, biases, norms, LoRA)", self.rollout_layer_copies),
-            ("dequantized layer (xla backend)", self.dequant_workspace),
-            ("= rollout phase peak", self.rollout_peak),
-            ("LoRA gradients + accumulator (f32)", self.lora_grads),
-            (
-                f"saved layer inputs{' + projection outputs' if i['remat'] == 'proj' else ''} "
-                f"(micro-batch {i['micro_batch_size']} x {i['train_seq_len']})",
-                self.train_saved_activations,
-            ),
-            (
-                "one layer recomputed" if i["remat"] != "none" else "all layers' activations",
-                self.train_layer_activations,
-            ),
-            (f"log-prob chunk logits ({i['logprob_chunk']} tokens/seq)", self.train_logits),
-            (f"per-sequence grids ({i['rollout_batch']} seqs x {i['train_seq_len']}, f32)", self.train_sequence_arrays),
-            ("= train phase peak", self.train_peak),
-            ("TOTAL (max of the phases)", self.total),
-        ]
+        rows = self._rollout_rows() + self._train_rows()
         if self.device_bytes is not None:
             rows.append(("device limit", self.device_bytes))
         title = (
             f"memory plan: L={c.num_hidden_layers} D={c.hidden_size} I={c.intermediate_size} V={c.vocab_size} "
-            f"quant={i['quant']} rollout={i['rollout_batch']} seqs (max_batch {i['max_batch']}) "
-            f"micro-batch={i['micro_batch_size']}"
+            f"quant={i.quant} rollout={i.rollout_batch} seqs (max_batch {i.max_batch}) "
+            f"micro-batch={i.micro_batch_size}"
         )
         width = max(len(name) for name, _ in rows)
         lines = [title, "-" * (width + 14)]
@@ -213,11 +290,43 @@ class MemoryPlan:
             lines.append(f"{'verdict':<{width}}  {verdict} ({self.total / self.device_bytes:.0%} of the device)")
         return "\n".join(lines)
 
+    def _rollout_rows(self) -> list[tuple[str, int]]:
+        """The table's rows of the persistent terms and the rollout phase."""
+        i = self.inputs
+        embeddings = "embeddings + lm_head (bf16)" if not self.config.tie_word_embeddings else "embeddings (bf16, tied)"
+        lora = f"LoRA params (f32, r={i.lora_rank}, {len(i.lora_targets)} targets)" + (
+            " + trained norms" if i.train_norms else ""
+        )
+        return [
+            (f"base linear weights ({i.quant})", self.base_linear),
+            (embeddings, self.embeddings),
+            ("biases + norms (bf16)", self.biases_norms),
+            (lora, self.lora_params),
+            ("AdamW moments (f32, 2x)", self.optimizer_state),
+            ("= persistent", self.persistent),
+            (f"KV cache ({i.max_batch} seqs x {i.prompt_len + i.max_new_tokens} tokens)", self.kv_cache),
+            ("rollout activations", self.rollout_activations),
+            ("per-layer copies (dense linears, biases, norms, LoRA)", self.rollout_layer_copies),
+            ("dequantized layer (xla backend)", self.dequant_workspace),
+            ("= rollout phase peak", self.rollout_peak),
+        ]
 
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
-    return value
+    def _train_rows(self) -> list[tuple[str, int]]:
+        """The table's rows of the training phase and the total."""
+        i = self.inputs
+        saved = (
+            f"saved layer inputs{' + projection outputs' if i.remat == 'proj' else ''} "
+            f"(micro-batch {i.micro_batch_size} x {i.train_seq_len})"
+        )
+        return [
+            ("LoRA gradients + accumulator (f32)", self.lora_grads),
+            (saved, self.train_saved_activations),
+            ("one layer recomputed" if i.remat != "none" else "all layers' activations", self.train_layer_activations),
+            (f"log-prob chunk logits ({i.logprob_chunk} tokens/seq)", self.train_logits),
+            (f"per-sequence grids ({i.rollout_batch} seqs x {i.train_seq_len}, f32)", self.train_sequence_arrays),
+            ("= train phase peak", self.train_peak),
+            ("TOTAL (max of the phases)", self.total),
+        ]
 
 
 # Per-sequence [B, T] float32/int32 arrays of the packed train step (`rl.step`): 3 batch inputs, 2
@@ -226,216 +335,147 @@ def _positive(name: str, value: int) -> int:
 SEQUENCE_GRID_ARRAYS = 12
 
 
-def plan_memory(
-    config: ModelConfig,
-    *,
-    quant: str = "nvfp4",
-    quant_skip: Sequence[str] = ("embed", "lm_head"),
-    lora_rank: int = 32,
-    lora_targets: Sequence[str] = PROJECTIONS,
-    rollout_batch: int = 64,
-    max_batch: int | None = None,
-    group_size: int = 1,
-    prompt_len: int = 512,
-    max_new_tokens: int = 1024,
-    micro_batch_size: int = 8,
-    train_seq_len: int | None = None,
-    remat: bool | str = True,
-    attention: str = "xla",
-    logprob_chunk: int | None = 256,
-    backend: str = "xla",
-    device_bytes: int | None = None,
-    train_norms: bool = False,
-) -> MemoryPlan:
-    """The memory plan of a GRPO run; all sizes in bytes.
+def plan_memory(config: ModelConfig, inputs: PlanInputs, device_bytes: int | None = None) -> MemoryPlan:
+    """The memory plan of a GRPO run of `config` with `inputs`; all sizes in bytes.
 
-    Args:
-      config: the model.
-      quant: "bf16" (dense base) or a packed 4-bit format ("nvfp4" | "mxfp4" | "nf4").
-      quant_skip: projection names kept bf16 when quantizing. "embed" and "lm_head" may be
-        listed but are bf16 either way (the model reads them as dense matrices).
-      lora_rank, lora_targets: LoRA rank r and the projections that carry an adapter (rank 0: none).
-      rollout_batch: sequences generated per step (prompts x group size) = the training batch.
-      max_batch: sequences generated at once (None or more than the batch: the whole batch).
-      group_size: samples per prompt; the rollout prefills each prompt once for its group, so a
-        chunk of B sequences prefills ceil(B / group_size) prompts (1: every row is prefilled).
-      prompt_len, max_new_tokens: the KV cache holds S = prompt_len + max_new_tokens slots. The
-        rollout pads them to its shape buckets (prompts to a power of two, new tokens to a
-        multiple of 64): pass bucketed sizes for an exact cache term.
-      micro_batch_size: packed rows per forward/backward of the training step (`rl.packing`:
-        several sequences' real tokens share a row).
-      train_seq_len: slots per packed row (None: prompt_len + max_new_tokens, what the training
-        loop packs into).
-      remat: per-layer gradient checkpointing in the training forward: "full" (or True), "proj"
-        (projection outputs saved too) or "none" (or False); see `models.qwen2.REMAT_MODES`.
-      attention: the training forward's attention, "xla" (scores materialized) or "flash".
-      logprob_chunk: sequence positions whose logits are materialised at once (None: all).
-      backend: "xla" dequantizes one layer's packed weights to bf16 before its matmuls;
-        "pallas" dequantizes inside the kernel (no workspace).
-      device_bytes: the device's memory, only recorded for `fits` and the table.
-      train_norms: the per-layer RMSNorm scales train beside LoRA (config lora.train_norms).
-
-    Terms (bytes; L layers, D hidden, V vocab, KVH kv heads, hd head_dim, H heads):
-      base_linear: sum over the 7 projections of L * `linear_weight_bytes(N, K, quant)`
-        (a projection in `quant_skip` is bf16: N*K*2).
-      embeddings: V*D*2 for embed plus V*D*2 for an untied lm_head (always bf16).
-      biases_norms: L*(Hq + 2*Hkv)*2 q/k/v biases (attention_bias) + (2*L + 1)*D*2 RMSNorm scales.
-      lora_params: sum over targets of L * r * (N + K) * 4 (A [r, K] and B [N, r], float32), plus
-        with train_norms the float32 masters of the trained scales, 2 * L * D * 4.
-      optimizer_state: 2 * lora_params (AdamW first and second moments).
-      lora_grads: 2 * lora_params (the micro-batch gradient and the float32 accumulator).
-      kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = max_batch,
-        S = prompt_len + max_new_tokens: the chunk's cache (one copy: the rollout updates it in
-        place). kv_cache and rollout_activations are `rollout.budget.rollout_memory`'s terms, the
-        estimate the rollout itself sizes its rows with (admissions of `scheduler.layout`'s rows
-        and prompts, compaction into its smaller buckets):
-      rollout_activations: the per-row state plus the largest program's temporaries: an
-        admission (a prefill of its prompts: their caches, one layer's activations and scores,
-        logits), a decode step (float32 logits and sampling, attention scores over the cache)
-        or a compaction (the smaller bucket's cache).
-      rollout_layer_copies: the per-layer buffers the unrolled decode copies once per rollout:
-        bf16 linears (all of them for quant="bf16", the `quant_skip` ones otherwise; packed
-        weights are read in place), biases, the 2*L norms and the LoRA params.
-      train_saved_activations: with remat, (L + 1) * M*T*D*2 (every layer's input hidden state
-        plus the final one; M = micro_batch_size, T = train_seq_len), plus for "proj" L * M*T*N*2
-        (every projection's bf16 output, N the sum of the projections' out features). Without
-        remat: included in the next term.
-      train_layer_activations: with remat, one layer recomputed in the backward,
-        M*T*E*2 + M*H*T*T*6 (M*H*T*4 with "flash" attention: no scores, a float32 logsumexp) (its cotangents are made and consumed one op at a time and add
-        little: on an H100 the whole training term matched XLA's memory analysis of the
-        jitted train step within 5% for Qwen2.5-14B and 32B shapes, M=8, T=1536). Without
-        remat: L + 1 such layers (every layer's activations plus one layer's cotangents).
-      train_logits: M * C * V * 4 * 3, C = min(logprob_chunk, T): float32 logits of a chunk,
-        the log-softmax temporary and their cotangent.
-      train_sequence_arrays: the packed step's per-sequence [B, T] arrays (B = rollout_batch):
-        SEQUENCE_GRID_ARRAYS * B*T*4 (the batch's token_index, response_mask, old_logp; the
-        log-prob and entropy accumulators; the micro-step's grid temporaries and the log-prob
-        cotangent), alive in every micro-step whatever the micro-batch.
-      dequant_workspace: with a 4-bit base and the "xla" backend, one layer's quantized
-        projections dequantized to bf16: sum of N*K*2.
+    Each term's formula is on the function that computes it: `frozen_terms`, `lora_param_bytes`
+    (lora_params; optimizer_state and lora_grads are twice it), `rollout_terms`, `train_terms`,
+    `dequant_workspace`. device_bytes: the device's memory, only recorded for `fits` and the table.
     """
-    if quant not in CONFIG_FORMATS:
-        raise ValueError(f"{FIELD_QUANT} {quant!r} is not supported; expected one of {CONFIG_FORMATS}")
-    if backend not in ("xla", "pallas"):
-        raise ValueError(f"backend {backend!r} is not supported; expected 'xla' or 'pallas'")
-    unknown = set(lora_targets) - set(PROJECTIONS)
-    if unknown:
-        raise ValueError(f"lora_targets {sorted(unknown)} are not projections; expected a subset of {PROJECTIONS}")
-    unknown = set(quant_skip) - set(PROJECTIONS) - {"embed", "lm_head"}
-    if unknown:
-        raise ValueError(f"quant_skip {sorted(unknown)} unknown; expected 'embed', 'lm_head' or projection names")
-    if not isinstance(lora_rank, int) or lora_rank < 0:
-        raise ValueError(f"{FIELD_LORA_RANK} must be an int >= 0; got {lora_rank!r}")
-    _positive("rollout_batch", rollout_batch)
-    _positive("group_size", group_size)
-    max_batch = (
-        rollout_batch if max_batch is None else min(_positive(FIELD_MAX_BATCH, max_batch), rollout_batch)
-    )
-    _positive("prompt_len", prompt_len)
-    _positive(FIELD_NEW_TOKENS, max_new_tokens)
-    _positive(FIELD_MICRO_BATCH, micro_batch_size)
-    remat = remat_mode(remat)
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention {attention!r} is not supported; expected one of {ATTENTION_MODES}")
-    train_seq_len = prompt_len + max_new_tokens if train_seq_len is None else _positive("train_seq_len", train_seq_len)
-    logprob_chunk = (
-        train_seq_len if logprob_chunk is None else min(_positive(FIELD_LOGPROB_CHUNK, logprob_chunk), train_seq_len)
-    )
-    inputs = dict(
-        quant=quant,
-        quant_skip=tuple(quant_skip),
-        lora_rank=lora_rank,
-        lora_targets=tuple(lora_targets) if lora_rank else (),
-        rollout_batch=rollout_batch,
-        max_batch=max_batch,
-        group_size=group_size,
-        prompt_len=prompt_len,
-        max_new_tokens=max_new_tokens,
-        micro_batch_size=micro_batch_size,
-        train_seq_len=train_seq_len,
-        remat=remat,
-        attention=attention,
-        logprob_chunk=logprob_chunk,
-        backend=backend,
-        train_norms=bool(train_norms),
+    shapes = projection_shapes(config)
+    lora_params = lora_param_bytes(config, inputs, shapes)
+    return MemoryPlan(
+        config=config,
+        inputs=inputs,
+        **frozen_terms(config, inputs, shapes),
+        lora_params=lora_params,
+        optimizer_state=2 * lora_params,  # AdamW first and second moments
+        lora_grads=2 * lora_params,  # the micro-batch gradient and the float32 accumulator
+        **rollout_terms(config, inputs, shapes, lora_params),
+        **train_terms(config, inputs, shapes),
+        dequant_workspace=dequant_workspace(inputs, shapes),
+        device_bytes=device_bytes,
     )
 
-    c = config
-    n_layers, d, v, hd = c.num_hidden_layers, c.hidden_size, c.vocab_size, c.head_dim
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    shapes = projection_shapes(c)
 
-    def proj_quant(name: str) -> str:
-        return "bf16" if name in quant_skip else quant
+def _bias_elements(c: ModelConfig) -> int:
+    return (
+        c.num_hidden_layers * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        if c.attention_bias
+        else 0
+    )
 
-    base_linear = sum(n_layers * linear_weight_bytes(n, k, proj_quant(p)) for p, (n, k) in shapes.items())
-    embeddings = (1 if c.tie_word_embeddings else 2) * v * d * DENSE_BYTES
-    bias_elems = n_layers * (heads + 2 * kv_heads) * hd if c.attention_bias else 0
-    biases_norms = (bias_elems + (2 * n_layers + 1) * d) * DENSE_BYTES
 
-    targets = inputs["lora_targets"]
-    lora_params = sum(n_layers * lora_rank * (shapes[p][0] + shapes[p][1]) for p in targets) * LORA_BYTES
-    lora_params += (2 * n_layers * d * LORA_BYTES) if train_norms else 0  # trained norm scales, float32
-    optimizer_state = 2 * lora_params
-    lora_grads = 2 * lora_params
+def frozen_terms(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The frozen base's bytes (L layers, D hidden, V vocab, H heads, KVH kv heads, hd head_dim).
 
-    b = max_batch
-    lay = rollout_scheduler.layout(b, group_size=group_size)
+    base_linear: sum over the 7 projections of L * `linear_weight_bytes(N, K, quant)` (a projection
+      in `quant_skip` is bf16: N*K*2).
+    embeddings: V*D*2 for embed plus V*D*2 for an untied lm_head (always bf16).
+    biases_norms: L*(H + 2*KVH)*hd*2 q/k/v biases (attention_bias) + (2*L + 1)*D*2 RMSNorm scales.
+    """
+    n_layers, d = c.num_hidden_layers, c.hidden_size
+    return dict(
+        base_linear=sum(n_layers * linear_weight_bytes(n, k, inputs.quant_of(p)) for p, (n, k) in shapes.items()),
+        embeddings=(1 if c.tie_word_embeddings else 2) * c.vocab_size * d * DENSE_BYTES,
+        biases_norms=(_bias_elements(c) + (2 * n_layers + 1) * d) * DENSE_BYTES,
+    )
+
+
+def lora_param_bytes(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int, int]]) -> int:
+    """Sum over the targets of L * r * (N + K) * 4 (A [r, K] and B [N, r], float32), plus with
+    train_norms the float32 masters of the trained scales, 2 * L * D * 4."""
+    n_layers = c.num_hidden_layers
+    lora = sum(n_layers * inputs.lora_rank * (shapes[p][0] + shapes[p][1]) for p in inputs.lora_targets) * LORA_BYTES
+    return lora + ((2 * n_layers * c.hidden_size * LORA_BYTES) if inputs.train_norms else 0)
+
+
+def rollout_terms(
+    c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int, int]], lora_params: int
+) -> dict[str, int]:
+    """The rollout phase's terms beside the persistent arrays.
+
+    kv_cache: 2 (k and v) * L * B * S * KVH * hd * 2 (bf16), B = max_batch, S = prompt_len +
+      max_new_tokens: the chunk's cache (one copy: the rollout updates it in place). kv_cache and
+      rollout_activations are `rollout.budget.rollout_memory`'s terms, the estimate the rollout
+      itself sizes its rows with (admissions of `scheduler.layout`'s rows and prompts, compaction
+      into its smaller buckets).
+    rollout_activations: the per-row state plus the largest program's temporaries: an admission (a
+      prefill of its prompts: their caches, one layer's activations and scores, logits), a decode
+      step (float32 logits and sampling, attention scores over the cache) or a compaction (the
+      smaller bucket's cache).
+    rollout_layer_copies: the per-layer buffers the unrolled decode copies once per rollout
+      (`rollout.weights.split_layers`): bf16 linears (all of them for quant="bf16", the
+      `quant_skip` ones otherwise; packed weights are read in place), biases, the 2*L norms and the
+      LoRA params.
+    """
+    lay = rollout_scheduler.layout(inputs.max_batch, group_size=inputs.group_size)
     rollout = rollout_budget.rollout_memory(
         c,
-        b,
-        prompt_len,
-        max_new_tokens,
+        inputs.max_batch,
+        inputs.prompt_len,
+        inputs.max_new_tokens,
         admit_rows=lay.admit_rows,
         admit_prompts=lay.admit_prompts,
         compact_rows=lay.smaller[0] if lay.smaller else 0,
     )
-    kv_cache = rollout.kv_cache
-    rollout_activations = rollout.row_state + rollout.work
-    e_layer = layer_activation_elements(c, len(targets), lora_rank)
-    # The unrolled decode copies each layer's variables into their own buffers once per
-    # rollout (qerl_jax.rollout.weights.split_layers), except packed weights, read in place.
+    n_layers = c.num_hidden_layers
     dense_linear = sum(
-        n_layers * linear_weight_bytes(n, k, "bf16") for p, (n, k) in shapes.items() if proj_quant(p) == "bf16"
+        n_layers * linear_weight_bytes(n, k, "bf16") for p, (n, k) in shapes.items() if inputs.quant_of(p) == "bf16"
     )
-    rollout_layer_copies = dense_linear + (bias_elems + 2 * n_layers * d) * DENSE_BYTES + lora_params
+    norms_biases = (_bias_elements(c) + 2 * n_layers * c.hidden_size) * DENSE_BYTES
+    return dict(
+        kv_cache=rollout.kv_cache,
+        rollout_activations=rollout.row_state + rollout.work,
+        rollout_layer_copies=dense_linear + norms_biases + lora_params,
+    )
 
-    m, t = micro_batch_size, train_seq_len
-    scores = m * heads * t * (4 if attention == "flash" else t * ATTN_SCORE_BYTES)
+
+def train_terms(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The training phase's activation terms (M = micro_batch_size, T = train_seq_len).
+
+    train_saved_activations: with remat, (L + 1) * M*T*D*2 (every layer's input hidden state plus
+      the final one), plus for "proj" L * M*T*N*2 (every projection's bf16 output, N the sum of the
+      projections' out features). Without remat: included in the next term.
+    train_layer_activations: with remat, one layer recomputed in the backward, M*T*E*2 + M*H*T*T*6
+      (E = `layer_activation_elements`; M*H*T*4 with "flash" attention: no scores, a float32
+      logsumexp). Its cotangents are made and consumed one op at a time and add little: on an H100
+      the whole training term matched XLA's memory analysis of the jitted train step within 5% for
+      Qwen2.5-14B and 32B shapes, M=8, T=1536. Without remat: L + 1 such layers (every layer's
+      activations plus one layer's cotangents).
+    train_logits: M * C * V * 4 * 3, C = logprob_chunk: float32 logits of a chunk, the log-softmax
+      temporary and their cotangent.
+    train_sequence_arrays: the packed step's per-sequence [B, T] arrays (B = rollout_batch):
+      SEQUENCE_GRID_ARRAYS * B*T*4 (the batch's token_index, response_mask, old_logp; the log-prob
+      and entropy accumulators; the micro-step's grid temporaries and the log-prob cotangent),
+      alive in every micro-step whatever the micro-batch.
+    """
+    n_layers, d = c.num_hidden_layers, c.hidden_size
+    m, t = inputs.micro_batch_size, inputs.train_seq_len
+    scores = m * c.num_attention_heads * t * (4 if inputs.attention == "flash" else t * ATTN_SCORE_BYTES)
+    e_layer = layer_activation_elements(c, len(inputs.lora_targets), inputs.lora_rank)
     layer_fwd = m * t * e_layer * DENSE_BYTES + scores
-    if remat != "none":
-        train_saved = (n_layers + 1) * m * t * d * DENSE_BYTES
-        if remat == "proj":
-            train_saved += n_layers * m * t * sum(n for n, _ in shapes.values()) * DENSE_BYTES
-        train_layer = layer_fwd
+    if inputs.remat != "none":
+        saved = (n_layers + 1) * m * t * d * DENSE_BYTES
+        if inputs.remat == "proj":
+            saved += n_layers * m * t * sum(n for n, _ in shapes.values()) * DENSE_BYTES
+        layer = layer_fwd
     else:
-        train_saved = 0
-        train_layer = (n_layers + 1) * layer_fwd
-    train_logits = 3 * m * logprob_chunk * v * LOGIT_BYTES
-    train_sequences = SEQUENCE_GRID_ARRAYS * rollout_batch * t * 4
-
-    quantized = [p for p in PROJECTIONS if proj_quant(p) != "bf16"]
-    dequant = sum(shapes[p][0] * shapes[p][1] for p in quantized) * DENSE_BYTES if backend == "xla" else 0
-
-    return MemoryPlan(
-        config=config,
-        inputs=inputs,
-        base_linear=base_linear,
-        embeddings=embeddings,
-        biases_norms=biases_norms,
-        lora_params=lora_params,
-        optimizer_state=optimizer_state,
-        lora_grads=lora_grads,
-        kv_cache=kv_cache,
-        rollout_activations=rollout_activations,
-        rollout_layer_copies=rollout_layer_copies,
-        train_saved_activations=train_saved,
-        train_layer_activations=train_layer,
-        train_logits=train_logits,
-        dequant_workspace=dequant,
-        train_sequence_arrays=train_sequences,
-        device_bytes=device_bytes,
+        saved, layer = 0, (n_layers + 1) * layer_fwd
+    return dict(
+        train_saved_activations=saved,
+        train_layer_activations=layer,
+        train_logits=3 * m * inputs.logprob_chunk * c.vocab_size * LOGIT_BYTES,
+        train_sequence_arrays=SEQUENCE_GRID_ARRAYS * inputs.rollout_batch * t * 4,
     )
+
+
+def dequant_workspace(inputs: PlanInputs, shapes: dict[str, tuple[int, int]]) -> int:
+    """With a 4-bit base and the "xla" backend, one layer's quantized projections dequantized to
+    bf16: sum of N*K*2 (0 otherwise)."""
+    if inputs.backend != "xla":
+        return 0
+    return sum(shapes[p][0] * shapes[p][1] for p in PROJECTIONS if inputs.quant_of(p) != "bf16") * DENSE_BYTES
 
 
 def device_memory_bytes(device=None) -> int | None:
@@ -471,8 +511,24 @@ class FitResult:
     logprob_chunk: int = DEFAULT_LOGPROB_CHUNK  # positions per LM-head chunk the plan was built with
 
 
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The sizes a run trains and rolls out with, as its memory plan settled them: the config's auto
+    values (rl.micro_batch_size = 0, rl.logprob_chunk = 0, rl.remat = "auto") chosen and sizes that
+    do not fit lowered. The run's config keeps what was written; these are passed beside it."""
+
+    micro_batch_size: int  # packed rows per micro-step of the train step
+    logprob_chunk: int  # positions per LM-head chunk of the train step
+    remat: str  # the train forward's remat mode, one of `models.qwen2.REMAT_MODES`
+    max_batch: int  # rollout rows at once; 0: the rollout sizes its rows to the free memory itself
+
+
 def _divisors_desc(n: int, at_most: int) -> list[int]:
     return [k for k in range(min(n, at_most), 0, -1) if n % k == 0]
+
+
+def _multiples(ks: list[int], multiple: int) -> list[int]:
+    return [k for k in ks if k % multiple == 0]
 
 
 def micro_batch_candidates(rollout_batch: int, train_seq_len: int, multiple: int = 1) -> list[int]:
@@ -484,13 +540,13 @@ def micro_batch_candidates(rollout_batch: int, train_seq_len: int, multiple: int
     AUTO_MICRO_BATCH_TOKENS tokens (rows x train_seq_len slots).
     """
     cap = max(multiple, AUTO_MICRO_BATCH_TOKENS // train_seq_len)
-    return [k for k in _divisors_desc(rollout_batch, cap) if k % multiple == 0]
+    return _multiples(_divisors_desc(rollout_batch, cap), multiple)
 
 
 def default_micro_batch(rollout_batch: int, multiple: int = 1) -> int:
     """What auto resolves to on a device of unknown size: the largest divisor of the rollout batch of
     at most DEFAULT_MICRO_BATCH rows that is a multiple of `multiple` (DEFAULT_MICRO_BATCH if none)."""
-    fitting = [k for k in _divisors_desc(rollout_batch, max(DEFAULT_MICRO_BATCH, multiple)) if k % multiple == 0]
+    fitting = _multiples(_divisors_desc(rollout_batch, max(DEFAULT_MICRO_BATCH, multiple)), multiple)
     return fitting[0] if fitting else DEFAULT_MICRO_BATCH
 
 
@@ -507,6 +563,36 @@ def logprob_chunk_candidates(train_seq_len: int) -> list[int]:
 
 def _gib(x: int) -> str:
     return f"{x / GIB:.1f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """`fit`'s re-plans of one run at other sizes, against a budget of bytes."""
+
+    config: ModelConfig
+    inputs: PlanInputs  # the planned sizes; `replan` changes some of them
+    device_bytes: int
+    budget: int  # device_bytes less the margin
+    where: str  # the device and budget, for messages
+
+    def replan(self, micro_batch_size: int, max_batch: int, remat: str | None = None, logprob_chunk: int | None = None):
+        sizes = dict(
+            micro_batch_size=micro_batch_size,
+            max_batch=max_batch,
+            remat=remat or self.inputs.remat,
+            logprob_chunk=logprob_chunk or self.inputs.logprob_chunk,
+        )
+        return plan_memory(self.config, dataclasses.replace(self.inputs, **sizes), self.device_bytes)
+
+    def rollout_peak(self, rows: int) -> int:
+        return self.replan(1, rows).rollout_peak  # the rollout phase does not depend on the micro-batch
+
+    def train_peak(self, micro_batch_size: int, remat: str | None = None, logprob_chunk: int | None = None) -> int:
+        # nor the training phase on the rollout rows
+        return self.replan(micro_batch_size, self.inputs.max_batch, remat, logprob_chunk).train_peak
+
+    def first_fitting(self, candidates: list[int], peak: Callable[[int], int]) -> int | None:
+        return next((k for k in candidates if peak(k) <= self.budget), None)
 
 
 def fit(
@@ -543,157 +629,173 @@ def fit(
         message names the config value to lower and by how much memory is short.
       ValueError: the device size is unknown.
     """
+    search = _search(plan, device_bytes, margin)
+    _positive("micro_batch_multiple", micro_batch_multiple)
+    _check_persistent(plan, search)
+    i = plan.inputs
+    rows = search.first_fitting(
+        _divisors_desc(i.rollout_batch, i.max_batch) if adjust else [i.max_batch], search.rollout_peak
+    )
+    if not adjust:
+        candidates = [i.micro_batch_size]
+    elif auto_micro_batch:
+        candidates = micro_batch_candidates(i.rollout_batch, i.train_seq_len, micro_batch_multiple)
+    else:
+        candidates = _multiples(_divisors_desc(i.rollout_batch, i.micro_batch_size), micro_batch_multiple)
+    mb, remat, chunk = _choose_train(search, candidates, remat_fallback, auto_logprob_chunk and adjust)
+    search = dataclasses.replace(search, inputs=dataclasses.replace(i, remat=remat, logprob_chunk=chunk))
+    problems = _rollout_problems(search, rows, adjust) + _train_problems(search, mb, adjust, micro_batch_multiple)
+    if problems:
+        raise DoesNotFitError(f"does not fit on a {search.where}: " + "; ".join(problems))
+    final = search.replan(mb, rows)
+    changed, message = _fit_message(i, final, auto_micro_batch, auto_logprob_chunk)
+    return FitResult(
+        micro_batch_size=mb,
+        max_batch=rows,
+        remat=remat,
+        plan=final,
+        changed=changed,
+        message=message,
+        logprob_chunk=chunk,
+    )
+
+
+def _search(plan: MemoryPlan, device_bytes: int | None, margin: float) -> _Search:
+    """`fit`'s search on `device_bytes` (or the plan's, or the first JAX device's) less `margin`."""
     if device_bytes is None:
         device_bytes = plan.device_bytes if plan.device_bytes is not None else device_memory_bytes()
     if device_bytes is None:
         raise ValueError("the device memory size is unknown (no bytes_limit in memory_stats); pass device_bytes")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1); got {margin}")
-    _positive("micro_batch_multiple", micro_batch_multiple)
     budget = int(device_bytes * (1 - margin))
-    inputs = dict(plan.inputs)
-
-    def replan(mb: int, chunk: int, remat: str | None = None, logprob_chunk: int | None = None) -> MemoryPlan:
-        return plan_memory(
-            plan.config,
-            **{
-                **inputs,
-                "micro_batch_size": mb,
-                "max_batch": chunk,
-                "device_bytes": device_bytes,
-                "remat": remat or inputs["remat"],
-                "logprob_chunk": logprob_chunk or inputs["logprob_chunk"],
-            },
-        )
-
-    mb0, chunk0, lp0 = inputs["micro_batch_size"], inputs["max_batch"], inputs["logprob_chunk"]
     where = f"{_gib(device_bytes)} device ({_gib(budget)} usable with a {margin:.0%} margin)"
+    return _Search(plan.config, plan.inputs, device_bytes, budget, where)
 
-    if plan.persistent > budget:
-        frozen = plan.base_linear + plan.embeddings + plan.biases_norms
-        if inputs["quant"] == "bf16":
-            hint = f"set {FIELD_QUANT}='nvfp4' (now 'bf16'), or shard the model over more GPUs"
-        elif frozen > budget:
-            hint = f"shard the model over more GPUs (mesh.model): the {inputs['quant']} base alone needs {_gib(frozen)}"
-        else:
-            hint = f"lower {FIELD_LORA_RANK} (now {inputs['lora_rank']}) or fewer LoRA targets"
-        raise DoesNotFitError(
-            f"the frozen weights and LoRA state alone need {_gib(plan.persistent)} on a {where}: {hint}"
-        )
 
-    def first_fitting(candidates: list[int], peak) -> int | None:
-        return next((k for k in candidates if peak(k) <= budget), None)
-
-    def rollout_peak(k: int) -> int:
-        return replan(1, k).rollout_peak  # the rollout phase does not depend on the micro-batch
-
-    def train_peak(k: int) -> int:
-        return replan(k, chunk0).train_peak  # nor the training phase on the rollout rows
-
-    def multiples(ks: list[int]) -> list[int]:
-        return [k for k in ks if k % micro_batch_multiple == 0]
-
-    batch, tokens = inputs["rollout_batch"], inputs["train_seq_len"]
-    if not adjust:
-        mb_candidates = [mb0]
-    elif auto_micro_batch:
-        mb_candidates = micro_batch_candidates(batch, tokens, micro_batch_multiple)
+def _check_persistent(plan: MemoryPlan, search: _Search) -> None:
+    """Raises DoesNotFitError when the arrays alive for the whole run alone are over the budget."""
+    if plan.persistent <= search.budget:
+        return
+    i = plan.inputs
+    frozen = plan.base_linear + plan.embeddings + plan.biases_norms
+    if i.quant == "bf16":
+        hint = f"set {FIELD_QUANT}='nvfp4' (now 'bf16'), or shard the model over more GPUs"
+    elif frozen > search.budget:
+        hint = f"shard the model over more GPUs (mesh.model): the {i.quant} base alone needs {_gib(frozen)}"
     else:
-        mb_candidates = multiples(_divisors_desc(batch, mb0))
-    chunk = first_fitting(_divisors_desc(batch, chunk0) if adjust else [chunk0], rollout_peak)
+        hint = f"lower {FIELD_LORA_RANK} (now {i.lora_rank}) or fewer LoRA targets"
+    raise DoesNotFitError(
+        f"the frozen weights and LoRA state alone need {_gib(plan.persistent)} on a {search.where}: {hint}"
+    )
 
-    def choose_train(lp: int) -> tuple[int | None, str]:
-        """(largest fitting micro-batch or None, remat) with log-prob chunks of lp."""
-        remat = plan.inputs["remat"]
-        peak = lambda k, r: replan(k, chunk0, r, lp).train_peak  # noqa: E731
-        if remat_fallback and remat == "proj":
-            efficient = [k for k in mb_candidates if k * tokens >= PROJ_REMAT_MIN_TOKENS]
-            mb = first_fitting(efficient, lambda k: peak(k, "proj"))
+
+def _largest_micro_batch(
+    search: _Search, candidates: list[int], chunk: int, remat_fallback: bool
+) -> tuple[int | None, str]:
+    """(the largest fitting micro-batch of `candidates` or None, remat) with log-prob chunks of `chunk`."""
+    remat = search.inputs.remat
+    if remat_fallback and remat == "proj":
+        efficient = [k for k in candidates if k * search.inputs.train_seq_len >= PROJ_REMAT_MIN_TOKENS]
+        mb = search.first_fitting(efficient, lambda k: search.train_peak(k, "proj", chunk))
+        if mb is not None:
+            return mb, "proj"
+        remat = "full"  # the projection outputs fit no efficient micro-batch
+    return search.first_fitting(candidates, lambda k: search.train_peak(k, remat, chunk)), remat
+
+
+def _choose_train(
+    search: _Search, candidates: list[int], remat_fallback: bool, auto_chunk: bool
+) -> tuple[int | None, str, int]:
+    """(micro-batch or None, remat, log-prob chunk) of the training phase: the largest fitting
+    micro-batch at the planned chunk; with auto_chunk, then the largest chunk that fits beside it,
+    or where none fits, the largest smaller chunk beside which some micro-batch fits."""
+    planned = search.inputs.logprob_chunk
+    mb, remat = _largest_micro_batch(search, candidates, planned, remat_fallback)
+    if not auto_chunk:
+        return mb, remat, planned
+    chunks = logprob_chunk_candidates(search.inputs.train_seq_len)
+    if mb is None:  # smaller chunks, until some micro-batch fits beside them
+        for chunk in (c for c in chunks if c < planned):
+            mb, remat = _largest_micro_batch(search, candidates, chunk, remat_fallback)
             if mb is not None:
-                return mb, "proj"
-            remat = "full"  # the projection outputs fit no efficient micro-batch
-        return first_fitting(mb_candidates, lambda k: peak(k, remat)), remat
+                return mb, remat, chunk
+        return None, remat, planned
+    larger = [c for c in chunks if c > planned]
+    return mb, remat, search.first_fitting(larger, lambda c: search.train_peak(mb, remat, c)) or planned
 
-    mb, remat = choose_train(lp0)
-    lp = lp0
-    if auto_logprob_chunk and adjust:
-        if mb is None:  # smaller chunks, until some micro-batch fits beside them
-            for c in (c for c in logprob_chunk_candidates(tokens) if c < lp0):
-                mb, remat = choose_train(c)
-                if mb is not None:
-                    lp = c
-                    break
-        else:
-            larger = [c for c in logprob_chunk_candidates(tokens) if c > lp0]
-            lp = first_fitting(larger, lambda c: replan(mb, chunk0, remat, c).train_peak) or lp0
-    inputs["remat"], inputs["logprob_chunk"] = remat, lp  # `replan` reads them
-    problems = []
-    if chunk is None:
-        best = None if adjust else first_fitting(_divisors_desc(batch, chunk0), rollout_peak)
-        if best is not None:
-            problems.append(
-                f"the rollout phase needs {_gib(rollout_peak(chunk0))}: lower {FIELD_MAX_BATCH} from {chunk0} to {best}"
-            )
-        else:
-            one = replan(1, 1)
-            copies = one.persistent + one.rollout_layer_copies + one.dequant_workspace
-            if copies > budget and inputs["quant"] == "bf16":
-                problems.append(
-                    f"the rollout needs {_gib(copies)} before any KV cache (the weights plus their per-layer "
-                    f"copies for the decode): set {FIELD_QUANT}='nvfp4' (packed weights are read in place), "
-                    "or shard the model over more GPUs"
-                )
-            else:
-                problems.append(
-                    f"the rollout of even 1 sequence needs {_gib(one.rollout_peak)} (KV cache {_gib(one.kv_cache)}): "
-                    f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}) or the prompt length"
-                )
-    if mb is None:
-        best = None if adjust else first_fitting(multiples(_divisors_desc(batch, mb0)), train_peak)
-        if best is not None:
-            problems.append(
-                f"the training phase needs {_gib(train_peak(mb0))}: lower {FIELD_MICRO_BATCH} from {mb0} to {best}"
-            )
-        else:
-            one = replan(1, chunk0)
-            if one.train_logits >= one.train_activations / 2 and inputs["logprob_chunk"] > 1:
-                hint = f"lower {FIELD_LOGPROB_CHUNK} (now {inputs['logprob_chunk']})"
-            elif inputs["remat"] == "none":
-                hint = f"set {FIELD_REMAT}=True"
-            else:
-                hint = (
-                    f"lower {FIELD_NEW_TOKENS} (now {inputs['max_new_tokens']}; training sequences are "
-                    f"{inputs['train_seq_len']} tokens)"
-                )
-            problems.append(f"training on even 1 sequence needs {_gib(one.train_peak)}: {hint}")
-    if problems:
-        raise DoesNotFitError(f"does not fit on a {where}: " + "; ".join(problems))
 
-    final = replan(mb, chunk)
-    changed = []
-    notes = []
-    if mb != mb0 and not auto_micro_batch:
+def _rollout_problems(search: _Search, rows: int | None, adjust: bool) -> list[str]:
+    """Why no rollout rows fit (none when `rows` does), naming the config value to lower."""
+    if rows is not None:
+        return []
+    i = search.inputs
+    best = None if adjust else search.first_fitting(_divisors_desc(i.rollout_batch, i.max_batch), search.rollout_peak)
+    if best is not None:
+        return [
+            f"the rollout phase needs {_gib(search.rollout_peak(i.max_batch))}: lower {FIELD_MAX_BATCH} "
+            f"from {i.max_batch} to {best}"
+        ]
+    one = search.replan(1, 1)
+    copies = one.persistent + one.rollout_layer_copies + one.dequant_workspace
+    if copies > search.budget and i.quant == "bf16":
+        return [
+            f"the rollout needs {_gib(copies)} before any KV cache (the weights plus their per-layer "
+            f"copies for the decode): set {FIELD_QUANT}='nvfp4' (packed weights are read in place), "
+            "or shard the model over more GPUs"
+        ]
+    return [
+        f"the rollout of even 1 sequence needs {_gib(one.rollout_peak)} (KV cache {_gib(one.kv_cache)}): "
+        f"lower {FIELD_NEW_TOKENS} (now {i.max_new_tokens}) or the prompt length"
+    ]
+
+
+def _train_problems(search: _Search, mb: int | None, adjust: bool, multiple: int) -> list[str]:
+    """Why no micro-batch fits (none when `mb` does), naming the config value to lower."""
+    if mb is not None:
+        return []
+    i = search.inputs
+    mb0 = i.micro_batch_size
+    best = (
+        None
+        if adjust
+        else search.first_fitting(_multiples(_divisors_desc(i.rollout_batch, mb0), multiple), search.train_peak)
+    )
+    if best is not None:
+        return [
+            f"the training phase needs {_gib(search.train_peak(mb0))}: lower {FIELD_MICRO_BATCH} from {mb0} to {best}"
+        ]
+    one = search.replan(1, i.max_batch)
+    if one.train_logits >= one.train_activations / 2 and i.logprob_chunk > 1:
+        hint = f"lower {FIELD_LOGPROB_CHUNK} (now {i.logprob_chunk})"
+    elif i.remat == "none":
+        hint = f"set {FIELD_REMAT}=True"
+    else:
+        hint = f"lower {FIELD_NEW_TOKENS} (now {i.max_new_tokens}; training sequences are {i.train_seq_len} tokens)"
+    return [f"training on even 1 sequence needs {_gib(one.train_peak)}: {hint}"]
+
+
+def _fit_message(
+    planned: PlanInputs, final: MemoryPlan, auto_micro_batch: bool, auto_logprob_chunk: bool
+) -> tuple[tuple[str, ...], str]:
+    """(the config fields lowered, the line that says what `fit` settled on) from the planned inputs
+    to the final plan's."""
+    got = final.inputs
+    changed, notes = [], []
+    if got.micro_batch_size != planned.micro_batch_size and not auto_micro_batch:
         changed.append(FIELD_MICRO_BATCH)
-        notes.append(f"{FIELD_MICRO_BATCH} {mb0} -> {mb}")
-    if chunk != chunk0:
+        notes.append(f"{FIELD_MICRO_BATCH} {planned.micro_batch_size} -> {got.micro_batch_size}")
+    if got.max_batch != planned.max_batch:
         changed.append(FIELD_MAX_BATCH)
-        notes.append(f"{FIELD_MAX_BATCH} {chunk0} -> {chunk}")
-    message = f"fits: peak {_gib(final.total)} of {_gib(device_bytes)}"
+        notes.append(f"{FIELD_MAX_BATCH} {planned.max_batch} -> {got.max_batch}")
+    message = f"fits: peak {_gib(final.total)} of {_gib(final.device_bytes)}"
     if notes:
         message += "; lowered " + ", ".join(notes)
-    chosen = [f"{FIELD_MICRO_BATCH} = {mb}"] if auto_micro_batch else []
-    chosen += [f"{FIELD_LOGPROB_CHUNK} = {lp}"] if auto_logprob_chunk else []
+    chosen = [f"{FIELD_MICRO_BATCH} = {got.micro_batch_size}"] if auto_micro_batch else []
+    chosen += [f"{FIELD_LOGPROB_CHUNK} = {got.logprob_chunk}"] if auto_logprob_chunk else []
     if chosen:
         message += "; auto " + ", ".join(chosen)
-    if inputs["remat"] != plan.inputs["remat"]:
+    if got.remat != planned.remat:
         changed.append(FIELD_REMAT)
-        message += f"; {FIELD_REMAT} {plan.inputs['remat']} -> {inputs['remat']} (projection outputs do not fit)"
-    return FitResult(
-        micro_batch_size=mb,
-        max_batch=chunk,
-        remat=inputs["remat"],
-        plan=final,
-        changed=tuple(changed),
-        message=message,
-        logprob_chunk=lp,
-    )
+        message += f"; {FIELD_REMAT} {planned.remat} -> {got.remat} (projection outputs do not fit)"
+    return tuple(changed), message

@@ -84,7 +84,8 @@ class RewardGuard:
         self._window: collections.deque[tuple[int, dict[str, tuple[int, int]]]] = collections.deque(maxlen=window_steps)
 
     def _counts(self) -> dict[str, tuple[int, int]]:
-        return {name: (c["items"], c["failed"]) for name, c in self.pool.reward_stats.items()}
+        # A copy first: the pool's scheduler thread may add a reward's entry while the rollout runs.
+        return {name: (c["items"], c["failed"]) for name, c in list(self.pool.reward_stats.items())}
 
     def check_step(self, step: int) -> None:
         """Takes in the items the pool scored since the last call as step `step`'s; raises

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
 import tempfile
 import time
@@ -59,7 +58,7 @@ from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config
 
 # ----------------------------------------------------------------------------- one step's data
 
-def make_train_batch(cfg: RunConfig, exp: Experience) -> dict[str, np.ndarray]:
+def make_train_batch(cfg: RunConfig, exp: Experience, micro_batch_size: int) -> dict[str, np.ndarray]:
     """Advantages + the train step's packed batch (`rl.packing`): every sequence's real tokens in rows
     of max_prompt_len + max_new_tokens slots, a multiple of the micro-batch of them; filler
     sequences (no tokens) keep the sequence count fixed."""
@@ -69,37 +68,36 @@ def make_train_batch(cfg: RunConfig, exp: Experience) -> dict[str, np.ndarray]:
     if cfg.rl.mask_truncated:
         batch["response_mask"] = batch["response_mask"] * (~np.asarray(exp.rollout.truncated))[:, None]
     batch["advantages"] = advantages.astype(np.float32)
-    return _packed(cfg, batch)
+    return _packed(cfg, batch, micro_batch_size)
 
 
-def _train_sequences(cfg: RunConfig) -> int:
+def _train_sequences(cfg: RunConfig, mb: int) -> int:
     """The sequences of every train batch: the step's, rounded up to a multiple of the micro-batch."""
-    mb = cfg.rl.micro_batch_size
     return -(-cfg.rollout.prompts_per_step * cfg.rollout.group_size // mb) * mb
 
 
-def _packed(cfg: RunConfig, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _packed(cfg: RunConfig, batch: dict[str, np.ndarray], micro_batch_size: int) -> dict[str, np.ndarray]:
     """A padded batch (advantages included) packed with every step's shapes: inert filler
     sequences (no tokens) up to `_train_sequences`, rows of max_prompt_len + max_new_tokens slots,
     a multiple of the micro-batch of them."""
-    rows, n = _train_sequences(cfg), batch["input_ids"].shape[0]
+    rows, n = _train_sequences(cfg, micro_batch_size), batch["input_ids"].shape[0]
     if n < rows:
         batch = {k: np.concatenate([v, np.zeros((rows - n, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
     row_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    return packing.pack_batch(batch, row_len, rows_multiple=cfg.rl.micro_batch_size)
+    return packing.pack_batch(batch, row_len, rows_multiple=micro_batch_size)
 
 
-def train_batch_like(cfg: RunConfig) -> dict[str, np.ndarray]:
+def train_batch_like(cfg: RunConfig, micro_batch_size: int) -> dict[str, np.ndarray]:
     """A packed train batch of the shapes and dtypes `make_train_batch` gives every step (each
     sequence a prompt token and a response token): what the train programs are compiled for
     before the first step."""
-    n = _train_sequences(cfg)
+    n = _train_sequences(cfg, micro_batch_size)
     ones = np.ones((n, 2), np.int32)
     batch = dict(
         input_ids=ones, attention_mask=ones, response_mask=np.tile(np.int32([0, 1]), (n, 1)),
         old_logp=np.zeros((n, 2), np.float32), advantages=np.zeros((n,), np.float32),
     )  # fmt: skip
-    return _packed(cfg, batch)
+    return _packed(cfg, batch, micro_batch_size)
 
 
 def _precompile_in_background(
@@ -130,18 +128,18 @@ def _await_precompile(future: concurrent.futures.Future | None) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn) -> Any:
-    """The run's jitted train step (`rl.step.make_train_step` with the config's settings)."""
-    return rl_step.make_train_step(
+def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn, sizes: memory.Resolved) -> rl_step.TrainStep:
+    """The run's jitted train step: the config's settings with the sizes its memory plan resolved."""
+    return rl_step.TrainStep(
         policy.config,
         loss_config(cfg),
         optimizer,
         lora_scale=lora.lora_scale(cfg.lora),
         backend=policy.backend,
-        remat=cfg.rl.remat,
+        remat=sizes.remat,
         attention=cfg.rl.attention,
-        micro_batch_size=cfg.rl.micro_batch_size,
-        logprob_chunk=cfg.rl.logprob_chunk or None,
+        micro_batch_size=sizes.micro_batch_size,
+        logprob_chunk=sizes.logprob_chunk,
         temperature=cfg.rollout.temperature,
         lr_schedule=lr_fn,
     )
@@ -176,11 +174,11 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
         compile_cache.enable_compilation_cache(compile_cache.cache_dir(cfg.compile_cache_dir))
     policy = distributed.primary_first(lambda: load_policy(cfg))  # a tiny model or GGUF conversion is written once
     data_shards = mesh.shape["data"] if mesh is not None else 1
-    cfg = _check_memory(cfg, policy, data_devices=data_shards)
+    sizes = _check_memory(cfg, policy, data_devices=data_shards)
     lcfg = cfg.lora
-    if cfg.rl.micro_batch_size % data_shards:
+    if sizes.micro_batch_size % data_shards:
         raise UserFacingError(
-            f"rl.micro_batch_size ({cfg.rl.micro_batch_size}) must be a multiple of mesh.data ({data_shards}): "
+            f"rl.micro_batch_size ({sizes.micro_batch_size}) must be a multiple of mesh.data ({data_shards}): "
             "each micro-batch is split over the data-parallel devices"
         )
     if mesh is not None:
@@ -199,7 +197,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
         init = sharding.shard_like_lora(init, mesh, "tp")
     norms = lora.init_trained_norms(policy.frozen["norms"]) if cfg.lora.train_norms else None
     state = rl_step.init_train_state(init, optimizer, norms)
-    train_step = make_step(cfg, policy, optimizer, lr_fn)
+    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes)
     noisy_norms = jax.jit(lambda norms, trained, step: rollout_norms(acfg, aqn_key, norms, trained, step))
 
     dataset = load_math_dataset(cfg.data.train, max_bad_fraction=cfg.data.max_bad_fraction)
@@ -234,7 +232,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
         end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
         compiling = None
         if start < end:
-            spec_batch = train_batch_like(cfg)
+            spec_batch = train_batch_like(cfg, sizes.micro_batch_size)
             if mesh is not None:
                 spec_batch = sharding.shard_batch(spec_batch, mesh)
             compiling = _precompile_in_background(train_step, state, policy.frozen, spec_batch)
@@ -251,7 +249,15 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
             pool_before = dict(pool.stats)
             try:
                 exp, metrics = collect_experience(
-                    cfg, policy, rollout_params, loader, pool, jax.random.fold_in(rollout_key, step), mesh, keep_rate
+                    cfg,
+                    policy,
+                    rollout_params,
+                    loader,
+                    pool,
+                    jax.random.fold_in(rollout_key, step),
+                    mesh,
+                    keep_rate,
+                    max_batch=sizes.max_batch or None,
                 )
                 keep_rate = metrics["rollout/keep_rate"]
             except MemoryError as e:
@@ -266,7 +272,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
             else:
                 metrics.update(_rollout_metrics(exp))
                 t0 = time.perf_counter()
-                batch = make_train_batch(cfg, exp)
+                batch = make_train_batch(cfg, exp, sizes.micro_batch_size)
                 counts = packing.token_counts(batch)
                 if mesh is not None:
                     batch = sharding.shard_batch(batch, mesh)
@@ -280,7 +286,7 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
                     if "RESOURCE_EXHAUSTED" in str(e):
                         raise UserFacingError(
                             "out of device memory in the train step: lower --config.rl.micro_batch_size "
-                            f"(now {cfg.rl.micro_batch_size}) or --config.rollout.max_new_tokens, or keep "
+                            f"(now {sizes.micro_batch_size}) or --config.rollout.max_new_tokens, or keep "
                             "--config.rl.remat=full"
                         ) from None
                     raise
@@ -319,10 +325,10 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
                 end = done
                 break
             if cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total:
-                _periodic_eval(cfg, policy, state, writer, done, mesh)
+                _periodic_eval(cfg, policy, state, writer, done, mesh, sizes.max_batch or None)
     if end == total:
         if cfg.eval.num_examples:
-            eval_metrics = _periodic_eval(cfg, policy, state, writer, total, mesh)
+            eval_metrics = _periodic_eval(cfg, policy, state, writer, total, mesh, sizes.max_batch or None)
         trained_lora, trained_norms = distributed.host_copy((state.lora, state.norms))
         if primary:
             try:
@@ -420,17 +426,54 @@ def run_summary(
     return "\n".join(lines)
 
 
-def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> RunConfig:
-    """Prints the memory plan; on a device that reports its memory, fits the micro-batch and
-    rollout rows (rollout.max_batch) to it (or stops with the config value to lower). Auto (0)
-    rl.micro_batch_size and rl.logprob_chunk become the largest that fit (`memory.fit`), or on a
-    device of unknown size memory.DEFAULT_MICRO_BATCH / DEFAULT_LOGPROB_CHUNK. data_devices: the
+def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> memory.Resolved:
+    """Prints the memory plan and returns the sizes the run trains and rolls out with. On a device
+    that reports its memory, the micro-batch and rollout rows (rollout.max_batch) are fitted to it
+    (or the run stops with the config value to lower), and auto (0) rl.micro_batch_size and
+    rl.logprob_chunk are the largest that fit (`memory.fit`); on a device of unknown size they are
+    memory.DEFAULT_MICRO_BATCH / DEFAULT_LOGPROB_CHUNK. `cfg` is left as written. data_devices: the
     mesh's "data" size (a micro-batch is split over it, so auto picks multiples of it)."""
-    rollout_batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    plan = _memory_plan(cfg, policy, data_devices)
+    auto_remat = cfg.rl.remat == "auto"
+    device_bytes = memory.device_memory_bytes()
+    if device_bytes is None:
+        tqdm.write(plan.table())
+        return memory.Resolved(
+            micro_batch_size=plan.inputs.micro_batch_size,
+            logprob_chunk=cfg.rl.logprob_chunk or plan.inputs.logprob_chunk,
+            remat="full" if auto_remat else cfg.rl.remat,
+            max_batch=cfg.rollout.max_batch,
+        )
     auto_mb, auto_chunk = cfg.rl.micro_batch_size == 0, cfg.rl.logprob_chunk == 0
-    plan = memory.plan_memory(
-        policy.config,
+    try:
+        result = memory.fit(
+            plan,
+            device_bytes,
+            remat_fallback=auto_remat,
+            auto_micro_batch=auto_mb,
+            auto_logprob_chunk=auto_chunk,
+            micro_batch_multiple=data_devices,
+        )
+    except memory.DoesNotFitError as e:
+        tqdm.write(plan.table())
+        raise UserFacingError(str(e)) from None
+    tqdm.write(result.plan.table())
+    if result.changed or auto_mb or auto_chunk:
+        tqdm.write(result.message)
+    return memory.Resolved(
+        micro_batch_size=result.micro_batch_size,
+        logprob_chunk=cfg.rl.logprob_chunk or result.logprob_chunk,
+        remat=result.remat,
+        max_batch=result.max_batch if cfg.rollout.max_batch else 0,  # 0: the rollout sizes its rows itself
+    )
+
+
+def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int) -> memory.MemoryPlan:
+    """The run's memory plan, auto sizes at their defaults ("auto" remat as "proj", which `fit` may lower)."""
+    rollout_batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    inputs = memory.PlanInputs(
         quant=policy.quant,
+        quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
         lora_rank=cfg.lora.rank,
         lora_targets=cfg.lora.targets,
         rollout_batch=rollout_batch,
@@ -442,43 +485,10 @@ def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> RunC
         remat="proj" if cfg.rl.remat == "auto" else cfg.rl.remat,
         attention=cfg.rl.attention,
         logprob_chunk=cfg.rl.logprob_chunk or memory.DEFAULT_LOGPROB_CHUNK,
-        quant_skip=("embed", "lm_head") + tuple(cfg.model.quant_skip),
         backend=policy.backend,
         train_norms=cfg.lora.train_norms,
     )
-    auto_remat = cfg.rl.remat == "auto"
-    device_bytes = memory.device_memory_bytes()
-    result = None
-    if device_bytes is not None:
-        try:
-            result = memory.fit(
-                plan,
-                device_bytes,
-                remat_fallback=auto_remat,
-                auto_micro_batch=auto_mb,
-                auto_logprob_chunk=auto_chunk,
-                micro_batch_multiple=data_devices,
-            )
-        except memory.DoesNotFitError as e:
-            tqdm.write(plan.table())
-            raise UserFacingError(str(e)) from None
-        tqdm.write(result.plan.table())
-        if result.changed or auto_mb or auto_chunk:
-            tqdm.write(result.message)
-    else:
-        tqdm.write(plan.table())
-    remat = result.remat if result is not None else ("full" if auto_remat else cfg.rl.remat)
-    fitted = result.plan if result is not None else plan
-    rl = dataclasses.replace(
-        cfg.rl,
-        remat=remat,
-        micro_batch_size=fitted.inputs["micro_batch_size"],
-        logprob_chunk=cfg.rl.logprob_chunk or fitted.inputs["logprob_chunk"],
-    )
-    rollout = cfg.rollout
-    if result is not None and rollout.max_batch:  # 0: the rollout sizes its rows to the free memory itself
-        rollout = dataclasses.replace(rollout, max_batch=result.max_batch)
-    return dataclasses.replace(cfg, rl=rl, rollout=rollout)
+    return memory.plan_memory(policy.config, inputs)
 
 
 def _rollout_metrics(exp: Experience) -> dict[str, float]:
@@ -503,9 +513,12 @@ def _samples_markdown(exp: Experience, n: int = 2) -> str:
     return "\n\n---\n\n".join(out)
 
 
-def _periodic_eval(cfg: RunConfig, policy: Policy, state, writer, step: int, mesh=None) -> dict[str, float]:
-    """Evaluation of the current adapter, on this process's first data shard. Every process of a
-    multi-process run evaluates (they stay in step); the primary's outputs are kept."""
+def _periodic_eval(
+    cfg: RunConfig, policy: Policy, state, writer, step: int, mesh, max_batch: int | None
+) -> dict[str, float]:
+    """Evaluation of the current adapter, on this process's first data shard, max_batch rollout rows
+    at once (the run's resolved rows). Every process of a multi-process run evaluates (they stay in
+    step); the primary's outputs are kept."""
     params = lora.with_lora(policy.frozen, state.lora, state.norms)
     if mesh is not None:
         params = data_parallel.on_submesh(params, data_parallel.local_shards(mesh)[0][1])
@@ -521,5 +534,6 @@ def _periodic_eval(cfg: RunConfig, policy: Policy, state, writer, step: int, mes
             output_dir=output_dir,
             writer=writer,
             step=step,
+            max_batch=max_batch,
         )
     return summary["metrics"]

@@ -105,7 +105,8 @@ def test_memory_plan_uses_the_rollout_estimate():
     """`memory.plan_memory`'s KV cache and rollout activations are the engine's own estimate."""
     from qerl_jax import memory
 
-    plan = memory.plan_memory(SMALL, rollout_batch=64, group_size=8, prompt_len=256, max_new_tokens=2048)
+    inputs = memory.PlanInputs(rollout_batch=64, group_size=8, prompt_len=256, max_new_tokens=2048)
+    plan = memory.plan_memory(SMALL, inputs)
     lay = scheduler.layout(64, group_size=8)
     mem = budget.rollout_memory(
         SMALL, 64, 256, 2048, admit_rows=lay.admit_rows, admit_prompts=lay.admit_prompts, compact_rows=16

@@ -74,7 +74,7 @@ def test_one_call_keeps_what_refill_rounds_keep(tmp_path, tiny_model_dir, pool, 
     dataset = load_math_dataset(cfg.data.train)
     key = jax.random.key(3)
     loader, reference = PromptLoader(dataset, 4, seed=1), PromptLoader(dataset, 4, seed=1)
-    exp, stats = experience.collect_experience(cfg, policy, policy.frozen, loader, pool, key, keep_rate=keep_rate)
+    exp, stats = experience.collect_experience(cfg, policy, policy.frozen, loader, pool, key, keep_rate=keep_rate, max_batch=max_batch or None)
     want_batch, want_rewards, rounds = _refill_rounds(cfg, policy, reference, key, hashed_reward)
     assert rounds > 1, "the case must need a refill round"
     assert stats["rollout/prompt_batches"] == rounds and loader.state() == reference.state()
@@ -82,7 +82,7 @@ def test_one_call_keeps_what_refill_rounds_keep(tmp_path, tiny_model_dir, pool, 
     np.testing.assert_array_equal(exp.rollout.prompt_ids, want_batch.prompt_ids)
     np.testing.assert_array_equal(exp.rewards, want_rewards)
     reference_exp = dataclasses.replace(exp, rollout=want_batch, rewards=want_rewards)
-    got, want = train.make_train_batch(cfg, exp), train.make_train_batch(cfg, reference_exp)
+    got, want = train.make_train_batch(cfg, exp, cfg.rl.micro_batch_size), train.make_train_batch(cfg, reference_exp, cfg.rl.micro_batch_size)
     for name in want:  # the advantages and everything the loss reads
         np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
     assert stats["rollout/groups_kept"] == 4 and stats["rollout/groups_sampled"] <= 4 * rounds
@@ -95,7 +95,7 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     })  # fmt: skip
     policy = load_policy(cfg)
     loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
-    exp, stats = experience.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
+    exp, stats = experience.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0), max_batch=None)
     assert exp is not None and 0 < exp.groups_kept <= 4
     assert stats["rollout/groups_sampled"] >= exp.groups_kept
     groups = exp.rewards.reshape(-1, 4)
@@ -105,7 +105,7 @@ def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_m
     # Rows stay aligned: each kept completion re-scores to its recorded reward.
     for c, a, r in zip(exp.completions, exp.answers, exp.rewards):
         assert digit_reward(c, a) == r
-    batch = train.make_train_batch(cfg, exp)
+    batch = train.make_train_batch(cfg, exp, cfg.rl.micro_batch_size)
     assert batch["advantages"].shape[0] == 16 and float(np.abs(batch["advantages"][len(exp.completions) :]).sum()) == 0.0
     assert batch["input_ids"].shape[0] % cfg.rl.micro_batch_size == 0 and (batch["token_index"][len(exp.completions) :] == -1).all()
 
@@ -118,7 +118,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     policy = load_policy(cfg)
     loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
     with reward_pool.RewardPool(2) as pool:
-        exp, stats = experience.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0))
+        exp, stats = experience.collect_experience(cfg, policy, policy.frozen, loader, pool, jax.random.key(0), max_batch=None)
     digits = np.array([digit_reward(c, a) for c, a in zip(exp.completions, exp.answers)])
     prompt = np.array([len(p) / 1000 + 1.0 for p in exp.prompts])
     assert np.ptp(prompt) > 0  # the second reward really varies with the row
@@ -128,7 +128,7 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
     np.testing.assert_allclose(stats["reward/worker_rewards_prompt_reward_mean_sampled"], prompt.mean(), rtol=1e-6)
     for scale in ("group", "batch", "none"):
         cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, scale_rewards=scale))
-        got = np.asarray(train.make_train_batch(cfg, exp)["advantages"])[: len(exp.rewards)]
+        got = np.asarray(train.make_train_batch(cfg, exp, cfg.rl.micro_batch_size)["advantages"])[: len(exp.rewards)]
         np.testing.assert_allclose(got, np.asarray(losses.group_advantages(exp.rewards, 4, scale=scale)), rtol=1e-6)
     g = exp.rewards.reshape(-1, 4)
     np.testing.assert_allclose(got, (g - g.mean(1, keepdims=True)).reshape(-1), atol=1e-6)  # "none"

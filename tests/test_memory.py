@@ -1,5 +1,7 @@
 """The memory plan against hand computations, published parameter counts and real array sizes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,13 +74,17 @@ def hand_frozen_bytes(name: str, fmt: str) -> int:
     return c.num_hidden_layers * per_layer + biases + norms + embeds
 
 
+def _plan(config: ModelConfig, device_bytes: int | None = None, **inputs) -> memory.MemoryPlan:
+    return memory.plan_memory(config, memory.PlanInputs(**inputs), device_bytes)
+
+
 def frozen(plan):
     return plan.base_linear + plan.embeddings + plan.biases_norms
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_bf16_plan_matches_published_parameter_counts(name):
-    plan = memory.plan_memory(CONFIGS[name], quant="bf16", lora_rank=0)
+    plan = _plan(CONFIGS[name], quant="bf16", lora_rank=0)
     assert frozen(plan) == 2 * PUBLISHED_PARAMS[name]
     assert frozen(plan) == hand_frozen_bytes(name, "bf16")
 
@@ -86,7 +92,7 @@ def test_bf16_plan_matches_published_parameter_counts(name):
 @pytest.mark.parametrize("name", ["7B", "14B", "32B", "72B"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
 def test_packed_plan_matches_hand_computation(name, fmt):
-    plan = memory.plan_memory(CONFIGS[name], quant=fmt)
+    plan = _plan(CONFIGS[name], quant=fmt)
     assert frozen(plan) == hand_frozen_bytes(name, fmt)
 
 
@@ -95,7 +101,7 @@ def test_nvfp4_32b_numbers_written_out():
     weights = 64 * (5120 * (5120 + 1024 + 1024 + 5120) + 3 * 5120 * 27648)
     assert weights == 31_205_621_760
     nvfp4_linear = weights * 9 // 16 + 64 * 7 * 4  # 4.5 bits per weight + 7 global scales per layer
-    plan = memory.plan_memory(
+    plan = _plan(
         QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024
     )
     assert plan.base_linear == nvfp4_linear == 17_553_164_032
@@ -109,12 +115,12 @@ def test_nvfp4_32b_numbers_written_out():
 
 
 def test_kv_cache_and_lora_for_7b_and_72b():
-    p7 = memory.plan_memory(
+    p7 = _plan(
         QWEN_7B, rollout_batch=16, prompt_len=256, max_new_tokens=768, lora_rank=8, lora_targets=("q_proj", "v_proj")
     )
     assert p7.kv_cache == 2 * 28 * 16 * 1024 * 4 * 128 * 2
     assert p7.lora_params == 28 * 8 * ((3584 + 3584) + (512 + 3584)) * 4
-    p72 = memory.plan_memory(QWEN_72B, rollout_batch=64, max_batch=32, prompt_len=512, max_new_tokens=1024)
+    p72 = _plan(QWEN_72B, rollout_batch=64, max_batch=32, prompt_len=512, max_new_tokens=1024)
     assert p72.kv_cache == 2 * 80 * 32 * 1536 * 8 * 128 * 2
 
 
@@ -164,7 +170,7 @@ def test_plan_equals_bytes_of_real_arrays(fmt):
     params = _tiny_dense_params(config, jax.random.key(1))
     skip = ("embed", "lm_head", "down_proj")
     q = quantize_params(params, fmt, skip=skip)
-    plan = memory.plan_memory(config, quant=fmt, quant_skip=skip, lora_rank=4, lora_targets=("q_proj", "down_proj"))
+    plan = _plan(config, quant=fmt, quant_skip=skip, lora_rank=4, lora_targets=("q_proj", "down_proj"))
     biases = _tree_bytes({p: q["base"]["layers"][p]["b"] for p in ("q_proj", "k_proj", "v_proj")})
     assert _tree_bytes(q["base"]["layers"]) - biases == plan.base_linear
     assert biases + _tree_bytes(q["norms"]) == plan.biases_norms
@@ -181,12 +187,12 @@ def test_kv_cache_matches_the_rollout_engine():
     from qerl_jax.rollout import cache_bytes
 
     for config in (QWEN_7B, QWEN_32B):
-        plan = memory.plan_memory(config, rollout_batch=32, max_batch=16, prompt_len=512, max_new_tokens=1024)
+        plan = _plan(config, rollout_batch=32, max_batch=16, prompt_len=512, max_new_tokens=1024)
         assert plan.kv_cache == cache_bytes(config, 16, 1536)
 
 
 def test_phases_and_total():
-    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4)
+    plan = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4)
     assert plan.rollout_peak == (
         plan.persistent + plan.kv_cache + plan.rollout_activations + plan.rollout_layer_copies + plan.dequant_workspace
     )
@@ -197,23 +203,23 @@ def test_phases_and_total():
         + c.num_hidden_layers * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     ) * 2
     assert plan.rollout_layer_copies == norms_biases + plan.lora_params
-    bf16 = memory.plan_memory(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=4)
+    bf16 = _plan(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=4)
     assert bf16.rollout_layer_copies == bf16.base_linear + norms_biases + bf16.lora_params
     assert plan.train_peak == plan.persistent + plan.lora_grads + plan.train_activations + plan.dequant_workspace
     assert plan.total == max(plan.rollout_peak, plan.train_peak)
     # Activations grow with the micro-batch; the frozen part does not.
-    bigger = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=8)
+    bigger = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=8)
     assert bigger.train_activations > plan.train_activations and bigger.persistent == plan.persistent
     # Per-layer checkpointing saves memory.
-    no_remat = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4, remat=False)
+    no_remat = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=4, remat=False)
     assert no_remat.train_activations > 3 * plan.train_activations
     # The pallas backend needs no dequantized-layer workspace.
-    assert memory.plan_memory(QWEN_14B, backend="pallas").dequant_workspace == 0
-    assert memory.plan_memory(QWEN_14B, quant="bf16").dequant_workspace == 0
+    assert _plan(QWEN_14B, backend="pallas").dequant_workspace == 0
+    assert _plan(QWEN_14B, quant="bf16").dequant_workspace == 0
 
 
 def test_table_lists_terms_in_gib():
-    plan = memory.plan_memory(QWEN_32B, device_bytes=80 * GIB)
+    plan = _plan(QWEN_32B, device_bytes=80 * GIB)
     table = plan.table()
     assert "base linear weights (nvfp4)" in table and "KV cache" in table and "TOTAL" in table
     assert f"{plan.base_linear / GIB:9.2f} GiB" in table
@@ -222,7 +228,7 @@ def test_table_lists_terms_in_gib():
 
 
 def test_fit_keeps_sizes_that_fit():
-    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=2)
+    plan = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=2)
     result = memory.fit(plan, 140 * GIB)
     assert (result.micro_batch_size, result.max_batch, result.changed) == (2, 64, ())
     assert result.plan.total <= 0.95 * 140 * GIB
@@ -230,18 +236,18 @@ def test_fit_keeps_sizes_that_fit():
 
 def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
     device = int(60 * GIB)
-    plan = memory.plan_memory(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
+    plan = _plan(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)
     result = memory.fit(plan, device)
     budget = 0.95 * device
     assert set(result.changed) == {"rl.micro_batch_size", "rollout.max_batch"}
     assert "rl.micro_batch_size 16 -> " in result.message
     assert result.plan.total <= budget
     # Maximal: the next larger divisor of 64 does not fit its phase.
-    up_chunk = memory.plan_memory(
+    up_chunk = _plan(
         QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, max_batch=2 * result.max_batch
     )
     assert up_chunk.rollout_peak > budget
-    up_mb = memory.plan_memory(
+    up_mb = _plan(
         QWEN_14B,
         quant="bf16",
         rollout_batch=64,
@@ -253,46 +259,46 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
 
 
 def test_fit_validate_names_the_value_to_lower():
-    plan = memory.plan_memory(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=64)
+    plan = _plan(QWEN_14B, rollout_batch=64, group_size=8, micro_batch_size=64)
     with pytest.raises(memory.DoesNotFitError, match=r"lower rl\.micro_batch_size from 64 to \d+"):
         memory.fit(plan, 40 * GIB, adjust=False)
-    plan = memory.plan_memory(QWEN_32B, rollout_batch=64, group_size=8, micro_batch_size=1)
+    plan = _plan(QWEN_32B, rollout_batch=64, group_size=8, micro_batch_size=1)
     with pytest.raises(memory.DoesNotFitError, match=r"lower rollout\.max_batch from 64 to \d+"):
         memory.fit(plan, 40 * GIB, adjust=False)
 
 
 def test_fit_names_quant_when_bf16_rollout_copies_do_not_fit():
     # bf16 32B: 61 GiB of linears fit an 80 GB H100, but not twice (the decode's per-layer copies).
-    plan = memory.plan_memory(QWEN_32B, quant="bf16", micro_batch_size=1)
+    plan = _plan(QWEN_32B, quant="bf16", micro_batch_size=1)
     assert plan.persistent < 0.95 * 80 * GIB < plan.persistent + plan.rollout_layer_copies
     with pytest.raises(memory.DoesNotFitError, match=r"per-layer copies.*model\.quant='nvfp4'"):
         memory.fit(plan, 80 * GIB)
 
 
 def test_fit_names_quant_when_bf16_weights_do_not_fit():
-    plan = memory.plan_memory(QWEN_32B, quant="bf16")
+    plan = _plan(QWEN_32B, quant="bf16")
     with pytest.raises(memory.DoesNotFitError, match=r"model\.quant='nvfp4'"):
         memory.fit(plan, 60 * GIB)
     # The same model in NVFP4 does fit the same device.
-    assert memory.fit(memory.plan_memory(QWEN_32B, quant="nvfp4", group_size=8), 60 * GIB).plan.total <= 0.95 * 60 * GIB
+    assert memory.fit(_plan(QWEN_32B, quant="nvfp4", group_size=8), 60 * GIB).plan.total <= 0.95 * 60 * GIB
 
 
 def test_fit_names_max_new_tokens_when_one_sequence_does_not_fit():
     # one sequence's KV cache (~53 GiB) alone is over the device: the rollout phase names the field
-    plan = memory.plan_memory(QWEN_7B, prompt_len=512, max_new_tokens=1_000_000, rollout_batch=8)
+    plan = _plan(QWEN_7B, prompt_len=512, max_new_tokens=1_000_000, rollout_batch=8)
     with pytest.raises(memory.DoesNotFitError, match=r"rollout\.max_new_tokens \(now 1000000\)"):
         memory.fit(plan, 40 * GIB)
 
 
 def test_fit_names_multi_gpu_when_packed_72b_exceeds_the_device():
     with pytest.raises(memory.DoesNotFitError, match="more GPUs"):
-        memory.fit(memory.plan_memory(QWEN_72B), 40 * GIB)
+        memory.fit(_plan(QWEN_72B), 40 * GIB)
 
 
 def test_fit_needs_a_device_size(monkeypatch):
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: None)
     with pytest.raises(ValueError, match="device memory size is unknown"):
-        memory.fit(memory.plan_memory(QWEN_7B))
+        memory.fit(_plan(QWEN_7B))
 
 
 def test_device_memory_bytes_reads_bytes_limit():
@@ -321,14 +327,14 @@ def test_device_memory_bytes_reads_bytes_limit():
 )
 def test_bad_inputs_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match.replace(".", r"\.").replace("(", r"\(")):
-        memory.plan_memory(QWEN_7B, **kwargs)
+        memory.PlanInputs(**kwargs)
 
 
 def test_embeddings_stay_bf16_whatever_quant_skip_says():
-    a = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=())
-    b = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=("embed", "lm_head"))
+    a = _plan(QWEN_7B, quant="nvfp4", quant_skip=())
+    b = _plan(QWEN_7B, quant="nvfp4", quant_skip=("embed", "lm_head"))
     assert a.embeddings == b.embeddings == 2 * 152064 * 3584 * 2
-    c = memory.plan_memory(QWEN_7B, quant="nvfp4", quant_skip=("down_proj",))
+    c = _plan(QWEN_7B, quant="nvfp4", quant_skip=("down_proj",))
     assert c.base_linear - a.base_linear == 28 * (3584 * 18944 * 2 - memory.packed_matrix_bytes(3584, 18944, "nvfp4"))
 
 
@@ -340,55 +346,55 @@ def test_block_divisibility_is_checked():
 
 def test_packed_step_per_sequence_grids_count_batch_times_row_length():
     kw = dict(group_size=8, max_new_tokens=512, prompt_len=256)
-    plan = memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=4, **kw)
+    plan = _plan(QWEN_7B, rollout_batch=64, micro_batch_size=4, **kw)
     assert plan.train_sequence_arrays == 12 * 64 * 768 * 4  # 12 [B, T] f32/int32 arrays, T = 256 + 512 slots
     assert plan.train_activations == (
         plan.train_saved_activations + plan.train_layer_activations + plan.train_logits + plan.train_sequence_arrays
     )
     # Whatever the micro-batch; with the batch and with the packed row length actually used.
-    assert memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=8, **kw).train_sequence_arrays == (
+    assert _plan(QWEN_7B, rollout_batch=64, micro_batch_size=8, **kw).train_sequence_arrays == (
         plan.train_sequence_arrays
     )
-    assert memory.plan_memory(QWEN_7B, rollout_batch=128, micro_batch_size=4, **kw).train_sequence_arrays == (
+    assert _plan(QWEN_7B, rollout_batch=128, micro_batch_size=4, **kw).train_sequence_arrays == (
         2 * plan.train_sequence_arrays
     )
-    short = memory.plan_memory(QWEN_7B, rollout_batch=64, micro_batch_size=4, train_seq_len=384, **kw)
+    short = _plan(QWEN_7B, rollout_batch=64, micro_batch_size=4, train_seq_len=384, **kw)
     assert short.train_sequence_arrays == plan.train_sequence_arrays // 2
     assert "per-sequence grids (64 seqs x 768, f32)" in plan.table()
 
 
 def test_proj_remat_saves_every_projection_output_and_flash_drops_the_scores():
     kw = dict(rollout_batch=64, group_size=8, micro_batch_size=4, max_new_tokens=512, prompt_len=256)
-    full = memory.plan_memory(QWEN_7B, remat="full", **kw)
-    proj = memory.plan_memory(QWEN_7B, remat="proj", **kw)
+    full = _plan(QWEN_7B, remat="full", **kw)
+    proj = _plan(QWEN_7B, remat="proj", **kw)
     c, tokens = QWEN_7B, 4 * 768
     out_features = sum(n for n, _ in projection_shapes(c).values())
     assert (
         proj.train_saved_activations - full.train_saved_activations == c.num_hidden_layers * tokens * out_features * 2
     )
-    assert memory.plan_memory(QWEN_7B, remat=True, **kw) == full  # a bool is still accepted
-    flash = memory.plan_memory(QWEN_7B, remat="full", attention="flash", **kw)
+    assert _plan(QWEN_7B, remat=True, **kw) == full  # a bool is still accepted
+    flash = _plan(QWEN_7B, remat="full", attention="flash", **kw)
     scores = 4 * c.num_attention_heads * 768 * 768 * memory.ATTN_SCORE_BYTES
     assert full.train_layer_activations - flash.train_layer_activations == scores - 4 * c.num_attention_heads * 768 * 4
     with pytest.raises(ValueError, match="attention 'sdpa'"):
-        memory.plan_memory(QWEN_7B, attention="sdpa")
+        _plan(QWEN_7B, attention="sdpa")
 
 
 def test_fit_keeps_proj_remat_where_it_fits_and_falls_back_to_full():
     kw = dict(rollout_batch=64, group_size=8, micro_batch_size=8, max_new_tokens=512, prompt_len=256)
-    roomy = memory.fit(memory.plan_memory(QWEN_7B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
+    roomy = memory.fit(_plan(QWEN_7B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
     assert (roomy.remat, roomy.micro_batch_size, roomy.changed) == ("proj", 8, ())
     # 72B: the projection outputs of even an efficient micro-batch (>= PROJ_REMAT_MIN_TOKENS tokens) do
     # not fit next to the packed base on 80 GB: "full" at the largest micro-batch that fits.
-    tight = memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
+    tight = memory.fit(_plan(QWEN_72B, remat="proj", **kw), 80 * GIB, remat_fallback=True)
     assert tight.remat == "full" and "rl.remat" in tight.changed and "rl.remat proj -> full" in tight.message
-    assert tight.plan.inputs["remat"] == "full" and tight.plan.train_peak <= 0.95 * 80 * GIB
+    assert tight.plan.inputs.remat == "full" and tight.plan.train_peak <= 0.95 * 80 * GIB
     proj_min = -(-memory.PROJ_REMAT_MIN_TOKENS // 768)
     assert (
-        memory.plan_memory(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
+        _plan(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
     )
     # Without the fallback the plan's mode is kept (the micro-batch is lowered instead).
-    assert memory.fit(memory.plan_memory(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"
+    assert memory.fit(_plan(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"
 
 
 def test_trained_norms_add_their_masters_moments_and_grads():
@@ -399,7 +405,7 @@ def test_trained_norms_add_their_masters_moments_and_grads():
     config = qwen(128, 192, 3, 4, 2, vocab=200, head_dim=32)
     params = _tiny_dense_params(config, jax.random.key(1))
     kw = dict(quant="bf16", lora_rank=4, lora_targets=("q_proj", "down_proj"))
-    off, on = memory.plan_memory(config, **kw), memory.plan_memory(config, **kw, train_norms=True)
+    off, on = _plan(config, **kw), _plan(config, **kw, train_norms=True)
     lora = init_lora(jax.random.key(2), config, LoraConfig(rank=4, targets=("q_proj", "down_proj")))
     norms = init_trained_norms(params["norms"])
     assert _tree_bytes((lora, norms)) == on.lora_params > off.lora_params
@@ -418,7 +424,7 @@ STEP_15B = dict(
 
 
 def _train_peak(mb: int, chunk: int, remat: str = "proj") -> int:
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, micro_batch_size=mb, logprob_chunk=chunk, remat=remat)
+    plan = _plan(QWEN_15B, **STEP_15B, micro_batch_size=mb, logprob_chunk=chunk, remat=remat)
     return plan.train_peak
 
 
@@ -426,11 +432,11 @@ def _train_peak(mb: int, chunk: int, remat: str = "proj") -> int:
 def test_auto_micro_batch_and_chunk_are_the_largest_that_fit_a_large_device(device_gib):
     device = int(device_gib * GIB)
     budget = 0.95 * device
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj")  # micro-batch 8, chunk 256 planned
+    plan = _plan(QWEN_15B, **STEP_15B, remat="proj")  # micro-batch 8, chunk 256 planned
     result = memory.fit(plan, device, remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
     mb, chunk = result.micro_batch_size, result.logprob_chunk
     assert mb > 8 and result.remat == "proj" and 128 % mb == 0 and mb * 1024 <= memory.AUTO_MICRO_BATCH_TOKENS
-    assert result.plan.inputs["micro_batch_size"] == mb and result.plan.inputs["logprob_chunk"] == chunk
+    assert result.plan.inputs.micro_batch_size == mb and result.plan.inputs.logprob_chunk == chunk
     assert result.plan.train_peak <= budget and result.changed == ()
     assert f"auto rl.micro_batch_size = {mb}, rl.logprob_chunk = {chunk}" in result.message
     # Maximal: the next divisor of 128 up is past the token cap or does not fit (at the planned chunk).
@@ -443,13 +449,13 @@ def test_auto_micro_batch_and_chunk_are_the_largest_that_fit_a_large_device(devi
 
 def test_auto_micro_batch_shrinks_on_a_small_device_with_smaller_chunks_if_needed():
     device = 16 * GIB
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj")
+    plan = _plan(QWEN_15B, **STEP_15B, remat="proj")
     result = memory.fit(plan, device, remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
     assert result.micro_batch_size < 8 and result.plan.train_peak <= 0.95 * device
     assert _train_peak(8, 256, result.remat) > 0.95 * device
     # So small that the planned chunk of 256 leaves no micro-batch room: auto lowers the chunk.
-    tight = memory.plan_memory(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full")
-    one_row = memory.plan_memory(
+    tight = _plan(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full")
+    one_row = _plan(
         QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full", micro_batch_size=1
     )
     device = int((one_row.train_peak - one_row.train_logits // 4) / 0.95)  # a chunk of 64 fits, 256 does not
@@ -461,7 +467,7 @@ def test_auto_micro_batch_shrinks_on_a_small_device_with_smaller_chunks_if_neede
 
 def test_auto_micro_batch_is_a_multiple_of_the_data_axis():
     kw = {**STEP_15B, "rollout_batch": 96}
-    plan = memory.plan_memory(QWEN_15B, **kw, remat="full")
+    plan = _plan(QWEN_15B, **kw, remat="full")
     for multiple in (1, 3, 4):
         result = memory.fit(plan, 141 * GIB, auto_micro_batch=True, micro_batch_multiple=multiple)
         assert result.micro_batch_size % multiple == 0 and 96 % result.micro_batch_size == 0
@@ -471,7 +477,7 @@ def test_auto_micro_batch_is_a_multiple_of_the_data_axis():
 
 
 def test_explicit_sizes_are_kept_where_they_fit():
-    plan = memory.plan_memory(QWEN_15B, **STEP_15B, remat="proj", micro_batch_size=4, logprob_chunk=128)
+    plan = _plan(QWEN_15B, **STEP_15B, remat="proj", micro_batch_size=4, logprob_chunk=128)
     result = memory.fit(plan, 141 * GIB, remat_fallback=True)
     assert (result.micro_batch_size, result.logprob_chunk, result.changed) == (4, 128, ())
     assert "auto" not in result.message and "lowered" not in result.message
@@ -487,7 +493,8 @@ def test_auto_on_a_device_of_unknown_size_is_the_default():
     assert memory.logprob_chunk_candidates(1024) == [512, 256, 128, 64, 32, 16, 8, 4, 2, 1]
 
 
-def _check_memory(monkeypatch, device_bytes, **rl):
+def _check_memory(monkeypatch, device_bytes, max_batch=0, **rl):
+    """(what the run resolves, its config) for a 1.5B policy of 16 x 8 sequences on a device of device_bytes."""
     import types
 
     from qerl_jax import config as config_lib
@@ -496,22 +503,118 @@ def _check_memory(monkeypatch, device_bytes, **rl):
     cfg = config_lib.default_config()
     cfg.rollout.prompts_per_step, cfg.rollout.group_size = 16, 8
     cfg.data.max_prompt_len, cfg.rollout.max_new_tokens = 256, 768
+    cfg.rollout.max_batch = max_batch
     for k, v in rl.items():
         cfg.rl[k] = v
     run = run_config.from_config_dict(cfg)
     policy = types.SimpleNamespace(config=QWEN_15B, quant="nvfp4", backend="xla")
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: device_bytes)
-    return train._check_memory(run, policy).rl
+    return train._check_memory(run, policy), run
 
 
 def test_the_run_resolves_auto_to_the_plan_and_prints_it(monkeypatch, capsys):
-    cpu = _check_memory(monkeypatch, None)
-    assert (cpu.micro_batch_size, cpu.logprob_chunk, cpu.remat) == (8, 256, "full")
+    cpu, run = _check_memory(monkeypatch, None)
+    assert cpu == memory.Resolved(micro_batch_size=8, logprob_chunk=256, remat="full", max_batch=0)
     assert "micro-batch=8" in capsys.readouterr().out
-    big = _check_memory(monkeypatch, 141 * GIB)
+    # The config keeps what was written (0 and "auto"); the resolved sizes are a separate object.
+    assert (run.rl.micro_batch_size, run.rl.logprob_chunk, run.rl.remat) == (0, 0, "auto")
+    big, _ = _check_memory(monkeypatch, 141 * GIB)
     out = capsys.readouterr().out
-    assert big.micro_batch_size > 8 and big.logprob_chunk > 256
+    assert big.micro_batch_size > 8 and big.logprob_chunk > 256 and big.remat == "proj" and big.max_batch == 0
     assert f"auto rl.micro_batch_size = {big.micro_batch_size}, rl.logprob_chunk = {big.logprob_chunk}" in out
     assert f"micro-batch={big.micro_batch_size}" in out  # the table is the fitted plan's
-    explicit = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64)
-    assert (explicit.micro_batch_size, explicit.logprob_chunk) == (4, 64)
+    explicit, _ = _check_memory(monkeypatch, 141 * GIB, micro_batch_size=4, logprob_chunk=64, remat="full")
+    assert (explicit.micro_batch_size, explicit.logprob_chunk, explicit.remat) == (4, 64, "full")
+
+
+def test_the_run_lowers_rollout_rows_that_do_not_fit_and_keeps_the_config(monkeypatch, capsys):
+    small, run = _check_memory(monkeypatch, 5 * GIB, max_batch=128)
+    assert 0 < small.max_batch < 128 and 128 % small.max_batch == 0 and run.rollout.max_batch == 128
+    assert f"rollout.max_batch 128 -> {small.max_batch}" in capsys.readouterr().out
+    assert _check_memory(monkeypatch, 141 * GIB, max_batch=128)[0].max_batch == 128
+    assert _check_memory(monkeypatch, None, max_batch=128)[0].max_batch == 128  # nothing to fit to
+
+
+def test_plan_inputs_derive_and_cap_their_sizes():
+    i = memory.PlanInputs(rollout_batch=16, max_batch=64, prompt_len=100, max_new_tokens=28, logprob_chunk=None)
+    assert (i.max_batch, i.train_seq_len, i.logprob_chunk, i.remat) == (16, 128, 128, "full")
+    assert memory.PlanInputs(remat=False).remat == "none" and memory.PlanInputs(lora_rank=0).lora_targets == ()
+    assert memory.PlanInputs(logprob_chunk=4096, train_seq_len=512).logprob_chunk == 512
+    assert memory.PlanInputs(quant_skip=["down_proj"]).quant_skip == ("down_proj",)
+    # Re-planned sizes are checked again, as `fit` makes them.
+    with pytest.raises(ValueError, match=r"rl\.micro_batch_size must be a positive int; got 0"):
+        dataclasses.replace(i, micro_batch_size=0)
+    assert dataclasses.replace(i, max_batch=8).max_batch == 8
+
+
+# ----------------------------------------------------------------------------- frozen numbers
+# Plans and fits of Qwen2.5 0.5B / 1.5B / 7B (and 72B) shapes as `memory` computed them on the
+# day its functions were split up (issue 46): a refactor must give the same bytes, choices and
+# messages. Plans: (total, train_peak, rollout_peak, digest of as_dict() and table()).
+GOLDEN_MODELS = {"0.5B": QWEN_05B, "1.5B": qwen(1536, 8960, 28, 12, 2, vocab=151936, tied=True), "7B": QWEN_7B}
+GOLDEN_MODELS["72B"] = QWEN_72B
+GOLDEN_PLAN_INPUTS = {
+    "0.5B bf16": ("0.5B", None, dict(quant="bf16", rollout_batch=64, group_size=8, prompt_len=256, max_new_tokens=768, micro_batch_size=8, logprob_chunk=128)),
+    "1.5B nvfp4 proj flash": ("1.5B", None, dict(quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=768, attention="flash", remat="proj", train_norms=True)),
+    "7B nf4 no remat": ("7B", None, dict(quant="nf4", quant_skip=("embed", "lm_head", "down_proj"), lora_rank=8, lora_targets=("q_proj", "v_proj"), rollout_batch=32, max_batch=16, remat=False, logprob_chunk=None, backend="pallas")),
+    "7B mxfp4 defaults": ("7B", 80 * GIB, dict(quant="mxfp4", train_seq_len=1000)),
+    "7B bf16 mb16": ("7B", None, dict(quant="bf16", rollout_batch=64, group_size=8, micro_batch_size=16)),
+    "72B proj": ("72B", None, dict(rollout_batch=64, group_size=8, micro_batch_size=8, max_new_tokens=512, prompt_len=256, remat="proj")),
+    "1.5B long": ("1.5B", None, dict(quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=8192 - 256, attention="flash", remat="full")),
+}  # fmt: skip
+GOLDEN_PLANS = {
+    "0.5B bf16": (4633571072, 4633571072, 3006621440, "3a75e34c4dddb9fc"),
+    "1.5B nvfp4 proj flash": (17339723536, 17339723536, 7233044240, "1ba7ce74ec92a23e"),
+    "7B nf4 no remat": (182506237600, 182506237600, 15035908768, "87e0fed46a435a3e"),
+    "7B mxfp4 defaults": (15814168336, 15814168336, 15442300688, "6edb808eebe860f4"),
+    "7B bf16 mb16": (39888497664, 39888497664, 36621406208, "4644857d509ec815"),
+    "72B proj": (154504218816, 154504218816, 73111395520, "5c94d2e3e3465d14"),
+    "1.5B long": (46702690064, 16340676368, 46702690064, "da4e876c5ccc946f"),
+}
+# Fits: (plan, device bytes, fit's options) -> (micro_batch_size, max_batch, remat, logprob_chunk,
+# changed, plan.total, digest of the plan's as_dict() and table() and the message), or the error.
+AUTO = dict(remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
+GOLDEN_FITS = {
+    "1.5B auto 16GiB": (("1.5B nvfp4 proj flash", 16 * GIB, AUTO), (4, 128, "proj", 512, (), 11374309136, "3f77811e5e2e9aad")),
+    "1.5B auto 141GiB x2": (("1.5B nvfp4 proj flash", 141 * GIB, dict(AUTO, micro_batch_multiple=2)), (32, 128, "proj", 512, (), 79270063888, "1f60f00cc9425437")),
+    "0.5B lowered 3GiB": (("0.5B bf16", 3 * GIB, {}), (4, 64, "full", 128, ("rl.micro_batch_size",), 3006621440, "fc2e79145db8fa95")),
+    "7B nf4 20GiB": (("7B nf4 no remat", 20 * GIB, dict(auto_logprob_chunk=True)), "does not fit on a 20.0 GiB device (19.0 GiB usable with a 5% margin): training on even 1 sequence needs 28.3 GiB: set rl.remat=True"),
+    "7B mxfp4 kept": (("7B mxfp4 defaults", None, dict(adjust=False)), (8, 64, "full", 256, (), 15814168336, "2983a957470a5c52")),
+    "7B bf16 lowered 30GiB": (("7B bf16 mb16", 30 * GIB, {}), (8, 8, "full", 256, ("rl.micro_batch_size", "rollout.max_batch"), 30597123584, "4c61bbb67a748374")),
+    "7B bf16 copies 26GiB": (("7B bf16 mb16", 26 * GIB, {}), "does not fit on a 26.0 GiB device (24.7 GiB usable with a 5% margin): the rollout needs 27.5 GiB before any KV cache (the weights plus their per-layer copies for the decode): set model.quant='nvfp4' (packed weights are read in place), or shard the model over more GPUs"),
+    "7B bf16 validate 30GiB": (("7B bf16 mb16", 30 * GIB, dict(adjust=False)), "does not fit on a 30.0 GiB device (28.5 GiB usable with a 5% margin): the rollout phase needs 34.1 GiB: lower rollout.max_batch from 64 to 8; the training phase needs 37.1 GiB: lower rl.micro_batch_size from 16 to 8"),
+    "72B proj fallback 80GiB": (("72B proj", 80 * GIB, dict(remat_fallback=True)), (8, 64, "full", 256, ("rl.remat",), 73111395520, "ee844e95dc82b4a6")),
+    "1.5B long smaller chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True, auto_logprob_chunk=True)), (1, 4, "full", 128, ("rollout.max_batch",), 3311791888, "552cb3448542299b")),
+    "1.5B long no chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True)), "does not fit on a 3.4 GiB device (3.2 GiB usable with a 5% margin): training on even 1 sequence needs 3.3 GiB: lower rollout.max_new_tokens (now 7936; training sequences are 8192 tokens)"),
+}  # fmt: skip
+
+
+def _digest(*parts) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _golden_plan(name: str):
+    model, device_bytes, kwargs = GOLDEN_PLAN_INPUTS[name]
+    return _plan(GOLDEN_MODELS[model], **kwargs, device_bytes=device_bytes)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_PLANS))
+def test_plans_give_the_frozen_numbers(name):
+    plan = _golden_plan(name)
+    assert (plan.total, plan.train_peak, plan.rollout_peak, _digest(plan.as_dict(), plan.table())) == GOLDEN_PLANS[name]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_FITS))
+def test_fits_give_the_frozen_choices_and_messages(name):
+    (plan_name, device_bytes, options), expected = GOLDEN_FITS[name]
+    if isinstance(expected, str):
+        with pytest.raises(memory.DoesNotFitError) as e:
+            memory.fit(_golden_plan(plan_name), device_bytes, **options)
+        assert str(e.value) == expected
+        return
+    r = memory.fit(_golden_plan(plan_name), device_bytes, **options)
+    got = (r.micro_batch_size, r.max_batch, r.remat, r.logprob_chunk, r.changed, r.plan.total)
+    assert (*got, _digest(r.plan.as_dict(), r.plan.table(), r.message)) == expected

@@ -305,7 +305,7 @@ def _worker() -> dict:
     from qerl_jax.quant import quantize_params
     from qerl_jax.rl.losses import LossConfig
     from qerl_jax.rl.packing import pack_batch
-    from qerl_jax.rl.step import init_train_state, make_train_step
+    from qerl_jax.rl.step import TrainStep, init_train_state
     from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate
     from qerl_jax.rollout.data_parallel import generate_data_parallel
 
@@ -400,13 +400,13 @@ def _worker() -> dict:
     loss_cfg = LossConfig(kind="grpo", beta=0.04, eps_low=0.2, eps_high=0.28)
     # Plain SGD: the LoRA update is -lr * gradient, so the new adapter compares the gradients.
     lr = 0.5
-    step = make_train_step(config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4)
+    step = TrainStep(config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4)
     flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])  # noqa: E731
     lora_before = flat(lora)
     ref_state, ref_metrics = step(init_train_state(jax.tree.map(jnp.copy, lora), optax.sgd(lr)), packed, train_batch)
     g_ref = (lora_before - flat(ref_state.lora)) / lr
     # "tp_fast": the flash attention and the "proj" remat on the mesh, against the same one-device reference.
-    fast = make_train_step(
+    fast = TrainStep(
         config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4,
         remat="proj", attention="flash",
     )  # fmt: skip

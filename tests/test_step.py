@@ -12,7 +12,7 @@ from qerl_jax.optim import make_optimizer, make_schedule
 from qerl_jax.rl.logprobs import to_token_aligned, token_logprobs
 from qerl_jax.rl.losses import LossConfig, policy_loss
 from qerl_jax.rl.packing import pack_batch, to_sequence_layout
-from qerl_jax.rl.step import NonFiniteError, check_nonfinite, init_train_state, make_train_step
+from qerl_jax.rl.step import NonFiniteError, TrainStep, check_nonfinite, init_train_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -82,15 +82,15 @@ def _packed(step, micro, row_len):
             ref_logp = to_sequence_layout(ref_logp, batch["attention_mask"], row_len)
         return step(state, params, packed, ref_logp=ref_logp)
 
-    run.step = step
     return run
 
 
-def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="xla", row_len=2 * T):
+def _train_step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="xla") -> TrainStep:
+    """One TrainStep per setting for the whole module (each compiles its programs once)."""
     key = (loss_cfg, micro, remat, chunk, attention)
     if key not in _STEPS:
         config, *_, opt = setup
-        _STEPS[key] = make_train_step(
+        _STEPS[key] = TrainStep(
             config,
             loss_cfg,
             opt,
@@ -101,7 +101,11 @@ def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="
             logprob_chunk=chunk,
             lr_schedule=make_schedule(LR, warmup_steps=0, total_steps=10, schedule="constant"),
         )
-    return _packed(_STEPS[key], micro, row_len)
+    return _STEPS[key]
+
+
+def _step(setup, loss_cfg=DAPO, micro=None, remat=False, chunk=None, attention="xla", row_len=2 * T):
+    return _packed(_train_step(setup, loss_cfg, micro, remat, chunk, attention), micro, row_len)
 
 
 def test_on_policy_batch_has_unit_ratio(setup):
@@ -222,7 +226,7 @@ def test_one_long_and_many_short_sequences_give_the_padded_update(setup, kind):
     batch = dict(input_ids=ids, attention_mask=attn, response_mask=resp, old_logp=old, advantages=adv)
     packed = pack_batch(batch, width, rows_multiple=1)
     assert packed["input_ids"].shape[0] == 3  # 16 | 6+5+4 | 4+4+3+3 (first-fit decreasing)
-    step = make_train_step(config, loss_cfg, opt, lora_scale=SCALE, remat=False, micro_batch_size=1)
+    step = TrainStep(config, loss_cfg, opt, lora_scale=SCALE, remat=False, micro_batch_size=1)
     state, m = step(init_train_state(lora, opt), params, packed)
 
     def direct_loss(lo):  # the padded batch, one sequence per row (jit: a fresh forward per call)
@@ -280,7 +284,7 @@ def test_kl_reference_is_the_base_without_lora(setup):
 
 def test_bad_batches_are_rejected(setup):
     _, params, lora, *_, opt = setup
-    step = _step(setup, micro=2, remat=True, chunk=4).step
+    step = _train_step(setup, micro=2, remat=True, chunk=4)
     good = pack_batch(_batch(setup), 2 * T, rows_multiple=2)
     state = init_train_state(lora, opt)
     cases = {
@@ -338,7 +342,7 @@ def test_weight_decay_leaves_trained_norms_alone(setup):
     lr, wd = 0.1, 0.1
     adamw = make_optimizer(lr, warmup_steps=0, total_steps=10, schedule="constant", weight_decay=wd, clip_norm=0.2)
     norms = init_trained_norms(params["norms"])
-    step = make_train_step(config, DAPO, adamw, lora_scale=SCALE, remat=False)
+    step = TrainStep(config, DAPO, adamw, lora_scale=SCALE, remat=False)
     state, m = _packed(step, None, 2 * T)(
         init_train_state(lora, adamw, norms), params, _batch(setup, adv=(0.0, 0.0, 0.0, 0.0))
     )

@@ -237,8 +237,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run_keeping_the_last_g
     real = train.make_train_batch
     calls = []
 
-    def poisoned(cfg, exp):  # from the third step on, the advantages (hence loss and gradients) are NaN
-        batch = real(cfg, exp)
+    def poisoned(cfg, exp, mb):  # from the third step on, the advantages (hence loss and gradients) are NaN
+        batch = real(cfg, exp, mb)
         calls.append(1)
         if len(calls) > 2:
             batch["advantages"] = batch["advantages"] * np.nan
@@ -564,7 +564,7 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
     overrides = {"rl.micro_batch_size": 4}  # the real batch: several micro-batches
     cfg = _run(tmp_path, tiny_model_dir, **overrides)
     policy = load_policy(cfg)
-    cfg = train._check_memory(cfg, policy)  # remat "auto" resolved, as the run does
+    sizes = train._check_memory(cfg, policy)  # remat "auto" resolved, as the run does
     g, n = cfg.rollout.group_size, cfg.rollout.prompts_per_step * cfg.rollout.group_size
     p, m = prompt_bucket(cfg.data.max_prompt_len), cfg.rollout.max_new_tokens
     rng = np.random.default_rng(0)
@@ -590,9 +590,9 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
         rewards=rng.random(n).astype(np.float32), accuracy=np.zeros(n, np.float32), groups_sampled=n // g,
         groups_kept=n // g,
     )  # fmt: skip
-    real, like = train.make_train_batch(cfg, exp), train.train_batch_like(cfg)
+    mb = sizes.micro_batch_size
+    real, like = train.make_train_batch(cfg, exp, mb), train.train_batch_like(cfg, mb)
     assert real.keys() == like.keys()
-    mb = cfg.rl.micro_batch_size
     for k in real:
         assert real[k].dtype == like[k].dtype, k
         if k in ("input_ids", "segment_ids"):
@@ -602,7 +602,7 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
     assert real["input_ids"].shape[0] > mb  # the real batch has several micro-batches
     optimizer, lr_fn = run_config.optimizer_from_config(cfg)
     state = _train_state_like(_config(tmp_path, tiny_model_dir, **overrides))
-    step = train.make_step(cfg, policy, optimizer, lr_fn)
+    step = train.make_step(cfg, policy, optimizer, lr_fn, sizes)
     step.precompile(state, policy.frozen, like)
     compiled = []
     listener = lambda event, secs, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration") else None  # noqa: E731

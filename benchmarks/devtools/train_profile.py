@@ -90,7 +90,7 @@ def worker(args, fmt: str) -> dict:
     packed = rl_step.train_arrays(packing.pack_batch(batch, seq, rows_multiple=args.micro_batch_size))
     backend = "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
     state = rl_step.init_train_state(init_lora(jax.random.key(1), config, lcfg), optimizer)
-    step = rl_step.make_train_step(
+    step = rl_step.TrainStep(
         config,
         LossConfig(kind="dapo", eps_low=0.2, eps_high=0.28),
         optimizer,

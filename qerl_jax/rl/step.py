@@ -149,21 +149,30 @@ def _row_slicer(size: int, sharding: jax.sharding.Sharding):
     return jax.jit(lambda x, first: jax.lax.dynamic_slice_in_dim(x, first, size), out_shardings=keep)
 
 
-def make_train_step(
-    config: ModelConfig,
-    loss_cfg: LossConfig,
-    optimizer: optax.GradientTransformation,
-    *,
-    lora_scale: float,
-    backend: str = "xla",
-    remat: bool | str = True,
-    attention: str = "xla",
-    micro_batch_size: int | None = None,
-    logprob_chunk: int | None = None,
-    temperature: float = 1.0,
-    lr_schedule: Callable | None = None,
-) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
-    """Builds `train_step(state, frozen, batch, ref_logp=None) -> (state, metrics)`.
+def _to_sequences(x_RxLm1: jax.Array, source_BxLm1: jax.Array, first_row) -> tuple[jax.Array, jax.Array]:
+    """Packed next-token values of rows [first_row, first_row + R) -> the sequences' grid (0 elsewhere),
+    and where the grid took a value from these rows."""
+    r, lm1 = x_RxLm1.shape
+    flat = jnp.pad(x_RxLm1, ((0, 0), (0, 1))).reshape(-1)
+    local = source_BxLm1 - first_row * (lm1 + 1)
+    inside = (source_BxLm1 >= 0) & (local >= 0) & (local < flat.shape[0])
+    return jnp.where(inside, jnp.take(flat, jnp.clip(local, 0, flat.shape[0] - 1)), 0.0), inside
+
+
+def _grid_arrays(batch: dict[str, jax.Array], ref_logp):
+    """(source slots, response mask, old log-probs, advantages, reference log-probs or None) on the
+    next-token grid [B, L-1]."""
+    # Token t + 1's log-prob is computed at token t's slot: the source of grid column t is token t's.
+    source = batch["token_index"][:, :-1]
+    source = jnp.where(batch["token_index"][:, 1:] >= 0, source, -1)
+    resp = to_next_token_grid(batch["response_mask"]).astype(jnp.float32)
+    old = to_next_token_grid(batch["old_logp"]).astype(jnp.float32)
+    ref = None if ref_logp is None else to_next_token_grid(ref_logp).astype(jnp.float32)
+    return source, resp, old, batch["advantages"].astype(jnp.float32), ref
+
+
+class TrainStep:
+    """The jitted train step: `step(state, frozen, batch, ref_logp=None) -> (state, metrics)`.
 
     frozen: {"base", "norms"} (clean norms; any "lora" key is ignored). batch: see module doc.
     ref_logp: optional reference log-probs [B, L], laid out like old_logp; when LossConfig.beta > 0
@@ -174,65 +183,69 @@ def make_train_step(
     logprob_chunk: LM-head chunk size for `token_logprobs`; remat: per-layer checkpointing, one of
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
     `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
-    The update donates `state`; `train_step.micro` / `train_step.update` are the two jitted programs
-    (`train_step.lower_args` gives their arguments for a batch, `train_step.precompile` compiles
-    them). A step whose loss or gradient is not finite leaves lora/norms/opt_state/step unchanged
-    and increments the skip counters (see `check_nonfinite`).
+    The update donates `state`. `micro` and `update` are the two jitted programs (`lower_args`
+    gives their arguments for a batch, `precompile` compiles them). A step whose loss or gradient
+    is not finite leaves lora/norms/opt_state/step unchanged and increments the skip counters (see
+    `check_nonfinite`).
     state.norms (trained RMSNorm scales, or None) train beside the LoRA: the forward uses them in
     place of frozen["norms"]'s per-layer scales (the LoRA-free reference of beta > 0 keeps the frozen ones).
     Metrics: policy_loss's metrics + grad_norm (before clipping, over LoRA and trained norms), skipped,
     consecutive_skips, step (updates applied after this step) and lr (of this update, when lr_schedule is given).
     """
 
-    def logprobs(params, ids, seg):
-        return token_logprobs(
+    def __init__(
+        self,
+        config: ModelConfig,
+        loss_cfg: LossConfig,
+        optimizer: optax.GradientTransformation,
+        *,
+        lora_scale: float,
+        backend: str = "xla",
+        remat: bool | str = True,
+        attention: str = "xla",
+        micro_batch_size: int | None = None,
+        logprob_chunk: int | None = None,
+        temperature: float = 1.0,
+        lr_schedule: Callable | None = None,
+    ):
+        self.config, self.loss_cfg, self.optimizer = config, loss_cfg, optimizer
+        self.micro_batch_size = micro_batch_size
+        self.lr_schedule = lr_schedule
+        self._logprobs = functools.partial(
+            token_logprobs,
             config,
-            params,
-            ids,
-            None,
             lora_scale=lora_scale,
             backend=backend,
             remat=remat,
             attention=attention,
             chunk_size=logprob_chunk,
             temperature=temperature,
-            segment_ids=seg,
         )
+        self.micro = jax.jit(self.micro_fn, donate_argnums=(7,))  # one micro-batch's gradients
+        self.update = jax.jit(self.update_fn, donate_argnums=(0,))  # the optimizer update and metrics
+        self._checked_structures: list[Any] = []
 
-    def to_sequences(x_RxLm1, source_BxLm1, first_row):
-        """Packed next-token values of rows [first_row, first_row + R) -> the sequences' grid (0 elsewhere)."""
-        r, lm1 = x_RxLm1.shape
-        flat = jnp.pad(x_RxLm1, ((0, 0), (0, 1))).reshape(-1)
-        local = source_BxLm1 - first_row * (lm1 + 1)
-        inside = (source_BxLm1 >= 0) & (local >= 0) & (local < flat.shape[0])
-        return jnp.where(inside, jnp.take(flat, jnp.clip(local, 0, flat.shape[0] - 1)), 0.0), inside
+    def logprobs(self, params, ids, seg):
+        """(log-probs, entropies) [R, L-1] of packed rows `ids` with segments `seg` under `params`."""
+        return self._logprobs(params, ids, None, segment_ids=seg)
 
-    def grid_arrays(batch, ref_logp):
-        # Token t + 1's log-prob is computed at token t's slot: the source of grid column t is token t's.
-        source = batch["token_index"][:, :-1]
-        source = jnp.where(batch["token_index"][:, 1:] >= 0, source, -1)
-        resp = to_next_token_grid(batch["response_mask"]).astype(jnp.float32)
-        old = to_next_token_grid(batch["old_logp"]).astype(jnp.float32)
-        ref = None if ref_logp is None else to_next_token_grid(ref_logp).astype(jnp.float32)
-        return source, resp, old, batch["advantages"].astype(jnp.float32), ref
-
-    def micro_fn(trainable, frozen, ids, seg, first_row, batch, ref_logp, acc):
+    def micro_fn(self, trainable, frozen, ids, seg, first_row, batch, ref_logp, acc):
         """One micro-batch of packed rows: its loss share's gradient of trainable = (lora, norms or None),
-        added to acc."""
+        added to acc (the traced function of `micro`)."""
         grad_acc, logp_acc, ent_acc, ref_acc = acc
-        source, resp, old, adv, ref = grid_arrays(batch, ref_logp)
-        normalizer = loss_normalizer(resp, loss_cfg)
-        if ref is None and loss_cfg.needs_ref:
-            ref_rows = jax.lax.stop_gradient(logprobs(frozen, ids, seg)[0])  # same base, LoRA off
-            ref = to_sequences(ref_rows, source, first_row)[0]
+        source, resp, old, adv, ref = _grid_arrays(batch, ref_logp)
+        normalizer = loss_normalizer(resp, self.loss_cfg)
+        if ref is None and self.loss_cfg.needs_ref:
+            ref_rows = jax.lax.stop_gradient(self.logprobs(frozen, ids, seg)[0])  # same base, LoRA off
+            ref = _to_sequences(ref_rows, source, first_row)[0]
 
         def loss_fn(trainable_):
-            logp_rows, ent_rows = logprobs(with_lora(frozen, *trainable_), ids, seg)
-            logp, inside = to_sequences(logp_rows, source, first_row)
+            logp_rows, ent_rows = self.logprobs(with_lora(frozen, *trainable_), ids, seg)
+            logp, inside = _to_sequences(logp_rows, source, first_row)
             with jax.named_scope("loss"):
                 # Only this micro-batch's sequences count; the normalizer is the full batch's.
-                loss, _ = policy_loss(logp, old, adv, resp * inside, loss_cfg, ref_logp=ref, normalizer=normalizer)
-            return loss, (logp, to_sequences(ent_rows, source, first_row)[0], inside)
+                loss, _ = policy_loss(logp, old, adv, resp * inside, self.loss_cfg, ref_logp=ref, normalizer=normalizer)
+            return loss, (logp, _to_sequences(ent_rows, source, first_row)[0], inside)
 
         (_, (logp, ent, inside)), g = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         grad_acc = jax.tree.map(lambda a, gi: a + gi.astype(a.dtype), grad_acc, g)
@@ -242,27 +255,41 @@ def make_train_step(
             ref_acc = jnp.where(inside, ref, ref_acc)
         return grad_acc, logp_acc, ent_acc, ref_acc
 
-    def update_fn(state: TrainState, batch, ref_logp, acc):
-        """The optimizer update from the summed gradients, and the batch's metrics."""
+    def update_fn(self, state: TrainState, batch, ref_logp, acc):
+        """The optimizer update from the summed gradients, and the batch's metrics (the traced
+        function of `update`)."""
         grads, logp, ent, ref_used = acc
-        _, resp, old, adv, ref = grid_arrays(batch, ref_logp)
+        _, resp, old, adv, ref = _grid_arrays(batch, ref_logp)
         ref_used = ref if ref is not None else ref_used
-        normalizer = loss_normalizer(resp, loss_cfg)
+        normalizer = loss_normalizer(resp, self.loss_cfg)
         loss, metrics = policy_loss(
-            logp, old, adv, resp, loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer
+            logp, old, adv, resp, self.loss_cfg, ref_logp=ref_used, entropy=ent, normalizer=normalizer
         )
-
         params = optimizer_params(state.lora, state.norms)
         grads = jax.tree.map(lambda gi, p: gi.astype(p.dtype), optimizer_params(*grads), params)
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_state = self._applied(state, grads, ok)
+        metrics.update(
+            grad_norm=grad_norm,
+            skipped=(~ok).astype(jnp.float32),
+            consecutive_skips=new_state.consecutive_skips,
+            step=new_state.step,
+        )
+        if self.lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(self.lr_schedule(state.step), jnp.float32)
+        return new_state, metrics
+
+    def _applied(self, state: TrainState, grads, ok: jax.Array) -> TrainState:
+        """`state` after the optimizer update of `grads` where `ok`; else unchanged but for the skip counters."""
+        params = optimizer_params(state.lora, state.norms)
         with jax.named_scope("optimizer"):
-            updates, new_opt = optimizer.update(grads, state.opt_state, params)
+            updates, new_opt = self.optimizer.update(grads, state.opt_state, params)
             new_params = optax.apply_updates(params, updates)
         new_lora, new_norms = (new_params, None) if state.norms is None else (new_params["lora"], new_params["norms"])
         keep = lambda new, old_: jax.tree.map(lambda a, c: jnp.where(ok, a, c), new, old_)  # noqa: E731
         skipped = (~ok).astype(jnp.int32)
-        new_state = TrainState(
+        return TrainState(
             lora=keep(new_lora, state.lora),
             opt_state=keep(new_opt, state.opt_state),
             step=state.step + (1 - skipped),
@@ -270,30 +297,17 @@ def make_train_step(
             total_skips=state.total_skips + skipped,
             norms=keep(new_norms, state.norms),
         )
-        metrics.update(
-            grad_norm=grad_norm,
-            skipped=skipped.astype(jnp.float32),
-            consecutive_skips=new_state.consecutive_skips,
-            step=new_state.step,
-        )
-        if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-        return new_state, metrics
 
-    micro_jit = jax.jit(micro_fn, donate_argnums=(7,))
-    update_jit = jax.jit(update_fn, donate_argnums=(0,))
-    checked_lora: list[Any] = []
-
-    def inputs(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+    def _inputs(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
         """The checked batch as the two programs take it: (frozen, arrays, per_seq, ref, zero accumulators)."""
-        r, length, b = validate_batch(batch, micro_batch_size, ref_logp)
+        r, length, b = validate_batch(batch, self.micro_batch_size, ref_logp)
         trainable = (state.lora, state.norms)
         structure = jax.tree.structure(trainable)
-        if structure not in checked_lora:
-            check_lora(state.lora, config)
+        if structure not in self._checked_structures:
+            check_lora(state.lora, self.config)
             if state.norms is not None:
-                check_trained_norms(state.norms, config)
-            checked_lora.append(structure)
+                check_trained_norms(state.norms, self.config)
+            self._checked_structures.append(structure)
         ref = None if ref_logp is None else jnp.asarray(ref_logp, jnp.float32)
         frozen = {"base": frozen["base"], "norms": frozen["norms"]}
         arrays = train_arrays(batch)
@@ -303,17 +317,17 @@ def make_train_step(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable),
             grid(),
             grid(),
-            grid() if ref is None and loss_cfg.needs_ref else None,
+            grid() if ref is None and self.loss_cfg.needs_ref else None,
         )
         return frozen, arrays, per_seq, ref, acc
 
-    def train_step(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
-        frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
+    def __call__(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
         r = arrays["input_ids"].shape[0]
-        mb = micro_batch_size or r
+        mb = self.micro_batch_size or r
         for first in range(0, r, mb):
             rows = slice(first, first + mb)
-            acc = micro_jit(
+            acc = self.micro(
                 (state.lora, state.norms),
                 frozen,
                 _micro_rows(arrays["input_ids"], rows),
@@ -323,27 +337,21 @@ def make_train_step(
                 ref,
                 acc,
             )
-        return update_jit(state, per_seq, ref, acc)
+        return self.update(state, per_seq, ref, acc)
 
-    def lower_args(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+    def lower_args(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
         """(micro_args, update_args): the first micro-step's and the update's arguments for `batch`,
-        e.g. `train_step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
-        frozen, arrays, per_seq, ref, acc = inputs(state, frozen, batch, ref_logp)
-        mb = micro_batch_size or arrays["input_ids"].shape[0]
+        e.g. `step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
+        frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
+        mb = self.micro_batch_size or arrays["input_ids"].shape[0]
         ids, seg = (_micro_rows(arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
         micro_args = ((state.lora, state.norms), frozen, ids, seg, jnp.int32(0), per_seq, ref, acc)
         return micro_args, (state, per_seq, ref, acc)
 
-    def precompile(state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None) -> None:
+    def precompile(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None) -> None:
         """Compiles the two programs for batches of `batch`'s shapes (or loads them from the
-        persistent cache) without running them; a later `train_step` on such a batch compiles
-        nothing. Made to run in a thread beside a rollout (XLA compiles without the GIL)."""
-        micro_args, update_args = lower_args(state, frozen, batch, ref_logp)
-        micro_jit.lower(*micro_args).compile()
-        update_jit.lower(*update_args).compile()
-
-    train_step.micro = micro_jit  # for lowering / memory analysis (benchmarks)
-    train_step.update = update_jit
-    train_step.lower_args = lower_args
-    train_step.precompile = precompile
-    return train_step
+        persistent cache) without running them; a later call on such a batch compiles nothing.
+        Made to run in a thread beside a rollout (XLA compiles without the GIL)."""
+        micro_args, update_args = self.lower_args(state, frozen, batch, ref_logp)
+        self.micro.lower(*micro_args).compile()
+        self.update.lower(*update_args).compile()
