@@ -364,7 +364,7 @@ def _local_dataset(name: str, max_bad_fraction: float):
 
 def _prompt_tokenizer(cfg: ml_collections.ConfigDict, f: dict[str, Any]):
     """The tokenizer the run renders prompts with, or None where it is not had before the run (a hub id
-    not downloaded yet; a GGUF file, whose tokenizer is built from its metadata when the model loads)."""
+    not downloaded yet, a checkpoint whose tokenizer does not load: the model load names it)."""
     if f["model.tiny"]:
         model_dir = tiny_model_dir(cfg)
         if not os.path.isdir(model_dir):
@@ -373,12 +373,30 @@ def _prompt_tokenizer(cfg: ml_collections.ConfigDict, f: dict[str, Any]):
             return tiny.build_tiny_tokenizer()  # what the run will build: the same texts, the same BPE
     else:
         model_dir = resolve_model_dir(cfg, download=False)
-    if model_dir is None or _is_gguf(model_dir):
+    if model_dir is None:
         return None
     try:
-        return loader.load_tokenizer(model_dir)
+        return _gguf_tokenizer(cfg, model_dir) if _is_gguf(model_dir) else loader.load_tokenizer(model_dir)
     except loader.CheckpointError:
         return None  # the model load names the problem
+
+
+def _gguf_tokenizer(cfg: ml_collections.ConfigDict, path: str):
+    """A GGUF model's tokenizer: the one its cached conversion saved (what the run then reads), else
+    built from the file's metadata as the conversion does; no tensor data is read either way."""
+    from qerl_jax import compile_cache  # noqa: PLC0415
+    from qerl_jax.model_io import gguf, load_cache  # noqa: PLC0415
+
+    file = gguf.find_gguf_file(path)
+    root = compile_cache.cache_dir(cfg.model.cache_dir, load_cache.CACHE_NAME)
+    key = load_cache.cache_key(file, cfg.model.dtype, cfg.model.quant, tuple(cfg.model.quant_skip))
+    entry = os.path.join(root, key)
+    if os.path.isfile(os.path.join(entry, load_cache.CONFIG_FILE)):
+        try:
+            return loader.load_tokenizer(entry)
+        except loader.CheckpointError:
+            pass  # a damaged entry: the run converts the file again
+    return gguf.load_tokenizer(file)
 
 
 def _prompt_fit_problems(path: str, name: str, dataset, tokenizer, f: dict[str, Any], need: int) -> list[str]:

@@ -5,6 +5,7 @@ against transformers' GGUF loading of the same file."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax.numpy as jnp
@@ -106,6 +107,32 @@ def write_gguf(path, model, arch: str = "llama", types=None, *, drop=(), extra=N
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def tokenizer_metadata(tokenizer) -> dict:
+    """A byte-level BPE fast tokenizer (the tiny model's, Qwen2's) as llama.cpp writes it into a GGUF
+    file's metadata, for write_gguf(metadata=...): tokens by id, merges, special ids, chat template."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = {**state["model"]["vocab"], **{t["content"]: t["id"] for t in state["added_tokens"]}}
+    control = {t["id"] for t in state["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    V = gguf.GGUFValueType
+    return {
+        "tokenizer.ggml.model": ("gpt2", V.STRING),
+        "tokenizer.ggml.pre": ("qwen2", V.STRING),
+        "tokenizer.ggml.tokens": (sorted(vocab, key=vocab.get), V.ARRAY),
+        "tokenizer.ggml.token_type": ([3 if i in control else 1 for i in range(len(vocab))], V.ARRAY),
+        "tokenizer.ggml.merges": (merges, V.ARRAY),
+        "tokenizer.ggml.eos_token_id": (tokenizer.eos_token_id, V.UINT32),
+        "tokenizer.ggml.padding_token_id": (tokenizer.pad_token_id, V.UINT32),
+        "tokenizer.chat_template": (tokenizer.chat_template, V.STRING),
+    }
+
+
+def write_gguf_with_tokenizer(path, tokenizer) -> str:
+    """A tiny random qwen2 GGUF file (2 layers, 2048 positions) whose metadata holds `tokenizer`."""
+    model = make_hf_model("qwen2", **{**TINY_LLAMA, "vocab_size": len(tokenizer), "max_position_embeddings": 2048})
+    return write_gguf(path, model, "qwen2", metadata=tokenizer_metadata(tokenizer))
 
 
 def _assert_logits_match(config, params, torch_model, vocab):
@@ -329,6 +356,20 @@ def test_gguf_without_tokenizer_metadata(tmp_path, llama_model):
     file = write_gguf(tmp_path / "m.gguf", llama_model)
     with pytest.raises(CheckpointError, match=r"m\.gguf: the GGUF metadata has no tokenizer"):
         qerl_jax.load_tokenizer(file)
+
+
+def test_a_tokenizer_in_the_metadata_renders_and_tokenizes_as_the_one_written(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from qerl_jax.data import prompt_lengths
+
+    source = AutoTokenizer.from_pretrained(tiny_model_dir)
+    loaded = qerl_jax.load_tokenizer(write_gguf_with_tokenizer(tmp_path / "m.gguf", source))
+    prompts = ["What is 12 plus 30?", "Natalia sold clips to 48 of her friends in April."]
+    assert prompt_lengths(loaded, prompts, "{prompt}") == prompt_lengths(source, prompts, "{prompt}")
+    text = "<|im_start|>user\nHow many clips?<|im_end|>"
+    assert loaded(text)["input_ids"] == source(text)["input_ids"]
+    assert (loaded.eos_token, loaded.pad_token) == (source.eos_token, source.pad_token)
 
 
 # ----------------------------------------------------------------------------- SmolLM2-135M-Instruct

@@ -504,6 +504,43 @@ def test_prompts_longer_than_max_prompt_len_are_refused_before_the_tiny_model_is
     assert not run.exists()
 
 
+@pytest.fixture
+def tiny_gguf(tmp_path, tiny_model_dir):
+    """The tiny model's tokenizer in a tiny random GGUF file's metadata."""
+    from test_gguf import write_gguf_with_tokenizer
+    from transformers import AutoTokenizer
+
+    return write_gguf_with_tokenizer(tmp_path / "tiny.gguf", AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_a_gguf_models_prompts_too_long_for_max_prompt_len_are_refused_before_anything_is_written(tmp_path, tiny_gguf):
+    """Today: the check is skipped for a GGUF file, and the run fails after the lock and the memory plan."""
+    run = tmp_path / "run"
+    out = _run("qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={run}", "--config.model.tiny=False",
+               f"--config.model.path={tiny_gguf}", "--config.data.max_prompt_len=8", "--config.eval.num_examples=0",
+               f"--config.model.cache_dir={tmp_path / 'cache'}")  # fmt: skip
+    _assert_refused_before_any_work(
+        out, "error: data.max_prompt_len = 8: 0 of the 7473 prompts of data.train = ",
+        "(the shortest takes 143 tokens with the chat template)",  # the tiny checkpoint's count: the same tokenizer
+    )  # fmt: skip
+    assert not run.exists()  # no lock
+    assert not (tmp_path / "cache").exists()  # nothing converted
+
+
+def test_a_gguf_models_cached_conversion_gives_the_tokenizer(tmp_path, tiny_gguf, tiny_model_dir, monkeypatch):
+    """A conversion stored by load_cache: its saved tokenizer is read, the metadata is not converted."""
+    from qerl_jax.model_io import gguf, load_cache
+
+    fields = {"data.max_prompt_len": 8, "eval.num_examples": 0, "model.cache_dir": str(tmp_path / "cache")}
+    cfg = _tiny(tmp_path, tiny_gguf, **fields)
+    (problem,) = config_problems(cfg)
+    assert problem.startswith("data.max_prompt_len = 8: 0 of the 7473 prompts of data.train = ")
+    key = load_cache.cache_key(tiny_gguf, cfg.model.dtype, cfg.model.quant, tuple(cfg.model.quant_skip))
+    shutil.copytree(tiny_model_dir, tmp_path / "cache" / key)  # config.json + the tokenizer files
+    monkeypatch.setattr(gguf, "load_tokenizer", lambda path: pytest.fail("the metadata was converted"))
+    assert config_problems(cfg) == [problem]
+
+
 def test_prompt_fit_counts_prompts_per_need(tmp_path, tiny_model_dir):
     long = " ".join(str(i % 10) for i in range(300))  # a token a digit: 300+ tokens; the template takes ~120
     rows = "".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in ("q", "q", long, long))
