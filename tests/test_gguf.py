@@ -372,6 +372,24 @@ def test_a_tokenizer_in_the_metadata_renders_and_tokenizes_as_the_one_written(tm
     assert (loaded.eos_token, loaded.pad_token) == (source.eos_token, source.pad_token)
 
 
+def test_a_tokenizer_is_built_once_per_process_and_each_caller_gets_its_own(tmp_path, tiny_model_dir, monkeypatch):
+    """The config check and the model load each ask for it; transformers parses the metadata once."""
+    from transformers import AutoTokenizer
+
+    file = write_gguf_with_tokenizer(tmp_path / "m.gguf", AutoTokenizer.from_pretrained(tiny_model_dir))
+    builds = []
+    build = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: builds.append(a) or build(*a, **k))
+    first = qerl_jax.load_tokenizer(file)
+    first.pad_token = None  # a caller's change stays its own
+    second = qerl_jax.load_tokenizer(str(tmp_path))
+    assert len(builds) == 1 and second is not first and second.pad_token == "<|endoftext|>"
+    st = os.stat(file)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the file changed
+    qerl_jax.load_tokenizer(file)
+    assert len(builds) == 2
+
+
 # ----------------------------------------------------------------------------- SmolLM2-135M-Instruct
 
 

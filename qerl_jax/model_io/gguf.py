@@ -18,6 +18,7 @@ read and nothing is half-loaded.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -265,10 +266,22 @@ def _open_checked(file: str, size: int, mtime_ns: int) -> GGUFModel:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer + chat template of a GGUF file's metadata (transformers' GGUF conversion), offline."""
+    """The tokenizer + chat template of a GGUF file's metadata (transformers' GGUF conversion), offline.
+
+    Built once per file and process (the config check, then the model load, each ask): transformers
+    parses the metadata again, seconds for a large vocabulary. Each caller gets its own copy.
+    """
+    file = open_gguf(path).path
+    st = os.stat(file)
+    return copy.deepcopy(_built_tokenizer(file, st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _built_tokenizer(file: str, size: int, mtime_ns: int):
     from transformers import AutoTokenizer  # noqa: PLC0415 (heavy import, only when asked)
 
-    model = open_gguf(path)
+    del size, mtime_ns  # part of the cache key only
+    model = open_gguf(file)
     if "tokenizer.ggml.model" not in model.reader.fields:
         raise CheckpointError(f"{model.path}: the GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
     try:
