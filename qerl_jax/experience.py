@@ -207,23 +207,32 @@ def collect_experience(
     t0 = time.perf_counter()
     shaped_N, each_RxN = _scores(trackers, rows_of, len(step.answers) * g, len(scorer.spec))
     t_reward = time.perf_counter() - t0
-    needed = [
-        dynamic_sampling.needed_groups(shaped_N[rows_of[d]], g, wants[d]) if dynamic else min(wants[d], len(order[d]))
-        for d in range(shards)
-    ]
-    kept = np.sort(np.concatenate([
-        order[d][dynamic_sampling.kept_groups(shaped_N[rows_of[d][: needed[d] * g]], g, wants[d], dynamic)]
-        for d in range(shards)
-    ]))  # fmt: skip
-    used = max((int(step.batch_of[order[d][needed[d] - 1]]) + 1 for d in range(shards) if needed[d]), default=1)
+    kept, sampled, used = select_groups(shaped_N, order, wants, g, dynamic, step.batch_of)
     loader.restore(before)
     for _ in range(used):
         next(loader)
-    sampled = np.concatenate([order[d][: needed[d]] for d in range(shards)])
     stats = _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, len(kept), used, t_rollout, t_reward)
     if not len(kept):
         return None, stats
     return _experience(batch, scorer, step, shaped_N, each_RxN, kept, g, len(sampled)), stats
+
+
+def select_groups(
+    shaped_N: np.ndarray, order: list[np.ndarray], wants: list[int], g: int, dynamic: bool, batch_of: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(kept prompts, sampled prompts, loader batches used) of a step: each shard keeps the first
+    wants[d] groups with varied rewards in its own order (`order[d]`; all its first wants[d]
+    without dynamic sampling) and samples up to the last of them; the loader gives up every batch
+    up to the last one a shard needed. shaped_N: the step's shaped rewards, NaN where not scored."""
+    kept, sampled, used = [], [], 1
+    for prompts, want in zip(order, wants):
+        rows = (prompts[:, None] * g + np.arange(g)).reshape(-1)
+        needed = dynamic_sampling.needed_groups(shaped_N[rows], g, want) if dynamic else min(want, len(prompts))
+        kept.append(prompts[dynamic_sampling.kept_groups(shaped_N[rows[: needed * g]], g, want, dynamic)])
+        sampled.append(prompts[:needed])
+        if needed:
+            used = max(used, int(batch_of[prompts[needed - 1]]) + 1)
+    return np.sort(np.concatenate(kept)), np.concatenate(sampled), used
 
 
 def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers, planned, max_batch) -> RolloutBatch:
@@ -238,6 +247,7 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
         options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
     )
     sampling = sampling_config(cfg, policy)
+    key = jax.random.fold_in(key, 0)  # the first batch draws what a call per batch drew for it
     if mesh is None:  # one shard: its order is the loader's
         batch = generate(
             policy.config, rollout_params, step.ids, step.mask, key, sampling,

@@ -44,7 +44,7 @@ def _refill_rounds(cfg, policy, loader, key, reward_fn):
                                system_prompt=cfg.data.system_prompt)  # fmt: skip
         streams = ((b * want + np.asarray(tok.kept_indices))[:, None] * g + np.arange(g)).reshape(-1)
         batch = generate(
-            policy.config, policy.frozen, tok.input_ids, tok.attention_mask, key,
+            policy.config, policy.frozen, tok.input_ids, tok.attention_mask, jax.random.fold_in(key, 0),
             run_config.sampling_config(cfg, policy), group_size=g, lora_scale=lora.lora_scale(cfg.lora),
             streams=streams, options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
         )  # fmt: skip
@@ -137,3 +137,21 @@ def test_weighted_rewards_per_reward_means_and_reward_scaling(tmp_path, tiny_mod
 def test_shard_order_takes_each_shards_block_of_every_batch():
     order = experience.shard_order(np.array([0, 0, 0, 0, 1, 1, 1, 1]), 2)
     assert [o.tolist() for o in order] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_each_shard_keeps_its_first_varied_groups_and_the_loader_gives_back_the_rest():
+    g, nan = 2, np.nan
+    batch_of = np.repeat([0, 1, 2], 4)  # 3 batches of 4 prompts
+    order = experience.shard_order(batch_of, 2)  # shard 0: 0 1 4 5 8 9; shard 1: 2 3 6 7 10 11
+    varied, equal = [0.0, 1.0], [1.0, 1.0]
+    per_prompt = {0: equal, 1: varied, 2: varied, 3: varied, 4: equal, 5: varied, 6: [1.0, nan], 7: [nan, nan]}
+    shaped = np.full(12 * g, np.nan, np.float32)
+    for p, r in per_prompt.items():
+        shaped[p * g : p * g + g] = r
+    kept, sampled, used = experience.select_groups(shaped, order, [2, 2], g, True, batch_of)
+    assert kept.tolist() == [1, 2, 3, 5]  # shard 0: 1, 5 (0 and 4 equal); shard 1: 2, 3 (6, 7 not needed)
+    assert sorted(sampled.tolist()) == [0, 1, 2, 3, 4, 5] and used == 2  # shard 0 reached batch 1
+    kept, sampled, used = experience.select_groups(shaped, order, [2, 2], g, False, batch_of)
+    assert kept.tolist() == [0, 1, 2, 3] and used == 1
+    kept, _, used = experience.select_groups(shaped, order, [4, 4], g, True, batch_of)  # too few vary
+    assert kept.tolist() == [1, 2, 3, 5] and used == 3

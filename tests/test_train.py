@@ -452,6 +452,29 @@ def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path, finished_
     assert bad.returncode == 2 and "must be a multiple of mesh.data" in bad.stderr
 
 
+def test_dynamic_sampling_on_a_two_device_mesh(tmp_path, tiny_model_dir):
+    """DAPO's refills in one call on 2 (CPU) devices, each data shard keeping its half of the
+    groups: a 2-step run keeps 4 groups a step and gives back the loader batches it did not need."""
+    env = {
+        **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+    }  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={tmp_path}",
+        f"--config.model.path={tiny_model_dir}", "--config.model.tiny=False", "--config.train.total_steps=2",
+        "--config.eval.num_examples=0", "--config.mesh.data=2", "--config.rl.dynamic_sampling=True",
+        "--config.rl.max_refill_rounds=3", "--config.rl.reward=worker_rewards:hashed_reward",
+        "--config.rollout.max_new_tokens=8",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    scalars = read_jsonl_scalars(os.path.join(tmp_path, "tensorboard"))
+    assert [v for _, v in scalars["rollout/groups_kept"]] == [4.0, 4.0]
+    batches = [v for _, v in scalars["rollout/prompt_batches"]]
+    assert max(batches) >= 2 and max(batches) <= 4, batches  # a refill was needed, not every batch
+    assert all(4 <= v <= 4 * b for (_, v), b in zip(scalars["rollout/groups_sampled"], batches))
+
+
 def test_aqn_arm_at_sigma_zero_samples_the_same_rollouts_as_the_plain_arm(tmp_path, tiny_model_dir):
     """Runs pair across arms: same seed, AQN on (stage 0, sigma 0) or off -> the same step-0 rollouts
     (the rollout key and the norms do not depend on the arm); at step 1 (stage 1, sigma > 0) the
