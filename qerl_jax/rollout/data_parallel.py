@@ -81,18 +81,9 @@ def on_submesh(tree: Any, sub: Mesh) -> Any:
     return jax.tree.map(view, tree)
 
 
-def local_rows(mesh: Mesh, num_prompts: int, group_size: int) -> np.ndarray:
-    """bool [num_prompts * group_size]: the rows this process's shards sample."""
-    blocks = prompt_blocks(num_prompts, mesh.shape["data"])
-    mine = np.zeros((num_prompts * group_size,), bool)
-    for d, _ in local_shards(mesh):
-        mine[blocks[d].start * group_size : blocks[d].stop * group_size] = True
-    return mine
-
-
 def share_rows(values_xN: np.ndarray, mine_N: np.ndarray) -> np.ndarray:
-    """Per-row values [..., N] that each process computed for its own rows (`local_rows`), complete
-    on every process."""
+    """Per-row values [..., N] that each process computed for its own rows (mine_N), complete on
+    every process."""
     if jax.process_count() == 1:
         return values_xN
     return _merge_over_processes(np.where(mine_N, values_xN, 0).astype(values_xN.dtype))
