@@ -259,12 +259,7 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     row["cases"] = {}
     for name, train_batch in layouts.items():
         counts = packing.token_counts(train_batch)
-        state, m = step(state, f, train_batch)  # compile
-        jax.block_until_ready(m)
-        t0 = time.perf_counter()
-        state, m = step(state, f, train_batch)
-        jax.block_until_ready(m)
-        train_s = time.perf_counter() - t0
+        state, m, train_s = _timed_train(step, state, f, train_batch)
         row["cases"][name] = {
             "train_tokens_real": counts["real"],
             "train_tokens_computed": counts["computed"],
@@ -285,13 +280,12 @@ def run_gsm8k_case(args, fmt: str) -> dict:
 
 def time_packed_train(args, config, frozen, state, optimizer, batch, rows, lcfg, backend) -> float:
     """Seconds of one warm packed train step (`rl.packing`, as the loop) on the given rows of a rollout."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from qerl_jax import lora
     from qerl_jax.rl import losses, packing
-    from qerl_jax.rl.step import make_train_step
+    from qerl_jax.rl.step import TrainStep
     from qerl_jax.rollout.batch import select_rows
     from qerl_jax.rollout.sampler import to_train_batch
 
@@ -301,18 +295,24 @@ def time_packed_train(args, config, frozen, state, optimizer, batch, rows, lcfg,
     padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), batch.group_size))
     mb = args.micro_batch_size
     train_batch = packing.pack_batch(padded, padded["input_ids"].shape[1], rows_multiple=mb)
-    step = make_train_step(
+    step = TrainStep(
         config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=lora.lora_scale(lcfg), backend=backend,
         remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
         micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
     )  # fmt: skip
-    f = {"base": frozen["base"], "norms": frozen["norms"]}
-    state, m = step(state, f, train_batch)  # compile
+    return _timed_train(step, state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)[2]
+
+
+def _timed_train(step, state, frozen, train_batch):
+    """(state, metrics, seconds) of a warm train step: compiled by a first call, then timed once."""
+    import jax
+
+    state, m = step(state, frozen, train_batch)
     jax.block_until_ready(m)
     t0 = time.perf_counter()
-    state, m = step(state, f, train_batch)
+    state, m = step(state, frozen, train_batch)
     jax.block_until_ready(m)
-    return time.perf_counter() - t0
+    return state, m, time.perf_counter() - t0
 
 
 def _write(args, rows: list[dict]) -> None:
@@ -487,10 +487,7 @@ def main(argv=None) -> None:
             f"{r['train_s']:8.2f} {r.get('train_tflops', float('nan')):13.1f} "
             f"{r['step_s']:8.2f} {speedup:7.2f}x {r['peak_gib'] or float('nan'):9.1f}"
         )
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+    _write(args, rows)
 
 
 def report_gsm8k(rows: list[dict], args) -> None:
@@ -506,10 +503,7 @@ def report_gsm8k(rows: list[dict], args) -> None:
                 f"{c['computed_over_real']:7.2f} {c['train_s']:8.2f} {c['step_s']:8.2f}"
             )
         print(f"{r['format']:6} packed step / padded step: {r['packed_step_over_padded']:.3f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+    _write(args, rows)
 
 
 if __name__ == "__main__":

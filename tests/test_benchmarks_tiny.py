@@ -15,6 +15,7 @@ from conftest import REPO
 
 CASES = {
     "grpo_step": [],
+    "grpo_step:dapo": ["--workload", "dapo"],  # its cases must run without an error row
     "train_step": [],
     "scale": [],
     "data_parallel": [],  # two CPU devices, below
@@ -29,7 +30,12 @@ def test_tiny_mode_runs(module, tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if module == "data_parallel":
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    cmd = [sys.executable, "-m", f"benchmarks.{module}", "--tiny", "--out", str(out), *CASES[module]]
+    name = module.split(":")[0]
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", "--tiny", "--out", str(out), *CASES[module]]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert json.loads(out.read_text())
+    if module == "grpo_step:dapo":
+        rows = json.loads(out.read_text())["results"]
+        assert rows and not [r for r in rows if "error" in r], rows
+        assert all(r["kept_same"] for r in rows), rows  # float32 on the CPU: the same samples
