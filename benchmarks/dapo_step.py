@@ -83,13 +83,12 @@ def _one_call(sample, pool, ids, lengths, answers, p: int, g: int, keep_rate: fl
 
     import numpy as np  # noqa: PLC0415
 
+    from qerl_jax.experience import map_future  # noqa: PLC0415
     from qerl_jax.rl import dynamic_sampling  # noqa: PLC0415
 
     def submit(seqs, tokens, lens) -> concurrent.futures.Future:
         each = pool.submit_each(_texts(tokens, lens), [answers[s // g] for s in seqs], [REWARD])
-        out = concurrent.futures.Future()
-        each.add_done_callback(lambda f: out.set_result((f.result()[0], f.result())))
-        return out
+        return map_future(each, lambda each_RxK: (each_RxK[0], each_RxK))
 
     tracker = dynamic_sampling.GroupTracker(len(answers), g, p, submit, keep_rate=keep_rate)
     t0 = time.perf_counter()

@@ -130,7 +130,7 @@ class _Scorer:
             texts, [self.step.answers[p] for p in prompts], [name for name, _ in self.spec],
             fields=[self.step.fields[p] for p in prompts],
         )  # fmt: skip
-        return _then(future, lambda each_RxK: (self.shape(each_RxK, lengths_K), each_RxK))
+        return map_future(future, lambda each_RxK: (self.shape(each_RxK, lengths_K), each_RxK))
 
     def completions(self, rows_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> list[str]:
         """The texts of rows; those another process scored are decoded here."""
@@ -154,8 +154,8 @@ class _Scorer:
         return shaped.astype(np.float32)
 
 
-def _then(future: concurrent.futures.Future, fn) -> concurrent.futures.Future:
-    """A future of fn(future's result)."""
+def map_future(future: concurrent.futures.Future, fn) -> concurrent.futures.Future:
+    """A future of fn(future's result), or of its exception."""
     out = concurrent.futures.Future()
 
     def done(f):
