@@ -128,7 +128,7 @@ class RolloutMonitor(Protocol):
 
     def bounds(self, wait: bool) -> tuple[int, int]:
         """(limit, end): sequences below `limit` may be admitted; those at or past `end` are not
-        needed (`end` never grows). wait: nothing is decoding or admissible, so block until
+        needed (`end` never grows; `limit` falls only with it). wait: nothing is decoding or admissible, so block until
         something can change (e.g. a pending score arrives), or return the same bounds when
         nothing can."""
 
@@ -456,7 +456,9 @@ def generate(
     dense = plan.dense_names
     run_params = weights.split_layers(params, backend if dense else None, dense or None, plan.wgmma_names)
     if batch_sharding is None:
-        _precompile(static, run_params, plan, p_b, key, stop_V, admit_smaller=monitor is not None)
+        limit, end = monitor.bounds(wait=False) if monitor is not None else (total, total)
+        # Only a queue held below its end admits sequences after a compaction.
+        _precompile(static, run_params, plan, p_b, key, stop_V, admit_smaller=limit < min(end, total))
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
     cache, rows = programs.new_rows(static, plan.rows, p_b, pad_id, batch_sharding)
