@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,6 +59,7 @@ from qerl_jax.rollout.sampler import to_train_batch
 from qerl_jax.run_config import RunConfig, loss_config, optimizer_from_config
 
 # ----------------------------------------------------------------------------- one step's data
+
 
 def make_train_batch(cfg: RunConfig, exp: Experience, micro_batch_size: int) -> dict[str, np.ndarray]:
     """Advantages + the train step's packed batch (`rl.packing`): every sequence's real tokens in rows
@@ -168,14 +171,91 @@ def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
             raise
 
 
+@dataclasses.dataclass
+class _Run:
+    """One training run: what `_set_up` builds once (the policy and its mesh, the sizes of the memory
+    plan, the jitted step, the prompts, the checkpoints, the writer) and the loop's state between steps."""
+
+    cfg: RunConfig
+    t_start: float
+    mesh: jax.sharding.Mesh | None
+    policy: Policy
+    sizes: memory.Resolved
+    state: rl_step.TrainState
+    train_step: rl_step.TrainStep
+    lr_fn: Callable[[int], Any]
+    noisy_norms: Callable[..., Any]  # (frozen norms, trained norms, step) -> the rollout's norms (AQN)
+    rollout_key: jax.Array
+    loader: PromptLoader
+    ckpt: Checkpointer
+    writer: MetricWriter | NullWriter
+    start: int  # the first step this invocation takes
+    end: int  # one past its last (lowered when the time budget stops it)
+    keep_rate: float = 1.0  # the share of groups with varied rewards, measured each step (paces admissions)
+    compiling: concurrent.futures.Future | None = None  # the train step's background compile
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last step's
+
+
 def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
+    run = _set_up(cfg, t_start, mesh)
+    with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
+        guard = reward_guard.RewardGuard(pool, cfg.rl.reward_failure_fraction, run.ckpt.directory)
+        if run.start < run.end:
+            run.compiling = _precompile_for(run)
+        primary = distributed.is_primary()
+        total = cfg.train.total_steps
+        bar = tqdm(range(run.start, run.end), initial=run.start, total=total, desc="qerl", dynamic_ncols=True, disable=not primary)  # fmt: skip
+        for step in bar:
+            _train_one_step(run, step, pool, guard)
+            bar.set_postfix(
+                reward=f"{run.metrics.get('reward/mean', float('nan')):.3f}",
+                acc=f"{run.metrics.get('reward/accuracy', float('nan')):.3f}",
+            )
+            if not _after_step(run, step + 1):
+                break
+    return _finish(run)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _Run:
+    """The run's workdir, compile cache, policy (sharded over the mesh), memory plan, train state
+    (restored when resuming), step, prompts, checkpoints and writer, in that order."""
     os.makedirs(cfg.workdir, exist_ok=True)
     if cfg.compile_cache:
         compile_cache.enable_compilation_cache(compile_cache.cache_dir(cfg.compile_cache_dir))
     policy = distributed.primary_first(lambda: load_policy(cfg))  # a tiny model or GGUF conversion is written once
+    sizes = _sized_for_mesh(cfg, policy, mesh)
+    optimizer, lr_fn = optimizer_from_config(cfg)
+    init_key, aqn_key, rollout_key = jax.random.split(jax.random.key(cfg.seed), 3)
+    state = _init_state(cfg, policy, mesh, optimizer, init_key)
+    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes)
+    noisy_norms = jax.jit(lambda norms, trained, step: rollout_norms(cfg.aqn, aqn_key, norms, trained, step))
+    loader = PromptLoader(_train_prompts(cfg, policy), cfg.rollout.prompts_per_step, seed=cfg.seed)
+    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
+    start = 0
+    if cfg.resume:
+        try:
+            state, start = _resume(ckpt, state, loader, cfg)
+        except CheckpointMismatchError as e:
+            raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
+    logdir, purge_step = os.path.join(cfg.workdir, "tensorboard"), start if cfg.resume else None
+    writer = MetricWriter(logdir, purge_step=purge_step) if distributed.is_primary() else NullWriter()  # process 0 logs
+    tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={cfg.aqn.enabled}")
+    total, stop_after = cfg.train.total_steps, cfg.train.stop_after_steps
+    end = min(total, start + stop_after) if stop_after else total
+    return _Run(
+        cfg, t_start, mesh, policy, sizes, state, train_step, lr_fn, noisy_norms, rollout_key, loader, ckpt, writer,
+        start, end,
+    )  # fmt: skip
+
+
+def _sized_for_mesh(cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | None) -> memory.Resolved:
+    """The sizes of the run's memory plan (`_check_memory`), checked against the mesh's "data" size;
+    the policy's base weights sharded tensor-parallel over the mesh."""
     data_shards = mesh.shape["data"] if mesh is not None else 1
     sizes = _check_memory(cfg, policy, data_devices=data_shards)
-    lcfg = cfg.lora
     if sizes.micro_batch_size % data_shards:
         raise UserFacingError(
             f"rl.micro_batch_size ({sizes.micro_batch_size}) must be a multiple of mesh.data ({data_shards}): "
@@ -187,19 +267,22 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
             f"mesh {dict(mesh.shape)} over {jax.process_count()} process(es): base weights tensor-parallel over "
             "'model', each 'data' shard rolling out its own prompts, training batches data-parallel over 'data'"
         )
-    acfg = cfg.aqn
-    total = cfg.train.total_steps
-    optimizer, lr_fn = optimizer_from_config(cfg)
-    root_key = jax.random.key(cfg.seed)
-    init_key, aqn_key, rollout_key = jax.random.split(root_key, 3)
-    init = lora.init_lora(init_key, policy.config, lcfg)
+    return sizes
+
+
+def _init_state(
+    cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | None, optimizer, key: jax.Array
+) -> rl_step.TrainState:
+    """The step-0 train state: fresh LoRA factors (sharded like the base), the trained norms if any."""
+    init = lora.init_lora(key, policy.config, cfg.lora)
     if mesh is not None:
         init = sharding.shard_like_lora(init, mesh, "tp")
     norms = lora.init_trained_norms(policy.frozen["norms"]) if cfg.lora.train_norms else None
-    state = rl_step.init_train_state(init, optimizer, norms)
-    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes)
-    noisy_norms = jax.jit(lambda norms, trained, step: rollout_norms(acfg, aqn_key, norms, trained, step))
+    return rl_step.init_train_state(init, optimizer, norms)
 
+
+def _train_prompts(cfg: RunConfig, policy: Policy) -> list:
+    """The training set without the prompts longer than data.max_prompt_len; too few left is an error."""
     dataset = load_math_dataset(cfg.data.train, max_bad_fraction=cfg.data.max_bad_fraction)
     dataset, dropped = filter_overlong(
         dataset, policy.tokenizer, cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
@@ -212,143 +295,172 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
             f"only {len(dataset)} training prompts fit data.max_prompt_len={cfg.data.max_prompt_len}; "
             f"need at least rollout.prompts_per_step={cfg.rollout.prompts_per_step}: raise data.max_prompt_len"
         )
-    loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=cfg.seed)
-    ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
-    start = 0
-    if cfg.resume:
-        try:
-            state, start = _resume(ckpt, state, loader, cfg)
-        except CheckpointMismatchError as e:
-            raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
+    return dataset
 
-    primary = distributed.is_primary()
-    logdir = os.path.join(cfg.workdir, "tensorboard")
-    writer = MetricWriter(logdir, purge_step=start if cfg.resume else None) if primary else NullWriter()
-    tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={acfg.enabled}")
-    metrics: dict[str, Any] = {}
+
+def _precompile_for(run: _Run) -> concurrent.futures.Future:
+    """The train step's programs compiling in the background for the batch shapes of every step."""
+    spec_batch = train_batch_like(run.cfg, run.sizes.micro_batch_size)
+    if run.mesh is not None:
+        spec_batch = sharding.shard_batch(spec_batch, run.mesh)
+    return _precompile_in_background(run.train_step, run.state, run.policy.frozen, spec_batch)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _train_one_step(run: _Run, step: int, pool: reward_pool.RewardPool, guard: reward_guard.RewardGuard) -> None:
+    """Step `step`: rollouts on the AQN-noised policy, rewards, the train step(s) on the kept groups
+    (none when no group has varied rewards), the step's metrics in `run.metrics`, logged every
+    train.log_every steps."""
+    cfg = run.cfg
+    t_step = time.perf_counter()
+    sigma = float(aqn.aqn_sigma(cfg.aqn, step))
+    exp, metrics = _collect(run, step, pool, guard)
+    metrics.update({"aqn/sigma": sigma, "optim/lr": float(run.lr_fn(int(run.state.step)))})
+    if exp is None:
+        logging.warning("step %d: no group with varied rewards after refills; no update", step)
+    else:
+        metrics.update(_rollout_metrics(exp))
+        metrics.update(_update(run, exp))
+        if cfg.train.sample_every and step % cfg.train.sample_every == 0:
+            run.writer.text(step, "samples", _samples_markdown(exp))
+    metrics["time/step_s"] = time.perf_counter() - t_step
+    metrics.update(device_memory_stats())
+    if step % cfg.train.log_every == 0:
+        run.writer.scalars(step, metrics)
+    run.metrics = metrics
+
+
+def _collect(
+    run: _Run, step: int, pool: reward_pool.RewardPool, guard: reward_guard.RewardGuard
+) -> tuple[Experience | None, dict[str, Any]]:
+    """The step's experience (None: no kept group) on the rollout policy, the current LoRA with the
+    step's AQN noise in its norms, and its metrics, the reward workers' faults of the step included.
+    A reward failing on (nearly) every completion stops the run here (`guard`), before it trains."""
+    rollout_params = {
+        "base": run.policy.frozen["base"],
+        "norms": run.noisy_norms(run.policy.frozen["norms"], run.state.norms, step),
+        "lora": run.state.lora,
+    }
+    pool_before = dict(pool.stats)
+    try:
+        exp, metrics = collect_experience(
+            run.cfg,
+            run.policy,
+            rollout_params,
+            run.loader,
+            pool,
+            jax.random.fold_in(run.rollout_key, step),
+            run.mesh,
+            run.keep_rate,
+            max_batch=run.sizes.max_batch or None,
+        )
+        run.keep_rate = metrics["rollout/keep_rate"]
+    except MemoryError as e:
+        raise UserFacingError(f"out of device memory in the rollout: {e}") from None
+    guard.check_step(step)
+    # Completions whose reward worker hung (timeouts) or died (crashes) scored 0.
+    for kind in ("timeouts", "crashes", "errors"):
+        metrics[f"reward/worker_{kind}"] = float(pool.stats[kind] - pool_before.get(kind, 0))
+    return exp, metrics
+
+
+def _update(run: _Run, exp: Experience) -> dict[str, float]:
+    """rl.ppo_epochs train steps on the experience's packed batch (`run.state` updated); their metrics."""
+    t0 = time.perf_counter()
+    batch = make_train_batch(run.cfg, exp, run.sizes.micro_batch_size)
+    counts = packing.token_counts(batch)
+    if run.mesh is not None:
+        batch = sharding.shard_batch(batch, run.mesh)
+    _await_precompile(run.compiling)
+    run.compiling = None
+    try:
+        for _ in range(run.cfg.rl.ppo_epochs):
+            run.state, train_metrics = run.train_step(run.state, run.policy.frozen, batch)
+        train_metrics = jax.device_get(train_metrics)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise UserFacingError(
+                "out of device memory in the train step: lower --config.rl.micro_batch_size "
+                f"(now {run.sizes.micro_batch_size}) or --config.rollout.max_new_tokens, or keep "
+                "--config.rl.remat=full"
+            ) from None
+        raise
+    dt = time.perf_counter() - t0
+    metrics = {f"train/{k}": float(v) for k, v in train_metrics.items()}
+    metrics["train/skipped_total"] = float(run.state.total_skips)  # non-finite steps so far
+    metrics["time/train_s"] = dt
+    metrics["train/tokens_per_s"] = counts["real"] / max(dt, 1e-9)
+    metrics["train/packed_fill"] = counts["real"] / max(counts["computed"], 1)
+    return metrics
+
+
+def _after_step(run: _Run, done: int) -> bool:
+    """After `done` steps: the non-finite check, the checkpoint (every train.checkpoint_every steps, at
+    the end, or when the time budget is spent), the periodic eval. False: stop (time budget spent)."""
+    cfg, ckpt = run.cfg, run.ckpt
+    try:
+        rl_step.check_nonfinite(run.state, cfg.train.max_nonfinite)
+    except rl_step.NonFiniteError as e:
+        # Skipped steps leave the LoRA and optimizer state as the last good step made them.
+        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader))
+        raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}/{done}.") from None
+    out_of_time = 0 < cfg.train.stop_after_minutes < (time.perf_counter() - run.t_start) / 60
+    if done % cfg.train.checkpoint_every == 0 or done == run.end or out_of_time:
+        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader))
+    if out_of_time and done < run.end:
+        tqdm.write(
+            f"stopping after step {done}: train.stop_after_minutes={cfg.train.stop_after_minutes} reached; "
+            "continue with --config.resume=True"
+        )
+        run.end = done
+        return False
+    periodic_eval = cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0
+    if periodic_eval and done != cfg.train.total_steps:  # the last step's eval is `_finish`'s
+        _periodic_eval(cfg, run.policy, run.state, run.writer, done, run.mesh, run.sizes.max_batch or None)
+    return True
+
+
+# ----------------------------------------------------------------------------- the end
+
+
+def _finish(run: _Run) -> dict[str, Any]:
+    """The end of this invocation: at the run's last step the final eval and the PEFT adapter (written
+    by process 0); then the writer and checkpoints closed and the summary printed. The last step's metrics."""
+    cfg, primary = run.cfg, distributed.is_primary()
     eval_metrics: dict[str, float] = {}
-    with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
-        guard = reward_guard.RewardGuard(pool, cfg.rl.reward_failure_fraction, ckpt.directory)
-        end = min(total, start + cfg.train.stop_after_steps) if cfg.train.stop_after_steps else total
-        compiling = None
-        if start < end:
-            spec_batch = train_batch_like(cfg, sizes.micro_batch_size)
-            if mesh is not None:
-                spec_batch = sharding.shard_batch(spec_batch, mesh)
-            compiling = _precompile_in_background(train_step, state, policy.frozen, spec_batch)
-        keep_rate = 1.0  # the share of groups with varied rewards, measured each step (paces admissions)
-        bar = tqdm(range(start, end), initial=start, total=total, desc="qerl", dynamic_ncols=True, disable=not primary)
-        for step in bar:
-            t_step = time.perf_counter()
-            sigma = float(aqn.aqn_sigma(acfg, step))
-            rollout_params = {
-                "base": policy.frozen["base"],
-                "norms": noisy_norms(policy.frozen["norms"], state.norms, step),
-                "lora": state.lora,
-            }
-            pool_before = dict(pool.stats)
-            try:
-                exp, metrics = collect_experience(
-                    cfg,
-                    policy,
-                    rollout_params,
-                    loader,
-                    pool,
-                    jax.random.fold_in(rollout_key, step),
-                    mesh,
-                    keep_rate,
-                    max_batch=sizes.max_batch or None,
-                )
-                keep_rate = metrics["rollout/keep_rate"]
-            except MemoryError as e:
-                raise UserFacingError(f"out of device memory in the rollout: {e}") from None
-            guard.check_step(step)  # a reward failing on (nearly) every completion stops it before it trains
-            # Completions whose reward worker hung (timeouts) or died (crashes) scored 0.
-            for kind in ("timeouts", "crashes", "errors"):
-                metrics[f"reward/worker_{kind}"] = float(pool.stats[kind] - pool_before.get(kind, 0))
-            metrics.update({"aqn/sigma": sigma, "optim/lr": float(lr_fn(int(state.step)))})
-            if exp is None:
-                logging.warning("step %d: no group with varied rewards after refills; no update", step)
-            else:
-                metrics.update(_rollout_metrics(exp))
-                t0 = time.perf_counter()
-                batch = make_train_batch(cfg, exp, sizes.micro_batch_size)
-                counts = packing.token_counts(batch)
-                if mesh is not None:
-                    batch = sharding.shard_batch(batch, mesh)
-                _await_precompile(compiling)
-                compiling = None
-                try:
-                    for _ in range(cfg.rl.ppo_epochs):
-                        state, train_metrics = train_step(state, policy.frozen, batch)
-                    train_metrics = jax.device_get(train_metrics)
-                except jax.errors.JaxRuntimeError as e:
-                    if "RESOURCE_EXHAUSTED" in str(e):
-                        raise UserFacingError(
-                            "out of device memory in the train step: lower --config.rl.micro_batch_size "
-                            f"(now {sizes.micro_batch_size}) or --config.rollout.max_new_tokens, or keep "
-                            "--config.rl.remat=full"
-                        ) from None
-                    raise
-                dt = time.perf_counter() - t0
-                metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
-                metrics["train/skipped_total"] = float(state.total_skips)  # non-finite steps so far
-                metrics["time/train_s"] = dt
-                metrics["train/tokens_per_s"] = counts["real"] / max(dt, 1e-9)
-                metrics["train/packed_fill"] = counts["real"] / max(counts["computed"], 1)
-                if cfg.train.sample_every and step % cfg.train.sample_every == 0:
-                    writer.text(step, "samples", _samples_markdown(exp))
-            metrics["time/step_s"] = time.perf_counter() - t_step
-            metrics.update(device_memory_stats())
-            if step % cfg.train.log_every == 0:
-                writer.scalars(step, metrics)
-            bar.set_postfix(
-                reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                acc=f"{metrics.get('reward/accuracy', float('nan')):.3f}",
-            )
-
-            done = step + 1
-            try:
-                rl_step.check_nonfinite(state, cfg.train.max_nonfinite)
-            except rl_step.NonFiniteError as e:
-                # Skipped steps leave the LoRA and optimizer state as the last good step made them.
-                _save(ckpt, done, state, _checkpoint_meta(cfg, done, loader))
-                raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}/{done}.") from None
-            out_of_time = 0 < cfg.train.stop_after_minutes < (time.perf_counter() - t_start) / 60
-            if done % cfg.train.checkpoint_every == 0 or done == end or out_of_time:
-                _save(ckpt, done, state, _checkpoint_meta(cfg, done, loader))
-            if out_of_time and done < end:
-                tqdm.write(
-                    f"stopping after step {done}: train.stop_after_minutes={cfg.train.stop_after_minutes} reached; "
-                    "continue with --config.resume=True"
-                )
-                end = done
-                break
-            if cfg.eval.num_examples and cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != total:
-                _periodic_eval(cfg, policy, state, writer, done, mesh, sizes.max_batch or None)
-    if end == total:
+    if run.end == cfg.train.total_steps:
         if cfg.eval.num_examples:
-            eval_metrics = _periodic_eval(cfg, policy, state, writer, total, mesh, sizes.max_batch or None)
-        trained_lora, trained_norms = distributed.host_copy((state.lora, state.norms))
+            eval_metrics = _periodic_eval(
+                cfg, run.policy, run.state, run.writer, run.end, run.mesh, run.sizes.max_batch or None
+            )
+        trained_lora, trained_norms = distributed.host_copy((run.state.lora, run.state.norms))
         if primary:
-            try:
-                export_peft_adapter(
-                    trained_lora,
-                    os.path.join(cfg.workdir, "adapter"),
-                    norms=trained_norms,
-                    rank=lcfg.rank,
-                    alpha=lcfg.alpha,
-                    rslora=lcfg.rslora,
-                    base_model_name_or_path=os.path.abspath(policy.model_dir),
-                )
-            except AdapterWriteError as e:
-                raise UserFacingError(f"{e}; the run's last checkpoint in {ckpt.directory} is intact") from None
-    writer.close()
-    ckpt.close()
+            _export_adapter(cfg, run.policy, trained_lora, trained_norms, run.ckpt.directory)
+    run.writer.close()
+    run.ckpt.close()
     distributed.barrier("qerl-run-end")  # a peer lost near the end is one line here, not an abort at exit
     if primary:
-        tqdm.write(run_summary(cfg, start, end, metrics, eval_metrics, ckpt.directory, time.perf_counter() - t_start))
-    return metrics
+        seconds = time.perf_counter() - run.t_start
+        tqdm.write(run_summary(cfg, run.start, run.end, run.metrics, eval_metrics, run.ckpt.directory, seconds))
+    return run.metrics
+
+
+def _export_adapter(cfg: RunConfig, policy: Policy, trained_lora, trained_norms, checkpoint_dir: str) -> None:
+    """The trained LoRA (and norms) as a PEFT adapter in workdir/adapter."""
+    try:
+        export_peft_adapter(
+            trained_lora,
+            os.path.join(cfg.workdir, "adapter"),
+            norms=trained_norms,
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
+            rslora=cfg.lora.rslora,
+            base_model_name_or_path=os.path.abspath(policy.model_dir),
+        )
+    except AdapterWriteError as e:
+        raise UserFacingError(f"{e}; the run's last checkpoint in {checkpoint_dir} is intact") from None
 
 
 def rollout_norms(acfg: aqn.AQNConfig, key: jax.Array, frozen_norms, trained_norms, step):
