@@ -202,9 +202,11 @@ def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> di
         guard = reward_guard.RewardGuard(pool, cfg.rl.reward_failure_fraction, run.ckpt.directory)
         if run.start < run.end:
             run.compiling = _precompile_for(run)
-        primary = distributed.is_primary()
+        steps = range(run.start, run.end)
         total = cfg.train.total_steps
-        bar = tqdm(range(run.start, run.end), initial=run.start, total=total, desc="qerl", dynamic_ncols=True, disable=not primary)  # fmt: skip
+        bar = tqdm(
+            steps, initial=run.start, total=total, desc="qerl", dynamic_ncols=True, disable=not distributed.is_primary()
+        )
         for step in bar:
             _train_one_step(run, step, pool, guard)
             bar.set_postfix(
@@ -246,8 +248,9 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
     total, stop_after = cfg.train.total_steps, cfg.train.stop_after_steps
     end = min(total, start + stop_after) if stop_after else total
     return _Run(
-        cfg, t_start, mesh, policy, sizes, state, train_step, lr_fn, noisy_norms, rollout_key, loader, ckpt, writer,
-        start, end,
+        cfg=cfg, t_start=t_start, mesh=mesh, policy=policy, sizes=sizes, state=state, train_step=train_step,
+        lr_fn=lr_fn, noisy_norms=noisy_norms, rollout_key=rollout_key, loader=loader, ckpt=ckpt, writer=writer,
+        start=start, end=end,
     )  # fmt: skip
 
 

@@ -37,7 +37,15 @@ from qerl_jax.rollout import budget, programs, scheduler, weights
 from qerl_jax.rollout.batch import RolloutBatch, to_train_batch
 from qerl_jax.rollout.sampling import SamplingConfig
 
-__all__ = ["RolloutBatch", "RolloutMonitor", "RolloutOptions", "RolloutPlan", "generate", "plan_rollout", "to_train_batch"]
+__all__ = [
+    "RolloutBatch",
+    "RolloutMonitor",
+    "RolloutOptions",
+    "RolloutPlan",
+    "generate",
+    "plan_rollout",
+    "to_train_batch",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +342,9 @@ def _check_streams(streams: Any, num_seqs: int) -> np.ndarray:
         return np.arange(num_seqs, dtype=np.uint32)
     arr = np.asarray(streams)
     if arr.shape != (num_seqs,) or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"streams must be an int array of shape [{num_seqs}] (one per sequence); got {arr.dtype} {arr.shape}")
+        raise ValueError(
+            f"streams must be an int array of shape [{num_seqs}] (one per sequence); got {arr.dtype} {arr.shape}"
+        )
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise ValueError(f"streams must be in [0, 2**32); got [{arr.min()}, {arr.max()}]")
     return arr.astype(np.uint32)
@@ -407,64 +417,120 @@ def generate(
 
     Returns:
       A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
+
+    Long because its docstring documents every argument of the engine's entry point; the body reads
+    as its steps: check the input, plan the rows, prepare the weights and programs, decode, assemble.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1; got {group_size}")
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
+    call = _prepare_call(
+        config, prompt_ids, prompt_mask, sampling, group_size, lora_scale, max_new_tokens_per_seq, streams, options
+    )
+    planned = call.total if expected_seqs is None else max(1, min(call.total, expected_seqs))
+    plan = plan_rollout(
+        config, params, planned, call.prompt_slots, call.static.new_slots, group_size=group_size,
+        max_batch=max_batch, options=options,
+    )  # fmt: skip
+    dense = plan.dense_names
+    run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
+    if options.batch_sharding is None:
+        limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
+        # Only a queue held below its end admits sequences after a compaction.
+        admit_smaller = limit < min(end, call.total)
+        _precompile(call.static, run_params, plan, call.prompt_slots, key, call.stop_V, admit_smaller=admit_smaller)
+    out, segments = _decode_all(call, plan, run_params, key, monitor, options)
+    return _rollout_batch(call, out, segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One `generate` call's checked inputs, as its programs take them."""
+
+    ids_np: np.ndarray  # int32 [B, prompt_slots], left-padded to the prompt bucket
+    mask_np: np.ndarray  # int32 [B, prompt_slots]
+    limits: np.ndarray  # int32 [N] each sequence's token limit
+    streams_N: np.ndarray  # uint32 [N] each sequence's PRNG stream
+    group_size: int
+    max_new: int  # sampling.max_new_tokens: the output's response columns
+    stop_V: np.ndarray  # bool [V] the stop ids
+    pad_id: int
+    static: programs.Static
+
+    @property
+    def total(self) -> int:
+        return self.ids_np.shape[0] * self.group_size
+
+    @property
+    def prompt_slots(self) -> int:
+        return self.ids_np.shape[1]
+
+
+def _prepare_call(
+    config: ModelConfig, prompt_ids, prompt_mask, sampling: SamplingConfig, group_size: int, lora_scale: float,
+    max_new_tokens_per_seq, streams, options: RolloutOptions,
+) -> _Call:  # fmt: skip
+    """`generate`'s arguments checked (ValueError naming the bad one) and made its programs' inputs:
+    the prompts cut or padded to their bucket, the stop ids as a mask, the programs' static settings."""
     ids_np = np.asarray(prompt_ids)
     mask_np = np.asarray(prompt_mask)
     lengths = _check_prompts(config, ids_np, mask_np, sampling.max_new_tokens)
-    ids_np, mask_np = ids_np.astype(np.int32), mask_np.astype(np.int32)
-    num_prompts = ids_np.shape[0]
-    total = num_prompts * group_size
+    total = ids_np.shape[0] * group_size
     limits = _check_limits(max_new_tokens_per_seq, total, sampling.max_new_tokens)
     streams_N = _check_streams(streams, total)
     attention = decode_attention_backend(options.decode_attention)
-    backend, batch_sharding = options.backend, options.batch_sharding
-
     p_b = scheduler.prompt_bucket(max(int(lengths.max()), options.min_prompt_len))
-    width = ids_np.shape[1]
-    if width >= p_b:  # drop leading columns that are padding in every row
-        ids_np, mask_np = ids_np[:, width - p_b :], mask_np[:, width - p_b :]
-    else:
-        ids_np = np.pad(ids_np, ((0, 0), (p_b - width, 0)))
-        mask_np = np.pad(mask_np, ((0, 0), (p_b - width, 0)))
-
-    stop_ids = () if sampling.ignore_eos else (config.eos_token_id if sampling.eos_ids is None else sampling.eos_ids)
-    pad_id = sampling.pad_id if sampling.pad_id is not None else (config.pad_token_id or 0)
-    bad_ids = [i for i in (*stop_ids, pad_id) if not 0 <= i < config.vocab_size]
-    if bad_ids:
-        raise ValueError(f"stop/pad ids {bad_ids} are outside [0, vocab_size={config.vocab_size})")
-    new_slots = scheduler.new_tokens_bucket(sampling.max_new_tokens)
-    stop_V = np.zeros((config.vocab_size,), bool)
-    stop_V[list(stop_ids)] = True
+    ids_np, mask_np = _to_prompt_bucket(ids_np.astype(np.int32), mask_np.astype(np.int32), p_b)
+    stop_V, pad_id = _stop_and_pad(config, sampling)
     static = programs.Static(
         config=config,
         sampling=SamplingConfig(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, greedy=sampling.greedy
         ),
-        options=ForwardOptions(lora_scale=float(lora_scale), backend=backend, decode_attention=attention),
-        new_slots=new_slots,
+        options=ForwardOptions(lora_scale=float(lora_scale), backend=options.backend, decode_attention=attention),
+        new_slots=scheduler.new_tokens_bucket(sampling.max_new_tokens),
         cache_dtype=jnp.dtype(options.cache_dtype).name,
     )
-    planned = total if expected_seqs is None else max(1, min(total, expected_seqs))
-    plan = plan_rollout(
-        config, params, planned, p_b, new_slots, group_size=group_size, max_batch=max_batch, options=options
-    )
+    return _Call(ids_np, mask_np, limits, streams_N, group_size, sampling.max_new_tokens, stop_V, pad_id, static)
 
-    dense = plan.dense_names
-    run_params = weights.split_layers(params, backend if dense else None, dense or None, plan.wgmma_names)
-    if batch_sharding is None:
-        limit, end = monitor.bounds(wait=False) if monitor is not None else (total, total)
-        # Only a queue held below its end admits sequences after a compaction.
-        _precompile(static, run_params, plan, p_b, key, stop_V, admit_smaller=limit < min(end, total))
+
+def _to_prompt_bucket(ids_np: np.ndarray, mask_np: np.ndarray, p_b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompts made p_b columns wide: leading columns that are padding in every row
+    dropped, or padding columns added on the left."""
+    width = ids_np.shape[1]
+    if width >= p_b:
+        return ids_np[:, width - p_b :], mask_np[:, width - p_b :]
+    pad = ((0, 0), (p_b - width, 0))
+    return np.pad(ids_np, pad), np.pad(mask_np, pad)
+
+
+def _stop_and_pad(config: ModelConfig, sampling: SamplingConfig) -> tuple[np.ndarray, int]:
+    """(bool [V] mask of the stop ids, the pad id) of the sampling settings; ids outside the vocabulary
+    are a ValueError."""
+    stop_ids = () if sampling.ignore_eos else (config.eos_token_id if sampling.eos_ids is None else sampling.eos_ids)
+    pad_id = sampling.pad_id if sampling.pad_id is not None else (config.pad_token_id or 0)
+    bad_ids = [i for i in (*stop_ids, pad_id) if not 0 <= i < config.vocab_size]
+    if bad_ids:
+        raise ValueError(f"stop/pad ids {bad_ids} are outside [0, vocab_size={config.vocab_size})")
+    stop_V = np.zeros((config.vocab_size,), bool)
+    stop_V[list(stop_ids)] = True
+    return stop_V, pad_id
+
+
+def _decode_all(
+    call: _Call, plan: RolloutPlan, run_params, key: jax.Array, monitor: RolloutMonitor | None, options: RolloutOptions
+) -> tuple[_Outputs, list[int]]:
+    """Runs the scheduler over the device programs until no sequence is left to decode: admit into
+    free rows, decode, harvest the rows that stopped (telling the monitor), compact the tail. The
+    outputs and the decode steps of each segment."""
+    batch_sharding, total = options.batch_sharding, call.total
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
-    cache, rows = programs.new_rows(static, plan.rows, p_b, pad_id, batch_sharding)
-    prompt_of_seq = np.arange(total) // group_size
-    out = _Outputs(total, sampling.max_new_tokens, pad_id)
-    max_steps = np.int32(MONITOR_STEPS if monitor is not None else new_slots)
+    cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, batch_sharding)
+    prompt_of_seq = np.arange(total) // call.group_size
+    out = _Outputs(total, call.max_new, call.pad_id)
+    max_steps = np.int32(MONITOR_STEPS if monitor is not None else call.static.new_slots)
     segments = []
     while True:
         if monitor is not None:
@@ -476,15 +542,17 @@ def generate(
         seqs, dest = sched.admissions()
         for i in range(0, len(seqs), plan.admit_rows):
             args = _admission(
-                ids_np, mask_np, prompt_of_seq, limits, seqs[i : i + plan.admit_rows], dest[i : i + plan.admit_rows],
-                rows=sched.rows, admit_rows=plan.admit_rows, admit_prompts=plan.admit_prompts, share=options.share_prefill,
-                streams=streams_N,
+                call.ids_np, call.mask_np, prompt_of_seq, call.limits, seqs[i : i + plan.admit_rows],
+                dest[i : i + plan.admit_rows], rows=sched.rows, admit_rows=plan.admit_rows,
+                admit_prompts=plan.admit_prompts, share=options.share_prefill, streams=call.streams_N,
             )  # fmt: skip
             cache, rows = programs.admit(
-                static, run_params, cache, rows, *map(put, args), key, stop_V, np.int32(pad_id)
+                call.static, run_params, cache, rows, *map(put, args), key, call.stop_V, np.int32(call.pad_id)
             )
         exit_live = np.int32(sched.exit_live())
-        cache, rows, steps = programs.decode(static, run_params, cache, rows, key, stop_V, exit_live, max_steps)
+        cache, rows, steps = programs.decode(
+            call.static, run_params, cache, rows, key, call.stop_V, exit_live, max_steps
+        )
         live = np.asarray(rows.live)
         segments.append(int(steps))
         done_rows, done_seqs = sched.retire(live)
@@ -495,13 +563,18 @@ def generate(
         keep = sched.compaction()
         if keep is not None:
             valid = sched.row_seq >= 0
-            cache, rows = programs.compact(static, cache, rows, put(keep.astype(np.int32)), put(valid))
+            cache, rows = programs.compact(call.static, cache, rows, put(keep.astype(np.int32)), put(valid))
     del cache, rows
-    prompt_index = np.arange(total, dtype=np.int32) // group_size
-    response_mask = (np.arange(sampling.max_new_tokens)[None, :] < out.lengths[:, None]).astype(np.int32)
+    return out, segments
+
+
+def _rollout_batch(call: _Call, out: _Outputs, segments: list[int]) -> RolloutBatch:
+    """The call's `RolloutBatch`: each sequence's prompt beside its harvested response."""
+    prompt_index = np.arange(call.total, dtype=np.int32) // call.group_size
+    response_mask = (np.arange(call.max_new)[None, :] < out.lengths[:, None]).astype(np.int32)
     return RolloutBatch(
-        prompt_ids=jnp.asarray(ids_np[prompt_index]),
-        prompt_mask=jnp.asarray(mask_np[prompt_index]),
+        prompt_ids=jnp.asarray(call.ids_np[prompt_index]),
+        prompt_mask=jnp.asarray(call.mask_np[prompt_index]),
         tokens=jnp.asarray(out.tokens),
         logprobs=jnp.asarray(out.logprobs),
         response_mask=jnp.asarray(response_mask),
@@ -509,7 +582,7 @@ def generate(
         truncated=jnp.asarray(~out.stopped),
         prompt_index=jnp.asarray(prompt_index),
         steps=jnp.asarray(np.asarray([s + 1 for s in segments], np.int32)),
-        group_size=group_size,
+        group_size=call.group_size,
     )
 
 
