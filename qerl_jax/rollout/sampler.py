@@ -185,47 +185,75 @@ def plan_rollout(
     """
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
-    o = options
-    backend, cache_dtype, share_prefill = o.backend, o.cache_dtype, o.share_prefill
-    dense_weights, wgmma_weights, smaller_rows = o.dense_weights, o.wgmma_weights, o.smaller_rows
-    shards = _row_shards(o.batch_sharding)
-    memory_budget_bytes = o.memory_budget_bytes
-    smaller_rows = scheduler.DEFAULT_SMALLER_ROWS if smaller_rows is None else tuple(smaller_rows)
+    smaller_rows = scheduler.DEFAULT_SMALLER_ROWS if options.smaller_rows is None else tuple(options.smaller_rows)
     if any(int(b) != b or b < 1 for b in smaller_rows):
         raise ValueError(f"smaller_rows must be positive ints; got {smaller_rows}")
-    limit = memory_budget_bytes if memory_budget_bytes is not None else budget.device_free_bytes()
-    act_dtype = weights.act_dtype_of(params)
-    copies = weights.layer_copy_bytes(params)
+    budget_bytes = options.memory_budget_bytes
+    planner = _Planner(
+        config, params, prompt_slots, new_slots, group_size, smaller_rows, options,
+        limit=budget_bytes if budget_bytes is not None else budget.device_free_bytes(),
+        act_dtype=weights.act_dtype_of(params), layer_copies=weights.layer_copy_bytes(params),
+    )  # fmt: skip
+    if max_batch is None and planner.limit is not None:
+        return _auto_rows(planner, num_seqs)
+    chosen = planner.plan(min(num_seqs, max_batch or num_seqs), choose_copies=True)
+    if not planner.fits(chosen):
+        raise MemoryError(
+            f"a rollout of {chosen.rows} rows x ({prompt_slots} prompt + {new_slots} new) slots needs "
+            f"about {_size(chosen.memory.total)} (x{budget.MEMORY_MARGIN} margin), over the "
+            f"{_size(planner.limit)} budget; lower max_batch (rows decoded at once, now {max_batch}), the group "
+            f"size ({group_size}), the prompt batch ({num_seqs // group_size}) or max_new_tokens"
+            + (
+                f", or pass RolloutOptions(dense_weights=False) ({_size(weights.dense_copy_bytes(params, chosen.dense_names))}"
+                " of bf16 copies)"
+                if chosen.dense_names
+                else ""
+            )
+        )
+    return chosen
 
-    def plan(at_once: int, choose_copies: bool) -> RolloutPlan:
+
+@dataclasses.dataclass(frozen=True)
+class _Planner:
+    """`plan_rollout`'s settings: the plan of any number of sequences decoded at once, and whether it fits."""
+
+    config: ModelConfig
+    params: dict[str, Any]
+    prompt_slots: int
+    new_slots: int
+    group_size: int
+    smaller_rows: tuple[int, ...]
+    options: RolloutOptions
+    limit: int | None  # the bytes the rollout may use (None: unchecked)
+    act_dtype: Any  # of the params' activations (`weights.act_dtype_of`)
+    layer_copies: int  # bytes of the per-layer copies of the call (`weights.layer_copy_bytes`)
+
+    def plan(self, at_once: int, choose_copies: bool) -> RolloutPlan:
         """The plan at `at_once` sequences decoded at once; copies wanted (False) or those that fit (True)."""
+        o, params = self.options, self.params
         lay = scheduler.layout(
             at_once,
-            group_size=group_size,
-            smaller_rows=smaller_rows,
-            share_prefill=share_prefill,
-            shards=shards,
+            group_size=self.group_size,
+            smaller_rows=self.smaller_rows,
+            share_prefill=o.share_prefill,
+            shards=_row_shards(o.batch_sharding),
         )
         mem = budget.rollout_memory(
-            config,
+            self.config,
             lay.rows,
-            prompt_slots,
-            new_slots,
+            self.prompt_slots,
+            self.new_slots,
             admit_rows=lay.admit_rows,
             admit_prompts=lay.admit_prompts,
             compact_rows=lay.smaller[0] if lay.smaller else 0,
-            cache_dtype=cache_dtype,
-            act_dtype=act_dtype,
-            weight_copies=copies,
+            cache_dtype=o.cache_dtype,
+            act_dtype=self.act_dtype,
+            weight_copies=self.layer_copies,
         )
+        limit = self.limit
         fits = lambda extra: not choose_copies or limit is None or (mem.total + extra) * budget.MEMORY_MARGIN <= limit  # noqa: E731
         dense, wgmma = weights.decode_weight_names(
-            params,
-            dense_weights,
-            wgmma_weights,
-            backend=backend,
-            rows=(lay.rows, *lay.smaller),
-            fits=fits,
+            params, o.dense_weights, o.wgmma_weights, backend=o.backend, rows=(lay.rows, *lay.smaller), fits=fits
         )
         extra = (
             weights.dense_copy_bytes(params, dense)
@@ -234,50 +262,41 @@ def plan_rollout(
         )
         mem = dataclasses.replace(mem, weight_copies=mem.weight_copies + extra)
         return RolloutPlan(
-            lay.rows, lay.max_batch, lay.smaller, lay.admit_rows, lay.admit_prompts, dense, wgmma, mem, limit
+            lay.rows, lay.max_batch, lay.smaller, lay.admit_rows, lay.admit_prompts, dense, wgmma, mem, self.limit
         )
 
-    def fits(p: RolloutPlan) -> bool:
-        return limit is None or p.memory.total * budget.MEMORY_MARGIN <= limit
+    def fits(self, p: RolloutPlan) -> bool:
+        return self.limit is None or p.memory.total * budget.MEMORY_MARGIN <= self.limit
 
-    if max_batch is not None or limit is None:
-        chosen = plan(min(num_seqs, max_batch or num_seqs), choose_copies=True)
-        if not fits(chosen):
-            raise MemoryError(
-                f"a rollout of {chosen.rows} rows x ({prompt_slots} prompt + {new_slots} new) slots needs "
-                f"about {_size(chosen.memory.total)} (x{budget.MEMORY_MARGIN} margin), over the "
-                f"{_size(limit)} budget; lower max_batch (rows decoded at once, now {max_batch}), the group "
-                f"size ({group_size}), the prompt batch ({num_seqs // group_size}) or max_new_tokens"
-                + (
-                    f", or pass RolloutOptions(dense_weights=False) ({_size(weights.dense_copy_bytes(params, chosen.dense_names))}"
-                    " of bf16 copies)"
-                    if chosen.dense_names
-                    else ""
-                )
-            )
-        return chosen
+
+def _auto_rows(planner: _Planner, num_seqs: int) -> RolloutPlan:
+    """The plan of the most rows that fit the budget, the weight copies wanted first, then those that
+    fit; the rows of an earlier call of the same shapes while they fit. MemoryError if one row does not."""
+    o = planner.options
     # The same shapes get the same rows while they fit: a row count that moved with the free
     # memory from one call (training step) to the next would compile new programs each time.
-    key = (config, scheduler.rows_bucket(num_seqs), prompt_slots, new_slots, group_size, smaller_rows,
-           share_prefill, backend, jnp.dtype(cache_dtype).name, dense_weights, wgmma_weights, shards)  # fmt: skip
+    key = (planner.config, scheduler.rows_bucket(num_seqs), planner.prompt_slots, planner.new_slots,
+           planner.group_size, planner.smaller_rows, o.share_prefill, o.backend, jnp.dtype(o.cache_dtype).name,
+           o.dense_weights, o.wgmma_weights, _row_shards(o.batch_sharding))  # fmt: skip
     if key in _AUTO_ROWS:
-        chosen = plan(*_AUTO_ROWS[key])
-        if fits(chosen):
+        chosen = planner.plan(*_AUTO_ROWS[key])
+        if planner.fits(chosen):
             return dataclasses.replace(chosen, max_batch=min(chosen.max_batch, num_seqs))
     candidates = sorted({min(num_seqs, r) for r in scheduler.rows_candidates(num_seqs)}, reverse=True)
     for choose_copies in (False, True):
         for at_once in candidates:
-            chosen = plan(at_once, choose_copies)
-            if fits(chosen):
+            chosen = planner.plan(at_once, choose_copies)
+            if planner.fits(chosen):
                 _AUTO_ROWS[key] = (at_once, choose_copies)
                 return chosen
-    one = plan(1, choose_copies=True)
+    one = planner.plan(1, choose_copies=True)
     raise MemoryError(
         f"the rollout does not fit even one sequence at a time (max_batch=None sizes the rows to the budget): "
-        f"1 sequence x ({prompt_slots} prompt + {new_slots} new) slots needs about {_size(one.memory.total)} "
-        f"(x{budget.MEMORY_MARGIN} margin; weight copies {_size(one.memory.weight_copies)}, KV cache "
-        f"{_size(one.memory.kv_cache)}), over the {_size(limit)} budget (RolloutOptions.memory_budget_bytes, default the free "
-        "device memory); lower max_new_tokens or the prompt length, or free device memory"
+        f"1 sequence x ({planner.prompt_slots} prompt + {planner.new_slots} new) slots needs about "
+        f"{_size(one.memory.total)} (x{budget.MEMORY_MARGIN} margin; weight copies {_size(one.memory.weight_copies)}, "
+        f"KV cache {_size(one.memory.kv_cache)}), over the {_size(planner.limit)} budget "
+        "(RolloutOptions.memory_budget_bytes, default the free device memory); lower max_new_tokens or the prompt "
+        "length, or free device memory"
     )
 
 
