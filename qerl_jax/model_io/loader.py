@@ -166,8 +166,18 @@ def load_model(
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
-    np_dtype = _DTYPES[dtype]
     config, raw, tensors = _open_checkpoint(path)
+    quant, stored_fmt = _load_format(path, quant, raw)
+    collector = _TensorCollector(path, config, _DTYPES[dtype], quant, quant_skip, stored_fmt)
+    for name, array in tensors:
+        collector.add(name, array)
+    collector.check_complete()
+    return config, jax.device_put(collector.params())
+
+
+def _load_format(path: str, quant: str | None, raw: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(the format the linears are loaded in, the compressed-tensors format they are stored in); None: dense.
+    `quant` None or "bf16" loads them as stored."""
     stored_fmt = None
     if quant is None:  # the public default: as stored
         quant = DENSE
@@ -176,102 +186,135 @@ def load_model(
 
         stored_fmt = quantlib.compressed_tensors.detect_format(raw)
     if quant == DENSE:
-        quant = stored_fmt
-    elif quant not in FORMATS:
+        return stored_fmt, stored_fmt
+    if quant not in FORMATS:
         raise ValueError(f"quant {quant!r} is not supported; expected None, 'bf16' or one of {FORMATS}")
-    elif stored_fmt is not None and stored_fmt != quant:
+    if stored_fmt is not None and stored_fmt != quant:
         raise CheckpointError(f"{path} is stored as {stored_fmt}; it cannot be loaded as {quant}")
+    return quant, stored_fmt
 
-    expected = expected_shapes(config)
-    layers = _StackedBuffers(config.num_hidden_layers)
-    top: dict[str, np.ndarray] = {}
-    packed_parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    pending: dict[tuple[int, tuple[str, ...]], dict[str, np.ndarray]] = {}  # fused groups awaiting members
-    seen: set[str] = set()
-    stored_fields = set(quantlib.compressed_tensors.TENSOR_SUFFIXES[stored_fmt]) if stored_fmt else set()
 
-    def quantize_group(layer: int, arrays: dict[str, np.ndarray]) -> None:
+_PACKED_RE = re.compile(r"(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj))\.(weight_\w+)$")
+
+
+class _TensorCollector:
+    """The checkpoint's tensors, checked (names, shapes) and stacked per layer as they arrive: dense
+    linears cast to the dtype or quantized by fused group, packed (compressed-tensors) ones gathered
+    field by field, norms in float32."""
+
+    def __init__(self, path: str, config: ModelConfig, np_dtype, quant: str | None, quant_skip, stored_fmt):
+        self.path, self.config, self.np_dtype = path, config, np_dtype
+        self.quant, self.quant_skip, self.stored_fmt = quant, quant_skip, stored_fmt
+        self.expected = expected_shapes(config)
+        self.layers = _StackedBuffers(config.num_hidden_layers)
+        self.top: dict[str, np.ndarray] = {}
+        self.packed_parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+        self.pending: dict[tuple[int, tuple[str, ...]], dict[str, np.ndarray]] = {}  # fused groups awaiting members
+        self.seen: set[str] = set()
+        self.stored_fields: set[str] = set()
+        if stored_fmt:
+            from qerl_jax import quant as quantlib  # noqa: PLC0415 (only needed for quantized models)
+
+            self.stored_fields = set(quantlib.compressed_tensors.TENSOR_SUFFIXES[stored_fmt])
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        """Takes in one tensor of the checkpoint; CheckpointError if the model has no such tensor."""
+        if name.startswith("model.rotary_emb") or name.endswith(".inv_freq"):
+            return
+        m = _LAYER_RE.match(name)
+        ct = _PACKED_RE.match(name) if m is None and self.stored_fmt else None
+        if ct is not None:
+            self._add_packed_part(int(ct.group(2)), ct.group(3), ct.group(4), array)
+            return
+        if name not in self.expected:
+            if name.endswith("_proj.weight_zero_point") or name.endswith(".weight_shape"):
+                return
+            raise CheckpointError(
+                f"{self.path}: unexpected tensor {name!r} for a {self.config.model_type} model of this config"
+            )
+        if tuple(array.shape) != self.expected[name]:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has shape {tuple(array.shape)}, expected {self.expected[name]}"
+            )
+        self.seen.add(name)
+        if m is not None:
+            self._add_linear(int(m.group(1)), m.group(3), m.group(4), array)
+            return
+        n = _NORM_RE.match(name)
+        if n is not None:  # norms stay float32 whatever `dtype`: AQN's small noise must not round away
+            self.layers.put(("norms", n.group(2)), int(n.group(1)), array.astype(np.float32))
+            return
+        self.top[name] = array.astype(np.float32 if name == "model.norm.weight" else self.np_dtype)
+
+    def _add_packed_part(self, layer: int, proj: str, field: str, array: np.ndarray) -> None:
+        """One field of a stored packed projection; the projection is stacked once all its fields came."""
+        from qerl_jax import quant as quantlib  # noqa: PLC0415 (only needed for quantized models)
+
+        if field not in self.stored_fields:
+            return  # e.g. input_global_scale of W4A4 checkpoints: we keep activations in bf16
+        parts = self.packed_parts.setdefault((layer, proj), {})
+        parts[field] = array
+        if self.stored_fields <= parts.keys():
+            packed = quantlib.compressed_tensors.packed_from_tensors(parts, self.stored_fmt)
+            self.layers.put(("base", proj, "w"), layer, packed)
+            self.seen.add(f"{hf_linear_name(layer, proj)}.weight")
+            del self.packed_parts[(layer, proj)]
+
+    def _add_linear(self, layer: int, proj: str, kind: str, array: np.ndarray) -> None:
+        """A dense projection's weight (quantized once its fused group is complete) or bias."""
+        if kind == "weight" and self.quant and proj not in self.quant_skip:
+            group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
+            group = tuple(p for p in group if p not in self.quant_skip)
+            members = self.pending.setdefault((layer, group), {})
+            members[proj] = array
+            if len(members) == len(group):
+                self._quantize_group(layer, self.pending.pop((layer, group)))
+        else:
+            self.layers.put(("base", proj, "w" if kind == "weight" else "b"), layer, array.astype(self.np_dtype))
+
+    def _quantize_group(self, layer: int, arrays: dict[str, np.ndarray]) -> None:
         """Quantizes the projections of one fused group (nvfp4: one shared global scale, as vLLM)."""
+        from qerl_jax import quant as quantlib  # noqa: PLC0415 (only needed for quantized models)
+
         dense = {proj: jnp.asarray(a) for proj, a in arrays.items()}
         amax = None
-        if quant == "nvfp4":
+        if self.quant == "nvfp4":
             amax = jnp.max(jnp.stack([jnp.max(jnp.abs(w.astype(jnp.float32))) for w in dense.values()]))
         for proj, w in dense.items():
             name = f"{hf_linear_name(layer, proj)}.weight"
             if not bool(jnp.all(jnp.isfinite(w))):
-                raise CheckpointError(f"{path}: tensor {name!r} has non-finite values")
-            packed = quantlib.quantize(w, quant, amax=amax) if amax is not None else quantlib.quantize(w, quant)
-            layers.put(("base", proj, "w"), layer, jax.device_get(packed))
+                raise CheckpointError(f"{self.path}: tensor {name!r} has non-finite values")
+            packed = (
+                quantlib.quantize(w, self.quant, amax=amax) if amax is not None else quantlib.quantize(w, self.quant)
+            )
+            self.layers.put(("base", proj, "w"), layer, jax.device_get(packed))
 
-    for name, array in tensors:
-        if name.startswith("model.rotary_emb") or name.endswith(".inv_freq"):
-            continue
-        m = _LAYER_RE.match(name)
-        ct_part = None
-        if m is None and stored_fmt:
-            ct = re.match(r"(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj))\.(weight_\w+)$", name)
-            if ct:
-                ct_part = (int(ct.group(2)), ct.group(3), ct.group(4))
-        if ct_part is not None:
-            layer, proj, field = ct_part
-            if field not in stored_fields:
-                continue  # e.g. input_global_scale of W4A4 checkpoints: we keep activations in bf16
-            parts = packed_parts.setdefault((layer, proj), {})
-            parts[field] = array
-            if stored_fields <= parts.keys():
-                packed = quantlib.compressed_tensors.packed_from_tensors(parts, stored_fmt)
-                layers.put(("base", proj, "w"), layer, packed)
-                seen.add(f"{hf_linear_name(layer, proj)}.weight")
-                del packed_parts[(layer, proj)]
-            continue
-        if name not in expected:
-            if name.endswith("_proj.weight_zero_point") or name.endswith(".weight_shape"):
-                continue
-            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model of this config")
-        if tuple(array.shape) != expected[name]:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, expected {expected[name]}")
-        seen.add(name)
-        if m is not None:
-            layer, proj, kind = int(m.group(1)), m.group(3), m.group(4)
-            if kind == "weight" and quant and proj not in quant_skip:
-                group = next((g for g in FUSED_GROUPS if proj in g), (proj,))
-                group = tuple(p for p in group if p not in quant_skip)
-                members = pending.setdefault((layer, group), {})
-                members[proj] = array
-                if len(members) == len(group):
-                    quantize_group(layer, pending.pop((layer, group)))
+    def check_complete(self) -> None:
+        """CheckpointError naming the projections left incomplete or the tensors missing, if any."""
+        if self.pending or self.packed_parts:
+            incomplete = sorted(
+                {hf_linear_name(layer, p) for (layer, g) in self.pending for p in g}
+                | {hf_linear_name(l, p) for l, p in self.packed_parts}
+            )
+            raise CheckpointError(f"{self.path}: incomplete quantized projection(s): {incomplete[:5]}")
+        missing = sorted(set(self.expected) - self.seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise CheckpointError(f"{self.path}: checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    def params(self) -> dict[str, Any]:
+        """{"base", "norms"} of the collected tensors, on the host."""
+        base_layers = {proj: {} for proj in PROJECTIONS}
+        norm_layers = {}
+        for key in self.layers.buffers:
+            if key[0] == "base":
+                base_layers[key[1]][key[2]] = self.layers.get(key)
             else:
-                layers.put(("base", proj, "w" if kind == "weight" else "b"), layer, array.astype(np_dtype))
-            continue
-        n = _NORM_RE.match(name)
-        if n is not None:  # norms stay float32 whatever `dtype`: AQN's small noise must not round away
-            layers.put(("norms", n.group(2)), int(n.group(1)), array.astype(np.float32))
-            continue
-        top[name] = array.astype(np.float32 if name == "model.norm.weight" else np_dtype)
-
-    if pending or packed_parts:
-        incomplete = sorted(
-            {hf_linear_name(layer, p) for (layer, g) in pending for p in g}
-            | {hf_linear_name(l, p) for l, p in packed_parts}
-        )
-        raise CheckpointError(f"{path}: incomplete quantized projection(s): {incomplete[:5]}")
-    missing = sorted(set(expected) - seen)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensor(s): {shown}")
-
-    base_layers = {proj: {} for proj in PROJECTIONS}
-    norm_layers = {}
-    for key in layers.buffers:
-        if key[0] == "base":
-            base_layers[key[1]][key[2]] = layers.get(key)
-        else:
-            norm_layers[key[1]] = layers.get(key)
-    base = {"embed": top["model.embed_tokens.weight"], "layers": base_layers}
-    if not config.tie_word_embeddings:
-        base["lm_head"] = top["lm_head.weight"]
-    params = {"base": base, "norms": {"final_norm": top["model.norm.weight"], "layers": norm_layers}}
-    return config, jax.device_put(params)
+                norm_layers[key[1]] = self.layers.get(key)
+        base = {"embed": self.top["model.embed_tokens.weight"], "layers": base_layers}
+        if not self.config.tie_word_embeddings:
+            base["lm_head"] = self.top["lm_head.weight"]
+        return {"base": base, "norms": {"final_norm": self.top["model.norm.weight"], "layers": norm_layers}}
 
 
 def load_tokenizer(path: str):
