@@ -16,6 +16,7 @@ input tensor plus one output shard.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -170,14 +171,7 @@ def quantize_checkpoint(
     a non-empty output) before anything is written, and later for K not a multiple of the
     block size and non-finite weights (naming the tensor).
     """
-    import jax  # noqa: PLC0415 (keeps `--help` fast)
-    import jax.numpy as jnp  # noqa: PLC0415
-    import safetensors.numpy  # noqa: PLC0415
-    from safetensors import safe_open  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from qerl_jax import quant  # noqa: PLC0415
-    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
+    from qerl_jax import quant  # noqa: PLC0415 (keeps `--help` fast)
     from qerl_jax.validate import format_problems  # noqa: PLC0415
 
     if _gguf_file(model_dir) is not None:  # exported to a float32 HF checkpoint, then quantized
@@ -192,52 +186,94 @@ def quantize_checkpoint(
         config = json.load(f)
     shards, index = _shards(model_dir)
     block = quant.REGISTRY[fmt].block_size
+    read = functools.partial(_read_tensors, model_dir, shards, progress=progress)
+    # Pass 1 (nvfp4): amax of every linear weight, maxed over fused groups.
+    group_amax = _group_amax(read, fmt, block, fuse_global_scale) if fmt == "nvfp4" else {}
+    os.makedirs(out_dir, exist_ok=True)
+    written, ignore = _write_quantized_shards(read, shards[0], out_dir, fmt, block, group_amax, fuse_global_scale)
+    _write_index_and_config(model_dir, out_dir, fmt, config, index, written, ignore)
+    return out_dir
 
-    def tensors(desc: str, only_quantizable: bool):
-        """Yields (shard, name, array) over all shards, with a progress bar over tensors."""
-        total = 0
+
+def _read_tensors(model_dir: str, shards: list[str], desc: str, only_quantizable: bool, *, progress: bool):
+    """Yields (shard, name, array) over all shards, with a progress bar over tensors."""
+    from safetensors import safe_open  # noqa: PLC0415 (keeps `--help` fast)
+    from tqdm import tqdm  # noqa: PLC0415
+
+    total = 0
+    for shard in shards:
+        with safe_open(os.path.join(model_dir, shard), framework="numpy") as f:
+            total += sum(1 for n in f.keys() if not only_quantizable or QUANTIZABLE.match(n))
+    with tqdm(total=total, desc=desc, unit="tensor", disable=not progress) as bar:
         for shard in shards:
             with safe_open(os.path.join(model_dir, shard), framework="numpy") as f:
-                total += sum(1 for n in f.keys() if not only_quantizable or QUANTIZABLE.match(n))
-        with tqdm(total=total, desc=desc, unit="tensor", disable=not progress) as bar:
-            for shard in shards:
-                with safe_open(os.path.join(model_dir, shard), framework="numpy") as f:
-                    for name in f.keys():
-                        if only_quantizable and not QUANTIZABLE.match(name):
-                            continue
-                        yield shard, name, f.get_tensor(name)
-                        bar.update(1)
+                for name in f.keys():
+                    if only_quantizable and not QUANTIZABLE.match(name):
+                        continue
+                    yield shard, name, f.get_tensor(name)
+                    bar.update(1)
 
-    # Pass 1 (nvfp4): amax of every linear weight, maxed over fused groups.
+
+def _group_amax(read, fmt: str, block: int, fuse_global_scale: bool) -> dict[str, np.float32]:
+    """The amax of every linear weight (checked first), maxed over its fused group when fusing."""
     group_amax: dict[str, np.float32] = {}
-    if fmt == "nvfp4":
-        for _, name, array in tensors("measuring amax", only_quantizable=True):
-            if not _is_quantizable(name, array.shape):
-                continue
-            _check_tensor(name, array, fmt, block)
-            key = _fused_key(name) if fuse_global_scale else name
-            amax = np.float32(np.max(np.abs(array.astype(np.float32))))
-            group_amax[key] = max(group_amax.get(key, np.float32(0)), amax)
+    for _, name, array in read("measuring amax", only_quantizable=True):
+        if not _is_quantizable(name, array.shape):
+            continue
+        _check_tensor(name, array, fmt, block)
+        key = _fused_key(name) if fuse_global_scale else name
+        amax = np.float32(np.max(np.abs(array.astype(np.float32))))
+        group_amax[key] = max(group_amax.get(key, np.float32(0)), amax)
+    return group_amax
+
+
+class _ShardWriter:
+    """Output tensors collected per shard, each shard written once complete."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.tensors: dict[str, np.ndarray] = {}
+        self.weight_map: dict[str, str] = {}  # tensor name -> its shard
+        self.total_size = 0  # bytes written
+
+    def add(self, name: str, array: np.ndarray, shard: str) -> None:
+        self.tensors[name] = array
+        self.weight_map[name] = shard
+
+    def flush(self, shard: str) -> None:
+        import safetensors.numpy  # noqa: PLC0415 (keeps `--help` fast)
+
+        path = os.path.join(self.out_dir, shard)
+        safetensors.numpy.save_file(self.tensors, path, metadata={"format": "pt"})
+        os.chmod(path, 0o644)  # safetensors creates it owner-only
+        self.total_size += sum(a.nbytes for a in self.tensors.values())
+        self.tensors = {}
+
+
+def _write_quantized_shards(
+    read,
+    first_shard: str,
+    out_dir: str,
+    fmt: str,
+    block: int,
+    group_amax: dict[str, np.float32],
+    fuse_global_scale: bool,
+) -> tuple[_ShardWriter, set[str]]:
+    """Pass 2: every shard written with its linear weights quantized (packed + scales) and the other
+    tensors copied. (The writer: weight map and bytes written, the modules the "Linear" target skips.)"""
+    import jax  # noqa: PLC0415 (keeps `--help` fast)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from qerl_jax import quant  # noqa: PLC0415
+    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415
 
     quantize_fn = jax.jit(quant.quantize, static_argnums=1)
-    os.makedirs(out_dir, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    total_size = 0
+    writer = _ShardWriter(out_dir)
     ignore = {"lm_head"}
-    out_tensors: dict[str, np.ndarray] = {}
-    current = shards[0]
-
-    def flush(shard: str) -> None:
-        nonlocal out_tensors, total_size
-        path = os.path.join(out_dir, shard)
-        safetensors.numpy.save_file(out_tensors, path, metadata={"format": "pt"})
-        os.chmod(path, 0o644)  # safetensors creates it owner-only
-        total_size += sum(a.nbytes for a in out_tensors.values())
-        out_tensors = {}
-
-    for shard, name, array in tensors(f"quantizing to {fmt}", only_quantizable=False):
+    current = first_shard
+    for shard, name, array in read(f"quantizing to {fmt}", only_quantizable=False):
         if shard != current:
-            flush(current)
+            writer.flush(current)
             current = shard
         if _is_quantizable(name, array.shape):
             if fmt != "nvfp4":  # nvfp4 weights were checked in pass 1
@@ -248,19 +284,26 @@ def quantize_checkpoint(
             packed = quantize_fn(jnp.asarray(array), fmt, amax=amax)
             module = name[: -len(".weight")]
             for suffix, value in ct.tensors_from_packed(packed).items():
-                out_tensors[f"{module}.{suffix}"] = value
-                weight_map[f"{module}.{suffix}"] = shard
+                writer.add(f"{module}.{suffix}", value, shard)
             continue
         if name.endswith(".weight") and array.ndim == 2 and name != "model.embed_tokens.weight":
             ignore.add(name[: -len(".weight")])  # a dense 2-D weight the "Linear" target must skip
-        out_tensors[name] = array
-        weight_map[name] = shard
-    flush(current)
+        writer.add(name, array, shard)
+    writer.flush(current)
+    return writer, ignore
+
+
+def _write_index_and_config(
+    model_dir: str, out_dir: str, fmt: str, config: dict, index: dict | None, written: _ShardWriter, ignore: set[str]
+) -> None:
+    """The shard index (if the input had one), config.json with its quantization_config, and the
+    tokenizer / generation files copied."""
+    from qerl_jax.quant import compressed_tensors as ct  # noqa: PLC0415 (keeps `--help` fast)
 
     if index is not None:
         new_index = {
-            "metadata": {**index.get("metadata", {}), "total_size": total_size},
-            "weight_map": dict(sorted(weight_map.items())),
+            "metadata": {**index.get("metadata", {}), "total_size": written.total_size},
+            "weight_map": dict(sorted(written.weight_map.items())),
         }
         with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
             json.dump(new_index, f, indent=2)
@@ -271,7 +314,6 @@ def quantize_checkpoint(
         src = os.path.join(model_dir, entry)
         if os.path.isfile(src) and any(fnmatch.fnmatch(entry, p) for p in COPY_PATTERNS):
             shutil.copyfile(src, os.path.join(out_dir, entry))
-    return out_dir
 
 
 def _gguf_file(model_dir: str) -> str | None:
