@@ -262,18 +262,10 @@ def policy_loss(
        old_logp even when old_logp_source="current"), and entropy / kl_ref when available).
     """
     b, t = logp.shape
-    for name, x in (
-        ("old_logp", old_logp),
-        ("response_mask", response_mask),
-        ("ref_logp", ref_logp),
-        ("entropy", entropy),
-    ):
-        if x is not None and x.shape != (b, t):
-            raise ValueError(f"{name} has shape {x.shape}; expected {(b, t)} like logp")
+    _check_shapes((b, t), old_logp=old_logp, response_mask=response_mask, ref_logp=ref_logp, entropy=entropy)
     if advantages.shape != (b,):
         raise ValueError(f"advantages has shape {advantages.shape}; expected ({b},)")
     mask = response_mask.astype(bool)
-    maskf = mask.astype(jnp.float32)
     advantages = jnp.where(mask.any(axis=1), advantages.astype(jnp.float32), 0.0)  # rows without tokens: inert
     is_weight, over_cap = importance_weights(logp, old_logp, mask, cfg)
     terms = per_token_terms(
@@ -290,28 +282,56 @@ def policy_loss(
     sampler_terms = (
         terms if cfg.old_logp_source == "rollout" else per_token_terms(logp, old_logp, advantages, sampler_cfg)
     )
-    masked = lambda x: jnp.where(mask, x, 0.0)  # noqa: E731  (where, not *, so garbage at padding cannot leak NaN)
-
     if normalizer is None:
         normalizer = loss_normalizer(response_mask, cfg)
-    if cfg.kind != "grpo":
-        agg = lambda x: masked(x).sum() / normalizer  # noqa: E731
-    else:
-        seq_len = jnp.maximum(maskf.sum(axis=1), 1.0)
-        agg = lambda x: (masked(x).sum(axis=1) / seq_len).sum() / normalizer  # noqa: E731
+    agg = _aggregator(mask, cfg.kind, normalizer)
     loss = agg(terms["token_loss"])
+    metrics = {
+        "loss": jax.lax.stop_gradient(loss),
+        "pg_loss": jax.lax.stop_gradient(agg(terms["pg"])),
+        **_token_metrics(logp, old_logp, advantages, mask, terms, sampler_terms),
+        **_optional_metrics(cfg, mask, terms, is_weight, over_cap, entropy),
+    }
+    return loss, metrics
 
-    n_tok = maskf.sum()
-    tok_mean = lambda x: jax.lax.stop_gradient(masked(x).sum() / jnp.maximum(n_tok, 1.0))  # noqa: E731
+
+def _check_shapes(shape: tuple[int, int], **arrays: jax.Array | None) -> None:
+    """ValueError naming the first given array whose shape is not logp's [B, T]."""
+    for name, x in arrays.items():
+        if x is not None and x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}; expected {shape} like logp")
+
+
+def _masked(mask: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.where(mask, x, 0.0)  # where, not *, so garbage at padding cannot leak NaN
+
+
+def _aggregator(mask: jax.Array, kind: str, normalizer: jax.Array | float):
+    """x [B, T] -> the loss of `kind` over the response tokens: their sum (grpo: each sequence's token
+    mean, summed) divided by `normalizer`."""
+    if kind != "grpo":
+        return lambda x: _masked(mask, x).sum() / normalizer
+    seq_len = jnp.maximum(mask.astype(jnp.float32).sum(axis=1), 1.0)
+    return lambda x: (_masked(mask, x).sum(axis=1) / seq_len).sum() / normalizer
+
+
+def _token_mean(mask: jax.Array):
+    """x [B, T] -> its stop-gradient mean over the response tokens (0 when there are none)."""
+    n_tok = mask.astype(jnp.float32).sum()
+    return lambda x: jax.lax.stop_gradient(_masked(mask, x).sum() / jnp.maximum(n_tok, 1.0))
+
+
+def _token_metrics(logp, old_logp, advantages, mask, terms, sampler_terms) -> dict[str, jax.Array]:
+    """`policy_loss`'s metrics of the ratio, the clipping, the sampler's distance, the advantages."""
+    n_tok = mask.astype(jnp.float32).sum()
+    tok_mean = _token_mean(mask)
     ratio = jax.lax.stop_gradient(terms["ratio"])
     has_tokens = mask.any(axis=1)
     n_seq = jnp.maximum(has_tokens.sum(), 1)
     adv_mean = jnp.where(has_tokens, advantages, 0.0).sum() / n_seq
     adv_var = jnp.where(has_tokens, (advantages - adv_mean) ** 2, 0.0).sum() / n_seq
     sampler_d = jnp.clip(jax.lax.stop_gradient(logp) - old_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    metrics = {
-        "loss": jax.lax.stop_gradient(loss),
-        "pg_loss": jax.lax.stop_gradient(agg(terms["pg"])),
+    return {
         "clip_frac": tok_mean(terms["clipped"].astype(jnp.float32)),
         "sampler_clip_frac": tok_mean(sampler_terms["clipped"].astype(jnp.float32)),
         "sampler_abs_log_ratio": tok_mean(jnp.abs(jax.lax.stop_gradient(logp) - old_logp)),
@@ -324,6 +344,14 @@ def policy_loss(
         "adv_std": jax.lax.stop_gradient(jnp.sqrt(adv_var)),
         "response_tokens": n_tok,
     }
+
+
+def _optional_metrics(cfg: LossConfig, mask, terms, is_weight, over_cap, entropy) -> dict[str, jax.Array]:
+    """`policy_loss`'s metrics of the importance weights (is_correction), the entropy and the KL to the
+    reference, where there are such."""
+    n_tok = mask.astype(jnp.float32).sum()
+    tok_mean = _token_mean(mask)
+    metrics = {}
     if cfg.is_correction != "none":
         metrics["is_weight_mean"] = tok_mean(is_weight)
         metrics["is_weight_max"] = jnp.where(n_tok > 0, jnp.max(jnp.where(mask, is_weight, -jnp.inf)), 1.0)
@@ -332,4 +360,4 @@ def policy_loss(
         metrics["entropy"] = tok_mean(entropy)
     if "kl_ref" in terms:
         metrics["kl_ref"] = tok_mean(terms["kl_ref"])
-    return loss, metrics
+    return metrics
