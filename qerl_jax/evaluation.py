@@ -148,6 +148,7 @@ def _eval_prompts(cfg: RunConfig, policy: Policy, path: str):
 def _evaluate_dataset(
     cfg: RunConfig, policy: Policy, params, lora_scale: float, path: str, pool, out_file: str, max_batch: int | None
 ) -> dict[str, Any]:
+    """One eval dataset's metrics (pass@1, mean@k), its per-example JSONL and problems file written."""
     dataset, tok = _eval_prompts(cfg, policy, path)
     if tok.num_dropped:
         logging.warning(
@@ -156,44 +157,11 @@ def _evaluate_dataset(
             tok.num_dropped,
             cfg.data.max_prompt_len,
         )
-    greedy = SamplingConfig(
-        temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens, eos_ids=policy.stop_ids, pad_id=policy.pad_id
-    )
-    runs = [("pass_at_1", greedy, 1)]
-    if cfg.eval.num_samples:
-        sampled = SamplingConfig(
-            temperature=cfg.eval.temperature,
-            top_p=cfg.eval.top_p,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            eos_ids=policy.stop_ids,
-            pad_id=policy.pad_id,
-        )
-        runs.append((f"mean_at_{cfg.eval.num_samples}", sampled, cfg.eval.num_samples))
-
     result: dict[str, Any] = {"num_examples": int(len(tok.kept_indices)), "skipped_too_long": int(tok.num_dropped)}
     records = []
-    for metric, sampling, k in runs:
+    for metric, sampling, k in _eval_runs(cfg, policy):
         t0 = time.perf_counter()
-        completions, lengths = [], []
-        for start in range(0, len(tok.kept_indices), cfg.eval.batch_size):
-            sl = slice(start, start + cfg.eval.batch_size)
-            batch = generate(
-                policy.config,
-                params,
-                tok.input_ids[sl],
-                tok.attention_mask[sl],
-                jax.random.fold_in(jax.random.key(cfg.seed), start),
-                sampling,
-                group_size=k,
-                lora_scale=lora_scale,
-                max_batch=max_batch,
-                options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
-            )
-            tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
-            completions += policy.tokenizer.batch_decode(
-                [r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True
-            )
-            lengths += lens.tolist()
+        completions, lengths = _completions(cfg, policy, params, lora_scale, tok, sampling, k, max_batch)
         rows = np.repeat(tok.kept_indices, k)
         answers = [dataset[int(i)]["answer"] for i in rows]
         correct = pool.score(completions, answers, "accuracy")
@@ -218,6 +186,51 @@ def _evaluate_dataset(
             f.write(json.dumps(r) + "\n")
     _write_problems(os.path.splitext(out_file)[0] + PROBLEMS_SUFFIX, records)
     return result
+
+
+def _eval_runs(cfg: RunConfig, policy: Policy) -> list[tuple[str, SamplingConfig, int]]:
+    """(metric, sampling, samples per prompt) of each pass over a dataset: greedy pass@1, and
+    mean@k of k sampled completions when eval.num_samples is set."""
+    greedy = SamplingConfig(
+        temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens, eos_ids=policy.stop_ids, pad_id=policy.pad_id
+    )
+    runs = [("pass_at_1", greedy, 1)]
+    if cfg.eval.num_samples:
+        sampled = SamplingConfig(
+            temperature=cfg.eval.temperature,
+            top_p=cfg.eval.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            eos_ids=policy.stop_ids,
+            pad_id=policy.pad_id,
+        )
+        runs.append((f"mean_at_{cfg.eval.num_samples}", sampled, cfg.eval.num_samples))
+    return runs
+
+
+def _completions(
+    cfg: RunConfig, policy: Policy, params, lora_scale: float, tok, sampling: SamplingConfig, k: int, max_batch
+) -> tuple[list[str], list[int]]:
+    """k decoded completions per kept prompt (prompt-major) and their lengths in tokens, eval.batch_size
+    prompts a call, each call's key folded from the seed by its first prompt."""
+    completions, lengths = [], []
+    for start in range(0, len(tok.kept_indices), cfg.eval.batch_size):
+        sl = slice(start, start + cfg.eval.batch_size)
+        batch = generate(
+            policy.config,
+            params,
+            tok.input_ids[sl],
+            tok.attention_mask[sl],
+            jax.random.fold_in(jax.random.key(cfg.seed), start),
+            sampling,
+            group_size=k,
+            lora_scale=lora_scale,
+            max_batch=max_batch,
+            options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
+        )
+        tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
+        completions += policy.tokenizer.batch_decode([r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True)
+        lengths += lens.tolist()
+    return completions, lengths
 
 
 PROBLEMS_SUFFIX = ".problems.jsonl.gz"
