@@ -107,7 +107,6 @@ def build_tiny_tokenizer(
       eos token, `<|im_start|>`/`<|im_end|>` and a ChatML chat template.
     """
     import transformers
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     min_size = len(SPECIAL_TOKENS) + 256 + 1
     if vocab_size < min_size:
@@ -115,6 +114,32 @@ def build_tiny_tokenizer(
     texts = list(texts) if texts is not None else _default_texts()
     if not texts:
         raise ValueError("texts is empty; expected at least one training text.")
+
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(vocab_size, texts),
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=2048,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        hf_tok.save_pretrained(str(out_dir))
+        # Real Qwen checkpoints name Qwen2Tokenizer; it loads the same tokenizer.json.
+        cfg_path = pathlib.Path(out_dir) / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["tokenizer_class"] = "Qwen2Tokenizer"
+        _write_json(cfg_path, cfg)
+    return hf_tok
+
+
+def _train_bpe(vocab_size: int, texts: list[str]):
+    """A Qwen2-style byte-level BPE `tokenizers.Tokenizer` of exactly `vocab_size` ids trained on `texts`."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
@@ -138,27 +163,7 @@ def build_tiny_tokenizer(
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
         tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(missing)])
-
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=ENDOFTEXT,
-        pad_token=ENDOFTEXT,
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=[IM_START, IM_END],
-        model_max_length=2048,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    if out_dir is not None:
-        hf_tok.save_pretrained(str(out_dir))
-        # Real Qwen checkpoints name Qwen2Tokenizer; it loads the same tokenizer.json.
-        cfg_path = pathlib.Path(out_dir) / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["tokenizer_class"] = "Qwen2Tokenizer"
-        _write_json(cfg_path, cfg)
-    return hf_tok
+    return tok
 
 
 def _supports_bf16_numpy() -> bool:
@@ -315,54 +320,48 @@ def build_tiny_checkpoint(
     Returns:
       `out_dir` as a string.
     """
-    import safetensors.numpy
-
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}.")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}.")
     out = pathlib.Path(out_dir)
     texts = list(texts) if texts is not None else _default_texts()
+    shape = dict(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+    )  # fmt: skip
     build_args = dict(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        seed=seed,
-        tie_word_embeddings=tie_word_embeddings,
-        vocab_size=vocab_size,
-        random_norms=random_norms,
-        texts_hash=_hash_texts(texts),
+        **shape, seed=seed, vocab_size=vocab_size, random_norms=random_norms, texts_hash=_hash_texts(texts),
         format_version=1,
-    )
-    marker = out / _BUILD_ARGS_FILE
-    if marker.is_file() and all((out / f).is_file() for f in _CHECKPOINT_FILES):
-        try:
-            if json.loads(marker.read_text()) == build_args:
-                return str(out)
-        except json.JSONDecodeError:
-            pass
+    )  # fmt: skip
+    if _built_with(out, build_args):
+        return str(out)
     out.mkdir(parents=True, exist_ok=True)
-    if marker.exists():
-        marker.unlink()
-
+    (out / _BUILD_ARGS_FILE).unlink(missing_ok=True)  # written again last, once the checkpoint is complete
     tokenizer = build_tiny_tokenizer(out, vocab_size=vocab_size, texts=texts)
     real_vocab = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    config = hf_config(vocab_size=real_vocab, eos_id=eos_id, **shape)
+    weights = make_tiny_weights(vocab_size=real_vocab, seed=seed, random_norms=random_norms, **shape)
+    gen_config = _generation_config(eos_id, tokenizer.convert_tokens_to_ids(IM_END))
+    _write_weights_and_configs(out, weights, config, gen_config)
+    _write_json(out / _BUILD_ARGS_FILE, build_args)
+    return str(out)
 
-    config = hf_config(
-        vocab_size=real_vocab,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_id=eos_id,
-    )
-    gen_config = {
+
+def _built_with(out: pathlib.Path, build_args: dict) -> bool:
+    """Whether `out` holds a complete checkpoint built with `build_args` (its marker written last)."""
+    marker = out / _BUILD_ARGS_FILE
+    if marker.is_file() and all((out / f).is_file() for f in _CHECKPOINT_FILES):
+        try:
+            return json.loads(marker.read_text()) == build_args
+        except json.JSONDecodeError:
+            pass
+    return False
+
+
+def _generation_config(eos_id: int, im_end_id: int) -> dict:
+    return {
         "bos_token_id": eos_id,
         "eos_token_id": [im_end_id, eos_id],
         "pad_token_id": eos_id,
@@ -370,17 +369,13 @@ def build_tiny_checkpoint(
         "temperature": 1.0,
         "top_p": 1.0,
     }
-    weights = make_tiny_weights(
-        vocab_size=real_vocab,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        seed=seed,
-        tie_word_embeddings=tie_word_embeddings,
-        random_norms=random_norms,
-    )
+
+
+def _write_weights_and_configs(out: pathlib.Path, weights: dict[str, np.ndarray], config: dict, gen_config: dict):
+    """model.safetensors (bf16 where safetensors' numpy backend has it, else float32: config.json
+    then says so), config.json and generation_config.json."""
+    import safetensors.numpy
+
     if _supports_bf16_numpy():
         weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
     else:
@@ -391,8 +386,6 @@ def build_tiny_checkpoint(
     os.replace(tmp, out / "model.safetensors")
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", gen_config)
-    _write_json(marker, build_args)
-    return str(out)
 
 
 def _hash_texts(texts: Sequence[str]) -> str:
