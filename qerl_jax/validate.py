@@ -617,6 +617,13 @@ def checkpoint_file_problems(
     if missing:
         shown = ", ".join(missing[:3]) + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else "")
         problems.append(f"{model_dir}: missing {len(missing)} tensor(s) that config.json implies: {shown}")
+    return problems + tokenizer_file_problems(model_dir, need_tokenizer)
+
+
+def tokenizer_file_problems(model_dir: str, need_tokenizer: bool) -> list[str]:
+    """Tokenizer JSON files of `model_dir` that do not parse; none at all, or no chat template (when
+    `need_tokenizer`)."""
+    problems = []
     present = [f for f in TOKENIZER_JSON if os.path.isfile(os.path.join(model_dir, f))]
     if need_tokenizer and not present:
         problems.append(f"{model_dir}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")

@@ -123,12 +123,7 @@ def pack_batch(
     b, t = ids.shape
     starts = np.argmax(attn, axis=1)
     lengths = attn.sum(axis=1)
-    run_starts = attn & ~np.pad(attn, ((0, 0), (1, 0)))[:, :-1]
-    holes = np.flatnonzero(run_starts.sum(axis=1) > 1)
-    if holes.size:
-        raise ValueError(f"batch['attention_mask'] rows {holes[:5].tolist()} have padding between real tokens")
-    if (resp.astype(bool) & ~attn).any():
-        raise ValueError("batch['response_mask'] marks tokens whose attention_mask is 0 (padding)")
+    _check_contiguous(attn, resp)
     if rows is None:
         rows = pack_rows(lengths, row_len)
     n_rows = max(-(-len(rows) // rows_multiple) * rows_multiple, rows_multiple)
@@ -164,6 +159,16 @@ def pack_batch(
         "old_logp": seq_old,
         "advantages": np.asarray(batch["advantages"], np.float32),
     }
+
+
+def _check_contiguous(attn: np.ndarray, resp: np.ndarray) -> None:
+    """ValueError unless each row's real tokens are contiguous and its response tokens among them."""
+    run_starts = attn & ~np.pad(attn, ((0, 0), (1, 0)))[:, :-1]
+    holes = np.flatnonzero(run_starts.sum(axis=1) > 1)
+    if holes.size:
+        raise ValueError(f"batch['attention_mask'] rows {holes[:5].tolist()} have padding between real tokens")
+    if (resp.astype(bool) & ~attn).any():
+        raise ValueError("batch['response_mask'] marks tokens whose attention_mask is 0 (padding)")
 
 
 def to_sequence_layout(x_BxT: Any, attention_mask_BxT: Any, width: int) -> np.ndarray:

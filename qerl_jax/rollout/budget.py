@@ -107,14 +107,7 @@ def rollout_memory(
     def state(r: int) -> int:
         return r * (new_tokens * 8 + ROW_SCALARS * 4)
 
-    tokens = admit_prompts * prompt_len
-    admission = (
-        cache_bytes(c, admit_prompts, prompt_len, cache_dtype)
-        + tokens * (3 * c.intermediate_size + 4 * c.hidden_size) * act
-        + admit_prompts * c.num_attention_heads * prompt_len * prompt_len * SCORE_BYTES
-        + admit_prompts * c.vocab_size * 4
-        + LOGITS_WORK * admit_rows * c.vocab_size * 4
-    )
+    admission = _admission_bytes(c, admit_rows, admit_prompts, prompt_len, cache_dtype, act)
     widest = max(2 * c.intermediate_size, (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim)
     decode = (
         LOGITS_WORK * rows * c.vocab_size * 4
@@ -132,6 +125,21 @@ def rollout_memory(
         decode=decode,
         compaction=compaction,
         weight_copies=weight_copies,
+    )
+
+
+def _admission_bytes(
+    c: ModelConfig, admit_rows: int, admit_prompts: int, prompt_len: int, cache_dtype, act: int
+) -> int:
+    """`rollout_memory`'s admission term: the prompts' caches, one layer's activations and attention
+    scores, the last position's logits, the first tokens' sampling."""
+    tokens = admit_prompts * prompt_len
+    return (
+        cache_bytes(c, admit_prompts, prompt_len, cache_dtype)
+        + tokens * (3 * c.intermediate_size + 4 * c.hidden_size) * act
+        + admit_prompts * c.num_attention_heads * prompt_len * prompt_len * SCORE_BYTES
+        + admit_prompts * c.vocab_size * 4
+        + LOGITS_WORK * admit_rows * c.vocab_size * 4
     )
 
 

@@ -157,11 +157,7 @@ def generate_data_parallel(
     """
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
     shards = mesh.shape["data"]
-    if ids.ndim != 2 or ids.shape[0] < shards:
-        raise ValueError(
-            f"a data-parallel rollout needs at least one prompt per data shard: {ids.shape[0] if ids.ndim else 0} "
-            f"prompts for {shards} shards"
-        )
+    _check_prompt_count(ids, shards)
     if shard_prompts is None:
         shard_prompts = [np.arange(b.start, b.stop) for b in prompt_blocks(ids.shape[0], shards)]
     rows_of = [(p[:, None] * group_size + np.arange(group_size)).reshape(-1) for p in shard_prompts]
@@ -193,11 +189,19 @@ def generate_data_parallel(
     return in_prompt_order(gather_blocks(done, shards), group_size)
 
 
+def _check_prompt_count(ids: np.ndarray, shards: int) -> None:
+    if ids.ndim != 2 or ids.shape[0] < shards:
+        raise ValueError(
+            f"a data-parallel rollout needs at least one prompt per data shard: {ids.shape[0] if ids.ndim else 0} "
+            f"prompts for {shards} shards"
+        )
+
+
 def in_prompt_order(parts: list[dict[str, np.ndarray]], group_size: int) -> RolloutBatch:
     """One RolloutBatch of the shards' rows (`prompt_index` global), sorted back into prompt-major
     order (a stable sort: sample g of a prompt stays its row g)."""
-    joined = concat([
-        RolloutBatch(**{f: jnp.asarray(p[f]) for f in (*PER_ROW, "steps")}, group_size=group_size) for p in parts
-    ])
+    joined = concat(
+        [RolloutBatch(**{f: jnp.asarray(p[f]) for f in (*PER_ROW, "steps")}, group_size=group_size) for p in parts]
+    )
     order = np.argsort(np.asarray(joined.prompt_index), kind="stable")
     return select_rows(joined, order)
