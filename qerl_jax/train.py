@@ -197,6 +197,8 @@ class _Run:
 
 
 def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
+    """The set-up, then one `_train_one_step` and one `_after_step` per step until the run's end or
+    the time budget, then `_finish`; the last step's metrics."""
     run = _set_up(cfg, t_start, mesh)
     with reward_pool.RewardPool(cfg.rl.reward_workers or None, timeout_s=cfg.rl.reward_timeout_s) as pool:
         guard = reward_guard.RewardGuard(pool, cfg.rl.reward_failure_fraction, run.ckpt.directory)
@@ -284,8 +286,9 @@ def _init_state(
     return rl_step.init_train_state(init, optimizer, norms)
 
 
-def _train_prompts(cfg: RunConfig, policy: Policy) -> list:
-    """The training set without the prompts longer than data.max_prompt_len; too few left is an error."""
+def _train_prompts(cfg: RunConfig, policy: Policy) -> Any:
+    """The training set (a `datasets.Dataset`) without the prompts longer than data.max_prompt_len; too
+    few left is an error."""
     dataset = load_math_dataset(cfg.data.train, max_bad_fraction=cfg.data.max_bad_fraction)
     dataset, dropped = filter_overlong(
         dataset, policy.tokenizer, cfg.data.max_prompt_len, cfg.data.template, system_prompt=cfg.data.system_prompt
