@@ -454,12 +454,15 @@ def generate(
     )  # fmt: skip
     dense = plan.dense_names
     run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
+    placement = options.batch_sharding
     if options.batch_sharding is None:
+        placement = _committed_placement(run_params)
+        key = key if placement is None else jax.device_put(key, placement)
         limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
         # Only a queue held below its end admits sequences after a compaction.
         admit_smaller = limit < min(end, call.total)
-        _precompile(call.static, run_params, plan, call.prompt_slots, key, call.stop_V, admit_smaller=admit_smaller)
-    out, segments = _decode_all(call, plan, run_params, key, monitor, options)
+        _precompile(call, run_params, plan, key, placement, admit_smaller=admit_smaller)
+    out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement)
     return _rollout_batch(call, out, segments)
 
 
@@ -538,15 +541,16 @@ def _stop_and_pad(config: ModelConfig, sampling: SamplingConfig) -> tuple[np.nda
 
 
 def _decode_all(
-    call: _Call, plan: RolloutPlan, run_params, key: jax.Array, monitor: RolloutMonitor | None, options: RolloutOptions
-) -> tuple[_Outputs, list[int]]:
+    call: _Call, plan: RolloutPlan, run_params, key: jax.Array, monitor: RolloutMonitor | None, options: RolloutOptions,
+    placement: jax.sharding.Sharding | None,
+) -> tuple[_Outputs, list[int]]:  # fmt: skip
     """Runs the scheduler over the device programs until no sequence is left to decode: admit into
     free rows, decode, harvest the rows that stopped (telling the monitor), compact the tail. The
-    outputs and the decode steps of each segment."""
+    outputs and the decode steps of each segment. placement: of the cache and rows (`_committed_placement`)."""
     batch_sharding, total = options.batch_sharding, call.total
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
-    cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, batch_sharding)
+    cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, placement)
     prompt_of_seq = np.arange(total) // call.group_size
     out = _Outputs(total, call.max_new, call.pad_id)
     max_steps = np.int32(MONITOR_STEPS if monitor is not None else call.static.new_slots)
@@ -605,19 +609,52 @@ def _rollout_batch(call: _Call, out: _Outputs, segments: list[int]) -> RolloutBa
     )
 
 
+def _committed_placement(params) -> jax.sharding.Sharding | None:
+    """Where a call keeps its own device arrays (cache, rows, key) when the params are committed
+    to one device (a data shard's view of them, `rollout.data_parallel`): jit commits its outputs
+    there too, so the arrays are put there from the start and the programs precompiled with that
+    sharding; otherwise each program would compile again in the decode loop. None: the params
+    are uncommitted or span several devices (jit places the arrays)."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array) and leaf.committed:
+            sharding = leaf.sharding
+            if len(sharding.device_set) != 1:
+                return None
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+    return None
+
+
 def _precompile(
-    static: programs.Static, run_params, plan: RolloutPlan, prompt_slots: int, key, stop_V, *, admit_smaller: bool
+    call: _Call, run_params, plan: RolloutPlan, key, placement: jax.sharding.Sharding | None, *, admit_smaller: bool
 ) -> None:
     """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
     compiles; tracing stays serial, each program compiling while the next is traced): `jax.jit`'s
     cache then serves the calls. Programs compiled before (an earlier call, or the persistent
-    compilation cache) come back at once. admit_smaller: admissions into the compacted buckets
-    too (a monitor may let sequences in after a compaction)."""
+    compilation cache) come back at once. placement: the sharding of the call's cache, rows and
+    key, as the calls will pass them. admit_smaller: admissions into the compacted buckets too (a
+    monitor may let sequences in after a compaction)."""
+    jobs = _program_specs(call, run_params, plan, key, placement, admit_smaller)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
+        # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
+        # the persistent cache, as soon as it is lowered, while the next ones are traced.
+        compiled = [pool.submit(fn.trace(*args).lower().compile) for fn, args in jobs]
+        for future in compiled:
+            future.result()
+
+
+def _program_specs(call: _Call, run_params, plan: RolloutPlan, key, placement, admit_smaller: bool) -> list:
+    """(program, argument specs) of each program a call runs: the admission (into every bucket
+    with admit_smaller, else the first), the decode of every row bucket, the compactions."""
+    static, prompt_slots = call.static, call.prompt_slots
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-    key_spec = jax.ShapeDtypeStruct(key.shape, key.dtype)
-    stop_spec = spec(stop_V.shape, stop_V.dtype)
-    buckets = {b: jax.eval_shape(lambda b=b: programs._empty(static, b, prompt_slots, 0)) for b in plan.buckets}
+    placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)  # noqa: E731
+    key_spec = placed(key)
+    stop_spec = spec(call.stop_V.shape, call.stop_V.dtype)
+    empty = lambda b: jax.eval_shape(lambda: programs._empty(static, b, prompt_slots, 0))  # noqa: E731
+    buckets = {b: jax.tree.map(placed, empty(b)) for b in plan.buckets}
     k, bp = plan.admit_rows, plan.admit_prompts
     admission = (
         spec((bp, prompt_slots), jnp.int32), spec((bp, prompt_slots), jnp.int32), spec((k,), jnp.int32),
@@ -630,12 +667,7 @@ def _precompile(
     ]
     for big, small in zip(plan.buckets, plan.buckets[1:]):
         jobs.append((programs.compact, (static, *buckets[big], spec((small,), jnp.int32), spec((small,), bool))))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
-        # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
-        # the persistent cache, as soon as it is lowered, while the next ones are traced.
-        compiled = [pool.submit(fn.trace(*args).lower().compile) for fn, args in jobs]
-        for future in compiled:
-            future.result()
+    return jobs
 
 
 def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share, streams):
