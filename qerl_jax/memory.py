@@ -1,7 +1,8 @@
-"""Memory plan: the bytes a QeRL run needs on one device, and whether (and how) it fits.
+"""Memory plan: the bytes a QeRL run needs on each device, and whether (and how) it fits.
 
-`plan_memory` adds up, in bytes, everything a GRPO step keeps on the device, from the shapes
-alone (the model config and the run's `PlanInputs`; no arrays are built). A step has two phases
+`plan_memory` adds up, in bytes, everything a GRPO step keeps on a device, from the shapes
+alone (the model config and the run's `PlanInputs`, whose mesh sizes split the weights over
+"model" and the batch over "data"; no arrays are built). A step has two phases
 that never overlap in time, so
 
   persistent   = frozen base (packed or bf16 linears, bf16 embeddings, biases, norms)
@@ -31,6 +32,7 @@ from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, pro
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rollout import budget as rollout_budget
 from qerl_jax.rollout import scheduler as rollout_scheduler
+from qerl_jax.sharding import COLUMN_PARALLEL
 
 DENSE_BYTES = 2  # bf16 weights and activations
 LORA_BYTES = 4  # LoRA params, their gradients and AdamW moments are float32
@@ -135,6 +137,14 @@ class PlanInputs:
     backend: "xla" dequantizes one layer's packed weights to bf16 before its matmuls; "pallas"
       dequantizes inside the kernel (no workspace).
     train_norms: the per-layer RMSNorm scales train beside LoRA (config lora.train_norms).
+    data_shards, model_shards: the mesh's "data" and "model" sizes; every term is per device. A
+      data shard rolls out its own block of the batch (max_batch is per shard, at most its
+      ceil(rollout_batch / data_shards) sequences) and a micro-batch is split over the data
+      shards. Over "model" the base is tensor parallel (`sharding`'s "tp" rules: q/k/v/gate/up
+      split along N, o/down along K, embed/lm_head along the vocabulary, each only where the
+      dimension divides; LoRA follows its base), and so are the training logits (vocabulary).
+      The rollout's cache and rows and the training's hidden states are counted whole on each
+      model device (they are replicated there, or sharded where XLA chooses: an upper bound).
     """
 
     quant: str = "nvfp4"
@@ -153,10 +163,14 @@ class PlanInputs:
     logprob_chunk: int | None = 256
     backend: str = "xla"
     train_norms: bool = False
+    data_shards: int = 1
+    model_shards: int = 1
 
     def __post_init__(self):
         self._check_names()
         _positive("rollout_batch", self.rollout_batch)
+        _positive("data_shards", self.data_shards)
+        _positive("model_shards", self.model_shards)
         _positive("group_size", self.group_size)
         if self.max_batch is not None:
             _positive(FIELD_MAX_BATCH, self.max_batch)
@@ -173,7 +187,7 @@ class PlanInputs:
         derived = dict(
             quant_skip=tuple(self.quant_skip),
             lora_targets=tuple(self.lora_targets) if self.lora_rank else (),
-            max_batch=self.rollout_batch if self.max_batch is None else min(self.max_batch, self.rollout_batch),
+            max_batch=self.shard_batch if self.max_batch is None else min(self.max_batch, self.shard_batch),
             train_seq_len=t,
             remat=remat,
             logprob_chunk=t if self.logprob_chunk is None else min(self.logprob_chunk, t),
@@ -199,6 +213,25 @@ class PlanInputs:
     def quant_of(self, projection: str) -> str:
         """The storage of a projection's weights: "bf16" if skipped, else `quant`."""
         return "bf16" if projection in self.quant_skip else self.quant
+
+    @property
+    def shard_batch(self) -> int:
+        """Sequences one data shard rolls out per step."""
+        return -(-self.rollout_batch // self.data_shards)
+
+    def device_shape(self, projection: str, n: int, k: int) -> tuple[int, int]:
+        """(N, K) of a projection's weight on one model device: N split for a column-parallel
+        projection, K for a row-parallel one (whole blocks of a packed format), where it divides."""
+        m = self.model_shards
+        if projection in COLUMN_PARALLEL:
+            return (n // m, k) if n % m == 0 else (n, k)
+        fmt = self.quant_of(projection)
+        unit = 1 if fmt == "bf16" else REGISTRY[fmt].block_size
+        return (n, k // m) if (k // unit) % m == 0 and k % unit == 0 else (n, k)
+
+    def device_vocab(self, vocab: int) -> int:
+        """Vocabulary rows of embed / lm_head (and columns of the logits) on one model device."""
+        return vocab // self.model_shards if vocab % self.model_shards == 0 else vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +313,11 @@ class MemoryPlan:
             f"memory plan: L={c.num_hidden_layers} D={c.hidden_size} I={c.intermediate_size} V={c.vocab_size} "
             f"quant={i.quant} rollout={i.rollout_batch} seqs (max_batch {i.max_batch}) "
             f"micro-batch={i.micro_batch_size}"
+            + (
+                f"; per device of a mesh data={i.data_shards} x model={i.model_shards}"
+                if i.data_shards * i.model_shards > 1
+                else ""
+            )
         )
         width = max(len(name) for name, _ in rows)
         lines = [title, "-" * (width + 14)]
@@ -342,7 +380,7 @@ def plan_memory(config: ModelConfig, inputs: PlanInputs, device_bytes: int | Non
     (lora_params; optimizer_state and lora_grads are twice it), `rollout_terms`, `train_terms`,
     `dequant_workspace`. device_bytes: the device's memory, only recorded for `fits` and the table.
     """
-    shapes = projection_shapes(config)
+    shapes = {p: inputs.device_shape(p, n, k) for p, (n, k) in projection_shapes(config).items()}
     lora_params = lora_param_bytes(config, inputs, shapes)
     return MemoryPlan(
         config=config,
@@ -377,7 +415,7 @@ def frozen_terms(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int
     n_layers, d = c.num_hidden_layers, c.hidden_size
     return dict(
         base_linear=sum(n_layers * linear_weight_bytes(n, k, inputs.quant_of(p)) for p, (n, k) in shapes.items()),
-        embeddings=(1 if c.tie_word_embeddings else 2) * c.vocab_size * d * DENSE_BYTES,
+        embeddings=(1 if c.tie_word_embeddings else 2) * inputs.device_vocab(c.vocab_size) * d * DENSE_BYTES,
         biases_norms=(_bias_elements(c) + (2 * n_layers + 1) * d) * DENSE_BYTES,
     )
 
@@ -451,7 +489,7 @@ def train_terms(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int,
       alive in every micro-step whatever the micro-batch.
     """
     n_layers, d = c.num_hidden_layers, c.hidden_size
-    m, t = inputs.micro_batch_size, inputs.train_seq_len
+    m, t = -(-inputs.micro_batch_size // inputs.data_shards), inputs.train_seq_len
     scores = m * c.num_attention_heads * t * (4 if inputs.attention == "flash" else t * ATTN_SCORE_BYTES)
     e_layer = layer_activation_elements(c, len(inputs.lora_targets), inputs.lora_rank)
     layer_fwd = m * t * e_layer * DENSE_BYTES + scores
@@ -465,8 +503,8 @@ def train_terms(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int,
     return dict(
         train_saved_activations=saved,
         train_layer_activations=layer,
-        train_logits=3 * m * inputs.logprob_chunk * c.vocab_size * LOGIT_BYTES,
-        train_sequence_arrays=SEQUENCE_GRID_ARRAYS * inputs.rollout_batch * t * 4,
+        train_logits=3 * m * inputs.logprob_chunk * inputs.device_vocab(c.vocab_size) * LOGIT_BYTES,
+        train_sequence_arrays=SEQUENCE_GRID_ARRAYS * inputs.shard_batch * t * 4,
     )
 
 

@@ -260,7 +260,7 @@ def _sized_for_mesh(cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | No
     """The sizes of the run's memory plan (`_check_memory`), checked against the mesh's "data" size;
     the policy's base weights sharded tensor-parallel over the mesh."""
     data_shards = mesh.shape["data"] if mesh is not None else 1
-    sizes = _check_memory(cfg, policy, data_devices=data_shards)
+    sizes = _check_memory(cfg, policy, data_shards, model_shards=mesh.shape["model"] if mesh is not None else 1)
     if sizes.micro_batch_size % data_shards:
         raise UserFacingError(
             f"rl.micro_batch_size ({sizes.micro_batch_size}) must be a multiple of mesh.data ({data_shards}): "
@@ -544,14 +544,15 @@ def run_summary(
     return "\n".join(lines)
 
 
-def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> memory.Resolved:
+def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1, model_shards: int = 1) -> memory.Resolved:
     """Prints the memory plan and returns the sizes the run trains and rolls out with. On a device
     that reports its memory, the micro-batch and rollout rows (rollout.max_batch) are fitted to it
     (or the run stops with the config value to lower), and auto (0) rl.micro_batch_size and
     rl.logprob_chunk are the largest that fit (`memory.fit`); on a device of unknown size they are
     memory.DEFAULT_MICRO_BATCH / DEFAULT_LOGPROB_CHUNK. `cfg` is left as written. data_devices: the
-    mesh's "data" size (a micro-batch is split over it, so auto picks multiples of it)."""
-    plan = _memory_plan(cfg, policy, data_devices)
+    mesh's "data" size (a micro-batch is split over it, so auto picks multiples of it); model_shards:
+    its "model" size (the base is split over it)."""
+    plan = _memory_plan(cfg, policy, data_devices, model_shards)
     auto_remat = cfg.rl.remat == "auto"
     device_bytes = memory.device_memory_bytes()
     if device_bytes is None:
@@ -586,7 +587,7 @@ def _check_memory(cfg: RunConfig, policy: Policy, data_devices: int = 1) -> memo
     )
 
 
-def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int) -> memory.MemoryPlan:
+def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int, model_shards: int) -> memory.MemoryPlan:
     """The run's memory plan, auto sizes at their defaults ("auto" remat as "proj", which `fit` may lower)."""
     rollout_batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     inputs = memory.PlanInputs(
@@ -605,6 +606,8 @@ def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int) -> memory.Me
         logprob_chunk=cfg.rl.logprob_chunk or memory.DEFAULT_LOGPROB_CHUNK,
         backend=policy.backend,
         train_norms=cfg.lora.train_norms,
+        data_shards=data_devices,
+        model_shards=model_shards,
     )
     return memory.plan_memory(policy.config, inputs)
 

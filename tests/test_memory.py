@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
-from qerl_jax import memory
+from qerl_jax import memory, sharding
 from qerl_jax.lora import LoraConfig, init_lora
 from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 from qerl_jax.quant import quantize, quantize_params
@@ -101,9 +103,7 @@ def test_nvfp4_32b_numbers_written_out():
     weights = 64 * (5120 * (5120 + 1024 + 1024 + 5120) + 3 * 5120 * 27648)
     assert weights == 31_205_621_760
     nvfp4_linear = weights * 9 // 16 + 64 * 7 * 4  # 4.5 bits per weight + 7 global scales per layer
-    plan = _plan(
-        QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024
-    )
+    plan = _plan(QWEN_32B, quant="nvfp4", lora_rank=32, rollout_batch=64, prompt_len=512, max_new_tokens=1024)
     assert plan.base_linear == nvfp4_linear == 17_553_164_032
     assert plan.embeddings == 2 * 152064 * 5120 * 2
     # LoRA r=32 on all 7 projections: r * sum(N + K) per layer, float32.
@@ -183,6 +183,63 @@ def test_plan_equals_bytes_of_real_arrays(fmt):
     assert sum(x.size * x.dtype.itemsize for x in moments) == plan.optimizer_state
 
 
+def _bytes_per_device(tree, specs, axis_sizes) -> int:
+    """Bytes of `tree` on one device when placed with PartitionSpecs `specs`."""
+
+    def one(x, spec):
+        split = np.prod([axis_sizes[a] for a in jax.tree.leaves(tuple(spec)) if a is not None], dtype=np.int64)
+        return x.size * x.dtype.itemsize // int(split)
+
+    return sum(jax.tree.leaves(jax.tree.map(one, tree, specs, is_leaf=lambda x: isinstance(x, P))))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("model_shards", [2, 4])
+def test_plan_per_model_device_equals_the_tensor_parallel_placement(fmt, model_shards):
+    """With mesh.model = M the plan counts what `sharding.param_specs` ("tp") leaves on each
+    device: the base and LoRA split along N (q/k/v/gate/up) or K (o/down) where the dimension
+    divides, the embeddings along the vocabulary."""
+    config = qwen(128, 192, 3, 4, 2, vocab=200, head_dim=32)
+    params = _tiny_dense_params(config, jax.random.key(1))
+    q = quantize_params(params, fmt, skip=("embed", "lm_head")) if fmt != "bf16" else params
+    lora = init_lora(jax.random.key(2), config, LoraConfig(rank=4, targets=PROJECTIONS))
+    mesh = AbstractMesh((1, model_shards), ("data", "model"))
+    sizes = dict(mesh.shape)
+    specs = sharding.param_specs({"base": q["base"], "lora": lora}, mesh, "tp")
+    plan = _plan(config, quant=fmt, lora_rank=4, lora_targets=PROJECTIONS, model_shards=model_shards)
+    layers, layer_specs = q["base"]["layers"], specs["base"]["layers"]
+    weights = {p: layers[p]["w"] for p in PROJECTIONS}
+    assert _bytes_per_device(weights, {p: layer_specs[p]["w"] for p in PROJECTIONS}, sizes) == plan.base_linear
+    embed = {n: q["base"][n] for n in ("embed", "lm_head")}
+    assert _bytes_per_device(embed, {n: specs["base"][n] for n in embed}, sizes) == plan.embeddings
+    assert _bytes_per_device(lora, specs["lora"], sizes) == plan.lora_params
+    whole = _plan(config, quant=fmt, lora_rank=4, lora_targets=PROJECTIONS)
+    assert plan.base_linear < whole.base_linear and plan.embeddings < whole.embeddings
+
+
+def test_data_shards_split_the_rollout_rows_and_the_micro_batch():
+    """mesh.data = 2: each shard rolls out half the batch (its KV cache and rows) and trains half
+    of each micro-batch; the weights are whole on every device."""
+    kw = dict(rollout_batch=256, group_size=8, prompt_len=256, max_new_tokens=2048, micro_batch_size=16)
+    one, two = _plan(QWEN_7B, **kw), _plan(QWEN_7B, **kw, data_shards=2)
+    assert two.inputs.max_batch == 128 and two.kv_cache == _plan(QWEN_7B, **{**kw, "max_batch": 128}).kv_cache
+    assert two.persistent == one.persistent
+    half = _plan(QWEN_7B, **{**kw, "micro_batch_size": 8, "rollout_batch": 128})
+    assert (two.train_saved_activations, two.train_logits) == (half.train_saved_activations, half.train_logits)
+    assert two.train_sequence_arrays == half.train_sequence_arrays
+    assert _plan(QWEN_7B, **kw, data_shards=2, max_batch=64).inputs.max_batch == 64  # per shard
+
+
+def test_a_32b_bf16_policy_fits_two_80gb_devices_only_when_split():
+    """The paper's bf16 32B baseline: refused on one 80 GB device, planned on two (mesh.model=2)."""
+    kw = dict(quant="bf16", rollout_batch=64, group_size=8, prompt_len=256, max_new_tokens=1024, lora_rank=16)
+    with pytest.raises(memory.DoesNotFitError):
+        memory.fit(_plan(QWEN_32B, **kw), 74 * GIB, remat_fallback=True, auto_micro_batch=True)
+    r = memory.fit(_plan(QWEN_32B, **kw, model_shards=2), 74 * GIB, remat_fallback=True, auto_micro_batch=True)
+    assert r.plan.base_linear * 2 == _plan(QWEN_32B, **kw).base_linear
+    assert "mesh data=1 x model=2" in r.plan.table()
+
+
 def test_kv_cache_matches_the_rollout_engine():
     from qerl_jax.rollout import cache_bytes
 
@@ -243,9 +300,7 @@ def test_fit_lowers_micro_batch_and_chunk_to_the_largest_that_fit():
     assert "rl.micro_batch_size 16 -> " in result.message
     assert result.plan.total <= budget
     # Maximal: the next larger divisor of 64 does not fit its phase.
-    up_chunk = _plan(
-        QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, max_batch=2 * result.max_batch
-    )
+    up_chunk = _plan(QWEN_14B, quant="bf16", rollout_batch=64, group_size=8, max_batch=2 * result.max_batch)
     assert up_chunk.rollout_peak > budget
     up_mb = _plan(
         QWEN_14B,
@@ -390,9 +445,7 @@ def test_fit_keeps_proj_remat_where_it_fits_and_falls_back_to_full():
     assert tight.remat == "full" and "rl.remat" in tight.changed and "rl.remat proj -> full" in tight.message
     assert tight.plan.inputs.remat == "full" and tight.plan.train_peak <= 0.95 * 80 * GIB
     proj_min = -(-memory.PROJ_REMAT_MIN_TOKENS // 768)
-    assert (
-        _plan(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
-    )
+    assert _plan(QWEN_72B, remat="proj", **{**kw, "micro_batch_size": proj_min}).train_peak > 0.95 * 80 * GIB
     # Without the fallback the plan's mode is kept (the micro-batch is lowered instead).
     assert memory.fit(_plan(QWEN_72B, remat="proj", **kw), 80 * GIB).remat == "proj"
 
@@ -455,9 +508,7 @@ def test_auto_micro_batch_shrinks_on_a_small_device_with_smaller_chunks_if_neede
     assert _train_peak(8, 256, result.remat) > 0.95 * device
     # So small that the planned chunk of 256 leaves no micro-batch room: auto lowers the chunk.
     tight = _plan(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full")
-    one_row = _plan(
-        QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full", micro_batch_size=1
-    )
+    one_row = _plan(QWEN_15B, **{**STEP_15B, "max_new_tokens": 8192 - 256}, remat="full", micro_batch_size=1)
     device = int((one_row.train_peak - one_row.train_logits // 4) / 0.95)  # a chunk of 64 fits, 256 does not
     with pytest.raises(memory.DoesNotFitError, match="training on even 1 sequence"):
         memory.fit(tight, device, auto_micro_batch=True)
@@ -563,28 +614,28 @@ GOLDEN_PLAN_INPUTS = {
     "1.5B long": ("1.5B", None, dict(quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=8192 - 256, attention="flash", remat="full")),
 }  # fmt: skip
 GOLDEN_PLANS = {
-    "0.5B bf16": (4633571072, 4633571072, 3006621440, "3a75e34c4dddb9fc"),
-    "1.5B nvfp4 proj flash": (17339723536, 17339723536, 7233044240, "1ba7ce74ec92a23e"),
-    "7B nf4 no remat": (182506237600, 182506237600, 15035908768, "87e0fed46a435a3e"),
-    "7B mxfp4 defaults": (15814168336, 15814168336, 15442300688, "6edb808eebe860f4"),
-    "7B bf16 mb16": (39888497664, 39888497664, 36621406208, "4644857d509ec815"),
-    "72B proj": (154504218816, 154504218816, 73111395520, "5c94d2e3e3465d14"),
-    "1.5B long": (46702690064, 16340676368, 46702690064, "da4e876c5ccc946f"),
+    "0.5B bf16": (4633571072, 4633571072, 3006621440, "0957c46772fa8b00"),
+    "1.5B nvfp4 proj flash": (17339723536, 17339723536, 7233044240, "5f71ff46abe5abf3"),
+    "7B nf4 no remat": (182506237600, 182506237600, 15035908768, "79bb7ffb06ee7f4b"),
+    "7B mxfp4 defaults": (15814168336, 15814168336, 15442300688, "3c0345d4c14fbe41"),
+    "7B bf16 mb16": (39888497664, 39888497664, 36621406208, "ce02af80e7ad7a47"),
+    "72B proj": (154504218816, 154504218816, 73111395520, "40f5d19a44e3ba8d"),
+    "1.5B long": (46702690064, 16340676368, 46702690064, "037c11a07f151939"),
 }
 # Fits: (plan, device bytes, fit's options) -> (micro_batch_size, max_batch, remat, logprob_chunk,
 # changed, plan.total, digest of the plan's as_dict() and table() and the message), or the error.
 AUTO = dict(remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
 GOLDEN_FITS = {
-    "1.5B auto 16GiB": (("1.5B nvfp4 proj flash", 16 * GIB, AUTO), (4, 128, "proj", 512, (), 11374309136, "3f77811e5e2e9aad")),
-    "1.5B auto 141GiB x2": (("1.5B nvfp4 proj flash", 141 * GIB, dict(AUTO, micro_batch_multiple=2)), (32, 128, "proj", 512, (), 79270063888, "1f60f00cc9425437")),
-    "0.5B lowered 3GiB": (("0.5B bf16", 3 * GIB, {}), (4, 64, "full", 128, ("rl.micro_batch_size",), 3006621440, "fc2e79145db8fa95")),
+    "1.5B auto 16GiB": (("1.5B nvfp4 proj flash", 16 * GIB, AUTO), (4, 128, "proj", 512, (), 11374309136, "cb9c02eb07191b5e")),
+    "1.5B auto 141GiB x2": (("1.5B nvfp4 proj flash", 141 * GIB, dict(AUTO, micro_batch_multiple=2)), (32, 128, "proj", 512, (), 79270063888, "c7ba6afb642bc934")),
+    "0.5B lowered 3GiB": (("0.5B bf16", 3 * GIB, {}), (4, 64, "full", 128, ("rl.micro_batch_size",), 3006621440, "5a300b30c676ff8e")),
     "7B nf4 20GiB": (("7B nf4 no remat", 20 * GIB, dict(auto_logprob_chunk=True)), "does not fit on a 20.0 GiB device (19.0 GiB usable with a 5% margin): training on even 1 sequence needs 28.3 GiB: set rl.remat=True"),
-    "7B mxfp4 kept": (("7B mxfp4 defaults", None, dict(adjust=False)), (8, 64, "full", 256, (), 15814168336, "2983a957470a5c52")),
-    "7B bf16 lowered 30GiB": (("7B bf16 mb16", 30 * GIB, {}), (8, 8, "full", 256, ("rl.micro_batch_size", "rollout.max_batch"), 30597123584, "4c61bbb67a748374")),
+    "7B mxfp4 kept": (("7B mxfp4 defaults", None, dict(adjust=False)), (8, 64, "full", 256, (), 15814168336, "a6785185f93b9c82")),
+    "7B bf16 lowered 30GiB": (("7B bf16 mb16", 30 * GIB, {}), (8, 8, "full", 256, ("rl.micro_batch_size", "rollout.max_batch"), 30597123584, "e9b419ca7af56481")),
     "7B bf16 copies 26GiB": (("7B bf16 mb16", 26 * GIB, {}), "does not fit on a 26.0 GiB device (24.7 GiB usable with a 5% margin): the rollout needs 27.5 GiB before any KV cache (the weights plus their per-layer copies for the decode): set model.quant='nvfp4' (packed weights are read in place), or shard the model over more GPUs"),
     "7B bf16 validate 30GiB": (("7B bf16 mb16", 30 * GIB, dict(adjust=False)), "does not fit on a 30.0 GiB device (28.5 GiB usable with a 5% margin): the rollout phase needs 34.1 GiB: lower rollout.max_batch from 64 to 8; the training phase needs 37.1 GiB: lower rl.micro_batch_size from 16 to 8"),
-    "72B proj fallback 80GiB": (("72B proj", 80 * GIB, dict(remat_fallback=True)), (8, 64, "full", 256, ("rl.remat",), 73111395520, "ee844e95dc82b4a6")),
-    "1.5B long smaller chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True, auto_logprob_chunk=True)), (1, 4, "full", 128, ("rollout.max_batch",), 3311791888, "552cb3448542299b")),
+    "72B proj fallback 80GiB": (("72B proj", 80 * GIB, dict(remat_fallback=True)), (8, 64, "full", 256, ("rl.remat",), 73111395520, "684dbe671c7cd6a4")),
+    "1.5B long smaller chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True, auto_logprob_chunk=True)), (1, 4, "full", 128, ("rollout.max_batch",), 3311791888, "a4c84577332f728b")),
     "1.5B long no chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True)), "does not fit on a 3.4 GiB device (3.2 GiB usable with a 5% margin): training on even 1 sequence needs 3.3 GiB: lower rollout.max_new_tokens (now 7936; training sequences are 8192 tokens)"),
 }  # fmt: skip
 
