@@ -1,11 +1,15 @@
 """rollout/programs.py: the jitted admission, decode and compaction programs compile once per
 bucket and serve every later call in it."""
 
+import types
+
 import jax
 import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from rollout_helpers import compiled_programs, f32_options, prompts
 
-from qerl_jax.rollout import SamplingConfig, generate
+from qerl_jax.rollout import SamplingConfig, generate, programs
 
 F32 = f32_options()
 STOPS = tuple(range(10, 25))  # ~11% of the vocabulary: rows stop at scattered steps, some run to the limit
@@ -66,3 +70,20 @@ def test_compiled_programs_are_few(f32_model):
     generate(config, params, ids, mask, jax.random.key(4), _batching_sampling(ignore_eos=True, max_new_tokens=9), **kw)
     total = {k: compiled_programs()[k] - before[k] for k in before}
     assert total["prefill"] == 1 and total["decode"] <= 3 and total["compact"] <= 2, total
+
+
+def test_a_tensor_parallel_shard_splits_the_cache_heads_over_its_model_devices():
+    """Rows replicated over a shard's M model devices: the cache's kv heads split over "model"
+    (where the k/v projections leave them, so the programs return the cache as they took it and
+    none compiles again in the decode loop); rows split over "data", one device, M not dividing
+    the heads: the rows' sharding."""
+    static = types.SimpleNamespace(config=types.SimpleNamespace(num_key_value_heads=4))
+    tp = AbstractMesh((1, 2), ("data", "model"))
+    assert programs.cache_sharding(static, NamedSharding(tp, P())).spec == P(None, None, "model")
+    for mesh, spec in (
+        (AbstractMesh((1, 3), ("data", "model")), P()),
+        (AbstractMesh((2, 1), ("data", "model")), P("data")),
+    ):
+        rows = NamedSharding(mesh, spec)
+        assert programs.cache_sharding(static, rows) == rows
+    assert programs.cache_sharding(static, None) is None

@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qerl_jax.models.qwen2 import (
     DecoderLayer,
@@ -102,8 +104,22 @@ def new_rows(
 ) -> tuple[Any, Rows]:
     """An empty cache (zeros) and row state for `rows` rows of prompt_slots + new_slots slots.
 
-    sharding: of the rows' axis (e.g. NamedSharding(mesh, P("data"))); None: default placement."""
+    sharding: of the rows' axis (e.g. NamedSharding(mesh, P("data")), or P() on a shard's
+    devices); the cache as `cache_sharding` places it. None: default placement."""
     return _new_rows_jit(static, rows, prompt_slots, sharding)(jnp.int32(pad_id))
+
+
+def cache_sharding(static: Static, sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    """The KV cache's sharding beside rows placed with `sharding`. Rows replicated over a mesh
+    whose "model" axis has M > 1 devices dividing the kv heads: the heads split over "model",
+    where the tensor-parallel k/v projections leave them (so the programs return the cache as
+    they took it, and each device holds 1/M of it); else `sharding`."""
+    if not isinstance(sharding, NamedSharding) or not sharding.is_fully_replicated:
+        return sharding
+    model = dict(sharding.mesh.shape).get("model", 1)
+    if model > 1 and static.config.num_key_value_heads % model == 0:
+        return NamedSharding(sharding.mesh, P(None, None, "model"))
+    return sharding
 
 
 @functools.lru_cache(maxsize=64)
@@ -113,7 +129,7 @@ def _new_rows_jit(static: Static, rows: int, prompt_slots: int, sharding: jax.sh
         return jax.jit(fn)
     shapes = jax.eval_shape(fn, jnp.int32(0))
     out_shardings = (
-        jax.tree.map(lambda _: sharding, shapes[0]),
+        jax.tree.map(lambda _: cache_sharding(static, sharding), shapes[0]),
         jax.tree.map(lambda _: sharding, shapes[1]),
     )
     return jax.jit(fn, out_shardings=out_shardings)

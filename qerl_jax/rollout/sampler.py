@@ -454,14 +454,14 @@ def generate(
     )  # fmt: skip
     dense = plan.dense_names
     run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
-    placement = options.batch_sharding
-    if options.batch_sharding is None:
-        placement = _committed_placement(run_params)
-        key = key if placement is None else jax.device_put(key, placement)
+    placement = options.batch_sharding or _committed_placement(run_params)
+    key = key if placement is None else jax.device_put(key, placement)
+    if placement is None or placement.is_fully_replicated:  # rows split over devices: compiled as they come
         limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
         # Only a queue held below its end admits sequences after a compaction.
         admit_smaller = limit < min(end, call.total)
-        _precompile(call, run_params, plan, key, placement, admit_smaller=admit_smaller)
+        host_placed = options.batch_sharding is not None
+        _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller)
     out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement)
     return _rollout_batch(call, out, segments)
 
@@ -627,7 +627,7 @@ def _committed_placement(params) -> jax.sharding.Sharding | None:
 
 
 def _precompile(
-    call: _Call, run_params, plan: RolloutPlan, key, placement: jax.sharding.Sharding | None, *, admit_smaller: bool
+    call: _Call, run_params, plan: RolloutPlan, key, placement, host_inputs_placed: bool, *, admit_smaller: bool
 ) -> None:
     """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
     compiles; tracing stays serial, each program compiling while the next is traced): `jax.jit`'s
@@ -635,7 +635,7 @@ def _precompile(
     compilation cache) come back at once. placement: the sharding of the call's cache, rows and
     key, as the calls will pass them. admit_smaller: admissions into the compacted buckets too (a
     monitor may let sequences in after a compaction)."""
-    jobs = _program_specs(call, run_params, plan, key, placement, admit_smaller)
+    jobs = _program_specs(call, run_params, plan, key, placement, host_inputs_placed, admit_smaller)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
         # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
         # the persistent cache, as soon as it is lowered, while the next ones are traced.
@@ -644,17 +644,22 @@ def _precompile(
             future.result()
 
 
-def _program_specs(call: _Call, run_params, plan: RolloutPlan, key, placement, admit_smaller: bool) -> list:
+def _program_specs(
+    call: _Call, run_params, plan: RolloutPlan, key, placement, host_inputs_placed, admit_smaller
+) -> list:
     """(program, argument specs) of each program a call runs: the admission (into every bucket
     with admit_smaller, else the first), the decode of every row bucket, the compactions."""
     static, prompt_slots = call.static, call.prompt_slots
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)  # noqa: E731
+    host = placement if host_inputs_placed else None
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
     key_spec = placed(key)
-    stop_spec = spec(call.stop_V.shape, call.stop_V.dtype)
+    stop_spec = jax.ShapeDtypeStruct(call.stop_V.shape, call.stop_V.dtype)
+    cache_sharding = programs.cache_sharding(static, placement)
+    in_cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sharding)  # noqa: E731
     empty = lambda b: jax.eval_shape(lambda: programs._empty(static, b, prompt_slots, 0))  # noqa: E731
-    buckets = {b: jax.tree.map(placed, empty(b)) for b in plan.buckets}
+    buckets = {b: (jax.tree.map(in_cache, empty(b)[0]), jax.tree.map(placed, empty(b)[1])) for b in plan.buckets}
     k, bp = plan.admit_rows, plan.admit_prompts
     admission = (
         spec((bp, prompt_slots), jnp.int32), spec((bp, prompt_slots), jnp.int32), spec((k,), jnp.int32),
