@@ -142,9 +142,10 @@ class PlanInputs:
       ceil(rollout_batch / data_shards) sequences) and a micro-batch is split over the data
       shards. Over "model" the base is tensor parallel (`sharding`'s "tp" rules: q/k/v/gate/up
       split along N, o/down along K, embed/lm_head along the vocabulary, each only where the
-      dimension divides; LoRA follows its base), and so are the training logits (vocabulary).
-      The rollout's cache and rows and the training's hidden states are counted whole on each
-      model device (they are replicated there, or sharded where XLA chooses: an upper bound).
+      dimension divides; LoRA follows its base), and so are the training logits (vocabulary)
+      and the rollout's KV cache (kv heads, `rollout.programs.cache_sharding`). The rollout's
+      other arrays and the training's hidden states are counted whole on each model device
+      (replicated there, or sharded where XLA chooses: an upper bound).
     """
 
     quant: str = "nvfp4"
@@ -462,8 +463,9 @@ def rollout_terms(
         n_layers * linear_weight_bytes(n, k, "bf16") for p, (n, k) in shapes.items() if inputs.quant_of(p) == "bf16"
     )
     norms_biases = (_bias_elements(c) + 2 * n_layers * c.hidden_size) * DENSE_BYTES
+    heads_split = inputs.model_shards if c.num_key_value_heads % inputs.model_shards == 0 else 1
     return dict(
-        kv_cache=rollout.kv_cache,
+        kv_cache=rollout.kv_cache // heads_split,
         rollout_activations=rollout.row_state + rollout.work,
         rollout_layer_copies=dense_linear + norms_biases + lora_params,
     )
@@ -672,14 +674,9 @@ def fit(
     _check_persistent(plan, search)
     i = plan.inputs
     rows = search.first_fitting(
-        _divisors_desc(i.rollout_batch, i.max_batch) if adjust else [i.max_batch], search.rollout_peak
+        _divisors_desc(i.shard_batch, i.max_batch) if adjust else [i.max_batch], search.rollout_peak
     )
-    if not adjust:
-        candidates = [i.micro_batch_size]
-    elif auto_micro_batch:
-        candidates = micro_batch_candidates(i.rollout_batch, i.train_seq_len, micro_batch_multiple)
-    else:
-        candidates = _multiples(_divisors_desc(i.rollout_batch, i.micro_batch_size), micro_batch_multiple)
+    candidates = _micro_batches_to_try(i, adjust, auto_micro_batch, micro_batch_multiple)
     mb, remat, chunk = _choose_train(search, candidates, remat_fallback, auto_logprob_chunk and adjust)
     search = dataclasses.replace(search, inputs=dataclasses.replace(i, remat=remat, logprob_chunk=chunk))
     problems = _rollout_problems(search, rows, adjust) + _train_problems(search, mb, adjust, micro_batch_multiple)
@@ -696,6 +693,17 @@ def fit(
         message=message,
         logprob_chunk=chunk,
     )
+
+
+def _micro_batches_to_try(i: PlanInputs, adjust: bool, auto: bool, multiple: int) -> list[int]:
+    """`fit`'s micro-batch candidates, largest first: the planned one alone (adjust=False), every
+    candidate size (auto), else the divisors of the batch up to the planned one; multiples of
+    `multiple`."""
+    if not adjust:
+        return [i.micro_batch_size]
+    if auto:
+        return micro_batch_candidates(i.rollout_batch, i.train_seq_len, multiple)
+    return _multiples(_divisors_desc(i.rollout_batch, i.micro_batch_size), multiple)
 
 
 def _search(plan: MemoryPlan, device_bytes: int | None, margin: float) -> _Search:

@@ -236,7 +236,8 @@ def test_a_32b_bf16_policy_fits_two_80gb_devices_only_when_split():
     with pytest.raises(memory.DoesNotFitError):
         memory.fit(_plan(QWEN_32B, **kw), 74 * GIB, remat_fallback=True, auto_micro_batch=True)
     r = memory.fit(_plan(QWEN_32B, **kw, model_shards=2), 74 * GIB, remat_fallback=True, auto_micro_batch=True)
-    assert r.plan.base_linear * 2 == _plan(QWEN_32B, **kw).base_linear
+    whole = _plan(QWEN_32B, **kw, max_batch=r.max_batch)
+    assert (r.plan.base_linear * 2, r.plan.kv_cache * 2) == (whole.base_linear, whole.kv_cache)
     assert "mesh data=1 x model=2" in r.plan.table()
 
 
