@@ -245,6 +245,38 @@ def finished_tiny_run():
     return pathlib.Path(workdir), set(hidden)
 
 
+# The README's first command on a ("data", "model") = (2, 1) mesh of 2 forced CPU devices: what
+# `finished_tiny_run` runs on one device, as many steps.
+TWO_DEVICE_RUN_FLAGS = ("--config=configs/tiny.py", "--config.train.total_steps=3", "--config.train.checkpoint_every=1",
+                        "--config.eval.num_examples=0", "--config.mesh.data=2")  # fmt: skip
+
+
+def two_device_env(**extra) -> dict:
+    """The environment of a command on 2 forced CPU devices."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **extra}
+
+
+@pytest.fixture(scope="session")
+def two_device_tiny_run():
+    """`TWO_DEVICE_RUN_FLAGS` run once for the whole test run (`once_per_test_run`): test_train compares
+    it with the one-device run, test_distributed with its two-process run. (workdir, stdout + stderr);
+    tests must not change the run."""
+    import pathlib
+
+    def run(root: str):
+        import subprocess
+        import sys
+
+        workdir = os.path.join(root, "run")
+        cmd = [sys.executable, "-m", "qerl_jax.main", *TWO_DEVICE_RUN_FLAGS, f"--config.workdir={workdir}"]
+        out = subprocess.run(cmd, cwd=REPO, env=two_device_env(), capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [workdir, out.stdout + out.stderr]
+
+    workdir, output = once_per_test_run("two_device_tiny_run", run)
+    return pathlib.Path(workdir), output
+
+
 def faulty_json_save(step: int, fault: str):
     """A replacement for orbax's `JsonCheckpointHandler.async_save` that breaks the save of `step`
     from inside it (after orbax created the step's temporary directory): fault "kill" SIGKILLs

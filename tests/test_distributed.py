@@ -1,8 +1,9 @@
 """Multi-process runs on localhost CPU devices (`qerl_jax.distributed`, jax.distributed + gloo).
 
-The reference is one process with two forced host devices and mesh.data = 2 (itself equal to
-one device: the per-shard rollouts draw one call's tokens). A two-process run (one device
-each) must give the same rewards, losses and adapter. One of its processes is killed after the
+The reference is one process with two forced host devices and mesh.data = 2 (the suite's
+`two_device_tiny_run`, itself equal to one device: the per-shard rollouts draw one call's tokens).
+A two-process run (one device each) of the same command must give the same rewards, losses and
+adapter. One of its processes is killed after the
 first checkpoint: the other stops (no hang), and both resumed finish the run.
 """
 
@@ -19,9 +20,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, TWO_DEVICE_RUN_FLAGS
 
-STEPS = ("--config.train.total_steps=4", "--config.train.checkpoint_every=1", "--config.eval.num_examples=0")
+STEPS = tuple(f for f in TWO_DEVICE_RUN_FLAGS if f.startswith(("--config.train.", "--config.eval.")))
 
 
 def _port() -> int:
@@ -110,22 +111,17 @@ def _adapter(workdir: str) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """The one-process mesh run, and the two-process run with one process killed after the first
-    checkpoint, then resumed (once in the test run: `once_per_test_run`, whichever worker its tests go to)."""
+def runs(two_device_tiny_run):
+    """The one-process mesh run (`two_device_tiny_run`), and the two-process run with one process
+    killed after the first checkpoint, then resumed (once in the test run: `once_per_test_run`,
+    whichever worker its tests go to)."""
     from conftest import once_per_test_run
 
-    return once_per_test_run("distributed_runs", _distributed_runs)
+    result = once_per_test_run("distributed_runs", _distributed_runs)
+    return {**result, "single": str(two_device_tiny_run[0])}
 
 
 def _distributed_runs(root: str) -> dict:
-    single = os.path.join(root, "single")
-    proc = subprocess.run(
-        _main(single, "--config.mesh.data=2", *STEPS), cwd=REPO, env=_env(devices=2), capture_output=True, text=True,
-        timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
     multi = os.path.join(root, "multi")
     procs = _launch_pair(multi, *STEPS)
     first = os.path.join(multi, "checkpoints", "1")
@@ -139,7 +135,7 @@ def _distributed_runs(root: str) -> dict:
     survivor_seconds = time.monotonic() - t_kill
 
     resumed = _finish(_launch_pair(multi, *STEPS, "--config.resume=True"))
-    return dict(single=single, multi=multi, killed=killed, survivor_seconds=survivor_seconds, resumed=resumed)
+    return dict(multi=multi, killed=killed, survivor_seconds=survivor_seconds, resumed=resumed)
 
 
 def test_a_killed_process_stops_the_other_without_a_hang(runs):
@@ -161,7 +157,7 @@ def test_a_killed_process_stops_the_other_without_a_hang(runs):
 def test_resumed_two_process_run_equals_the_one_process_mesh_run(runs):
     assert [code for code, _ in runs["resumed"]] == [0, 0], runs["resumed"][0][1][-3000:]
     single, multi = _scalars(runs["single"]), _scalars(runs["multi"])
-    assert sorted(single) == sorted(multi) == [0, 1, 2, 3]
+    assert sorted(single) == sorted(multi) == [0, 1, 2]
     for step in single:
         for name in ("reward/mean", "reward/mean_sampled", "train/loss", "train/grad_norm", "rollout/response_length_mean"):
             assert multi[step][name] == pytest.approx(single[step][name], rel=1e-4, abs=1e-6), (step, name)

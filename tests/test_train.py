@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
-from conftest import faulty_json_save, load_config, once_per_test_run, set_fields
+from conftest import TWO_DEVICE_RUN_FLAGS, faulty_json_save, load_config, once_per_test_run, set_fields, two_device_env
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -422,33 +422,23 @@ def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_m
     assert outputs[0] == outputs[1]
 
 
-def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path, finished_tiny_run):
-    """`--config.mesh.data=2` on 2 (CPU) devices: rollouts and train batches split over the data
-    axis give the metrics of the 1-device run (the suite's `finished_tiny_run`, the same command
-    without the mesh); a micro-batch that does not split is refused."""
+def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path, finished_tiny_run, two_device_tiny_run):
+    """`--config.mesh.data=2` on 2 (CPU) devices (the suite's `two_device_tiny_run`): rollouts and
+    train batches split over the data axis give the metrics of the 1-device run (the suite's
+    `finished_tiny_run`, the same command without the mesh); a micro-batch that does not split is
+    refused."""
     one_device, _ = finished_tiny_run
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    workdir = tmp_path / "dp"
-    cmd = [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}",
-           "--config.train.total_steps=3", "--config.train.checkpoint_every=1", "--config.eval.num_examples=0",
-           "--config.mesh.data=2"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    workdir, output = two_device_tiny_run
     assert Checkpointer(os.path.join(workdir, "checkpoints")).latest_step() == 3
     metrics = {name: read_scalars(os.path.join(w, "tensorboard")) for name, w in (("one", one_device), ("dp", workdir))}
-    assert "mesh {'data': 2, 'model': 1}" in out.stdout + out.stderr
+    assert "mesh {'data': 2, 'model': 1}" in output
     for tag in ("train/entropy", "train/grad_norm", "rollout/response_length_mean"):
         one, dp = np.array(metrics["one"][tag])[:, 1], np.array(metrics["dp"][tag])[:, 1]
         assert one.shape == (3,) and np.all(np.isfinite(one)), tag
         np.testing.assert_allclose(dp, one, rtol=2e-3, err_msg=tag)
-    bad = subprocess.run(
-        [*cmd, "--config.rl.micro_batch_size=3"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cmd = [sys.executable, "-m", "qerl_jax.main", *TWO_DEVICE_RUN_FLAGS, f"--config.workdir={tmp_path / 'dp'}",
+           "--config.rl.micro_batch_size=3"]  # fmt: skip
+    bad = subprocess.run(cmd, cwd=REPO, env=two_device_env(), capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "must be a multiple of mesh.data" in bad.stderr
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -126,9 +127,38 @@ def filter_overlong(
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
 ) -> tuple[Any, int]:
     """(dataset without rows whose rendered prompt exceeds max_prompt_len, number removed)."""
-    ids = _encode(tokenizer, list(dataset["prompt"]), template, system_prompt)
-    keep = [i for i, x in enumerate(ids) if len(x) <= max_prompt_len]
-    return dataset.select(keep), len(ids) - len(keep)
+    texts = [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in dataset["prompt"]]
+    lengths = _token_counts(tokenizer, texts)
+    keep = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
+    return dataset.select(keep), len(lengths) - len(keep)
+
+
+# Token counts of rendered prompts by (tokenizer, texts) digest: a process that trains several times
+# on one dataset (a sweep, the tests) tokenizes its thousands of prompts once, not at every start.
+_TOKEN_COUNTS: dict[tuple[str, str], list[int]] = {}
+
+
+def _token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
+    """len(tokens) of each rendered prompt; remembered for tokenizers whose whole definition is had
+    (a fast tokenizer's JSON), so that the key cannot match another tokenizer."""
+    def count() -> list[int]:
+        return [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return count()
+    key = (_digest([backend.to_str()]), _digest(texts))
+    if key not in _TOKEN_COUNTS:
+        _TOKEN_COUNTS[key] = count()
+    return _TOKEN_COUNTS[key]
+
+
+def _digest(strings: list[str]) -> str:
+    h = hashlib.sha256()
+    for s in strings:
+        h.update(s.encode())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 class PromptLoader:
