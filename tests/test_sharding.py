@@ -286,7 +286,31 @@ def test_per_shard_rollouts_equal_one_call(four_device_results, mode, mesh_shape
     assert r["logp_max_abs_diff"] < 1e-4, r
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("mesh_shape", ["2x2", "4x1"])
+def test_per_shard_rollouts_compile_nothing_in_their_decode_loops(four_device_results, mode, mesh_shape):
+    """Each shard's programs are compiled ahead with the placement its loop passes (a one-device
+    shard's committed arrays; a tensor-parallel shard's cache with its kv heads over "model"):
+    none compiles again inside the loop (before: each did, one after another)."""
+    assert four_device_results["rollout"][mode][f"shards_{mesh_shape}"]["in_loop_compiles"] == []
+
+
 # ----------------------------------------------------------------------------- worker
+
+
+def _shard_thread_compiles(sink: list):
+    """A compile-event listener that appends the rollout programs a data shard's own thread compiles
+    (its decode loop; the programs compiled ahead compile on other threads)."""
+    import threading
+
+    def record(event, duration, **kw):
+        name = str(kw.get("fun_name"))
+        on_shard = threading.current_thread().name.startswith("rollout-shard")
+        if event == "/jax/core/compile/backend_compile_duration" and on_shard:
+            if any(p in name for p in ("_admit", "_decode", "_compact")):
+                sink.append(name)
+
+    return record
 
 
 def _worker() -> dict:
@@ -465,16 +489,26 @@ def _worker() -> dict:
         # Each data shard its own generate call (threads), over a 2 x 2 (tensor parallel shards) and a 4 x 1 mesh.
         for name, shape in (("shards_2x2", (2, 2)), ("shards_4x1", (4, 1))):
             m = sharding.make_mesh(*shape)
-            four_ids, four_mask = np.concatenate([prompt_ids, ids[2:4, :6]]), np.concatenate([prompt_mask, mask[2:4, :6]])
+            four_ids, four_mask = (
+                np.concatenate([prompt_ids, ids[2:4, :6]]),
+                np.concatenate([prompt_mask, mask[2:4, :6]]),
+            )
             ref4 = generate(config, full, four_ids, four_mask, jax.random.key(3), sampling, **kw, options=f32)
+            in_loop = []  # programs compiled by a shard's own thread (its decode loop), not ahead
+            listener = _shard_thread_compiles(in_loop)
+            jax.monitoring.register_event_duration_secs_listener(listener)
             got4 = generate_data_parallel(
                 config, sharding.shard_params(full, m, "tp"), four_ids, four_mask, jax.random.key(3), sampling,
                 mesh=m, **kw, options=f32,
             )  # fmt: skip
+            jax.monitoring.unregister_event_duration_listener(listener)
             out["rollout"][mode][name] = {
+                "in_loop_compiles": in_loop,
                 "tokens_equal": bool(np.array_equal(np.asarray(ref4.tokens), np.asarray(got4.tokens))),
                 "logp_max_abs_diff": float(np.abs(np.asarray(ref4.logprobs) - np.asarray(got4.logprobs)).max()),
-                "prompt_index_equal": bool(np.array_equal(np.asarray(ref4.prompt_index), np.asarray(got4.prompt_index))),
+                "prompt_index_equal": bool(
+                    np.array_equal(np.asarray(ref4.prompt_index), np.asarray(got4.prompt_index))
+                ),
                 "prompts_equal": bool(np.array_equal(np.asarray(ref4.prompt_ids), np.asarray(got4.prompt_ids))),
             }
         _tick(f"rollout {mode}")

@@ -455,8 +455,8 @@ def generate(
     dense = plan.dense_names
     run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
     placement = options.batch_sharding or _committed_placement(run_params)
-    key = key if placement is None else jax.device_put(key, placement)
     if placement is None or placement.is_fully_replicated:  # rows split over devices: compiled as they come
+        key = key if placement is None else jax.device_put(key, _whole(placement))
         limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
         # Only a queue held below its end admits sequences after a compaction.
         admit_smaller = limit < min(end, call.total)
@@ -626,6 +626,13 @@ def _committed_placement(params) -> jax.sharding.Sharding | None:
     return None
 
 
+def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """A scalar's (the key's) sharding on the devices of `sharding`, replicated."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
+
+
 def _precompile(
     call: _Call, run_params, plan: RolloutPlan, key, placement, host_inputs_placed: bool, *, admit_smaller: bool
 ) -> None:
@@ -654,7 +661,7 @@ def _program_specs(
     placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)  # noqa: E731
     host = placement if host_inputs_placed else None
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
-    key_spec = placed(key)
+    key_spec = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_whole(placement) if placement else None)
     stop_spec = jax.ShapeDtypeStruct(call.stop_V.shape, call.stop_V.dtype)
     cache_sharding = programs.cache_sharding(static, placement)
     in_cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sharding)  # noqa: E731
