@@ -65,12 +65,17 @@ class TokenizedPrompts(NamedTuple):
     num_dropped: int
 
 
-def _encode(tokenizer: Any, prompts: Sequence[str], template: str | None, system_prompt: str | None) -> list[list[int]]:
-    texts = [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in prompts]
-    if not texts:
-        return []
+def _render(tokenizer: Any, prompts: Sequence[str], template: str | None, system_prompt: str | None) -> list[str]:
+    return [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in prompts]
+
+
+def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     # The chat template already holds every special token.
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+def _encode(tokenizer: Any, prompts: Sequence[str], template: str | None, system_prompt: str | None) -> list[list[int]]:
+    return _token_ids(tokenizer, _render(tokenizer, prompts, template, system_prompt))
 
 
 def prompt_lengths(
@@ -80,8 +85,9 @@ def prompt_lengths(
     *,
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
 ) -> list[int]:
-    """Each prompt's tokens as rendered with the chat template: what data.max_prompt_len bounds."""
-    return [len(x) for x in _encode(tokenizer, list(prompts), template, system_prompt)]
+    """Each prompt's tokens as rendered with the chat template: what data.max_prompt_len bounds.
+    Remembered in the process for a fast tokenizer (`_token_counts`)."""
+    return list(_token_counts(tokenizer, _render(tokenizer, prompts, template, system_prompt)))
 
 
 def tokenize_prompts(
@@ -127,8 +133,7 @@ def filter_overlong(
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
 ) -> tuple[Any, int]:
     """(dataset without rows whose rendered prompt exceeds max_prompt_len, number removed)."""
-    texts = [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in dataset["prompt"]]
-    lengths = _token_counts(tokenizer, texts)
+    lengths = prompt_lengths(tokenizer, dataset["prompt"], template, system_prompt=system_prompt)
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
     return dataset.select(keep), len(lengths) - len(keep)
 
@@ -141,8 +146,9 @@ _TOKEN_COUNTS: dict[tuple[str, str], list[int]] = {}
 def _token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
     """len(tokens) of each rendered prompt; remembered for tokenizers whose whole definition is had
     (a fast tokenizer's JSON), so that the key cannot match another tokenizer."""
+
     def count() -> list[int]:
-        return [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        return [len(x) for x in _token_ids(tokenizer, texts)]
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
