@@ -31,6 +31,7 @@ from typing import Any, Callable
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rollout import budget as rollout_budget
+from qerl_jax.rollout import programs as rollout_programs
 from qerl_jax.rollout import scheduler as rollout_scheduler
 from qerl_jax.sharding import COLUMN_PARALLEL
 
@@ -463,9 +464,8 @@ def rollout_terms(
         n_layers * linear_weight_bytes(n, k, "bf16") for p, (n, k) in shapes.items() if inputs.quant_of(p) == "bf16"
     )
     norms_biases = (_bias_elements(c) + 2 * n_layers * c.hidden_size) * DENSE_BYTES
-    heads_split = inputs.model_shards if c.num_key_value_heads % inputs.model_shards == 0 else 1
     return dict(
-        kv_cache=rollout.kv_cache // heads_split,
+        kv_cache=rollout.kv_cache // rollout_programs.cache_head_shards(c, inputs.model_shards),
         rollout_activations=rollout.row_state + rollout.work,
         rollout_layer_copies=dense_linear + norms_biases + lora_params,
     )

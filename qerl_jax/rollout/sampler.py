@@ -617,17 +617,12 @@ def _committed_placement(params) -> jax.sharding.Sharding | None:
     are uncommitted or span several devices (jit places the arrays)."""
     for leaf in jax.tree.leaves(params):
         if isinstance(leaf, jax.Array) and leaf.committed:
-            sharding = leaf.sharding
-            if len(sharding.device_set) != 1:
-                return None
-            if isinstance(sharding, jax.sharding.NamedSharding):
-                return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-            return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+            return _whole(leaf.sharding) if len(leaf.sharding.device_set) == 1 else None
     return None
 
 
 def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """A scalar's (the key's) sharding on the devices of `sharding`, replicated."""
+    """`sharding`'s devices, every array replicated over them (a NamedSharding's mesh with P())."""
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return sharding
@@ -665,8 +660,10 @@ def _program_specs(
     stop_spec = jax.ShapeDtypeStruct(call.stop_V.shape, call.stop_V.dtype)
     cache_sharding = programs.cache_sharding(static, placement)
     in_cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sharding)  # noqa: E731
-    empty = lambda b: jax.eval_shape(lambda: programs._empty(static, b, prompt_slots, 0))  # noqa: E731
-    buckets = {b: (jax.tree.map(in_cache, empty(b)[0]), jax.tree.map(placed, empty(b)[1])) for b in plan.buckets}
+    buckets = {}
+    for b in plan.buckets:
+        cache, rows = jax.eval_shape(lambda b=b: programs._empty(static, b, prompt_slots, 0))
+        buckets[b] = (jax.tree.map(in_cache, cache), jax.tree.map(placed, rows))
     k, bp = plan.admit_rows, plan.admit_prompts
     admission = (
         spec((bp, prompt_slots), jnp.int32), spec((bp, prompt_slots), jnp.int32), spec((k,), jnp.int32),
