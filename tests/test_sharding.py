@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -295,6 +296,16 @@ def test_per_shard_rollouts_compile_nothing_in_their_decode_loops(four_device_re
     assert four_device_results["rollout"][mode][f"shards_{mesh_shape}"]["in_loop_compiles"] == []
 
 
+def test_pallas_decode_attention_runs_on_each_model_device_s_own_heads(four_device_results):
+    """With the tensor-parallel mesh set (as a rollout sets it), the kernel runs per "model" device
+    on its kv heads: no all-gather of the cache (XLA, left to split the custom call itself,
+    gathers the whole cache to every device, every layer and decode step)."""
+    r = four_device_results["decode_attention_tp"]
+    assert r["largest_gather_without_mesh"] >= r["cache_elements"] // 2, r  # the cost it avoids
+    assert r["largest_gather_with_mesh"] == 0, r
+    assert r["max_abs_diff"] < 1e-5, r
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -311,6 +322,45 @@ def _shard_thread_compiles(sink: list):
                 sink.append(name)
 
     return record
+
+
+def _decode_attention_over_model_devices() -> dict:
+    """The Pallas decode attention (interpreted) on a 1 x 2 mesh, heads and caches split over
+    "model": its largest all-gather with and without the mesh set as the rollout sets it, and its
+    output against one device's reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from qerl_jax import sharding
+    from qerl_jax.models.qwen2 import attend_decode_slots, decode_attention_reference
+
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (3, 4, 16), jnp.float32)  # 4 query heads over 2 kv heads
+    k, v = (jax.random.normal(key, (3, 40, 2, 16), jnp.float32) for key in keys[1:])
+    start, end = jnp.array([0, 5, 12], jnp.int32), jnp.array([40, 30, 13], jnp.int32)
+    mesh = sharding.make_mesh(1, 2, devices=jax.devices()[:2])
+    put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    args = (put(q, None, "model"), put(k, None, None, "model"), put(v, None, None, "model"), put(start), put(end))
+    attend = jax.jit(lambda *a: attend_decode_slots(*a, backend="pallas"))
+
+    def largest_gather() -> int:
+        text = attend.lower(*args).compile().as_text()
+        shapes = re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather", text)
+        return max((int(np.prod([int(n) for n in dims.split(",")])) for dims in shapes), default=0)
+
+    without_mesh = largest_gather()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with_mesh = largest_gather()
+        got = np.asarray(attend(*args))
+    return {
+        "largest_gather_with_mesh": with_mesh,
+        "largest_gather_without_mesh": without_mesh,
+        "cache_elements": int(k.size),
+        "max_abs_diff": float(np.abs(got - np.asarray(decode_attention_reference(q, k, v, start, end))).max()),
+    }
 
 
 def _worker() -> dict:
@@ -487,12 +537,14 @@ def _worker() -> dict:
         )
         out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
         # Each data shard its own generate call (threads), over a 2 x 2 (tensor parallel shards) and a 4 x 1 mesh.
-        for name, shape in (("shards_2x2", (2, 2)), ("shards_4x1", (4, 1))):
+        # The tensor-parallel shards run the Pallas decode attention (interpreted), as on a GPU.
+        for name, shape, attention in (("shards_2x2", (2, 2), "pallas"), ("shards_4x1", (4, 1), None)):
             m = sharding.make_mesh(*shape)
             four_ids, four_mask = (
                 np.concatenate([prompt_ids, ids[2:4, :6]]),
                 np.concatenate([prompt_mask, mask[2:4, :6]]),
             )
+            f32 = RolloutOptions(cache_dtype=jnp.float32, decode_attention=attention)
             ref4 = generate(config, full, four_ids, four_mask, jax.random.key(3), sampling, **kw, options=f32)
             in_loop = []  # programs compiled by a shard's own thread (its decode loop), not ahead
             listener = _shard_thread_compiles(in_loop)
@@ -512,6 +564,8 @@ def _worker() -> dict:
                 "prompts_equal": bool(np.array_equal(np.asarray(ref4.prompt_ids), np.asarray(got4.prompt_ids))),
             }
         _tick(f"rollout {mode}")
+    out["decode_attention_tp"] = _decode_attention_over_model_devices()
+    _tick("decode attention")
     # Row shards of a data sharding, also for a data axis that is not a power of two.
     from qerl_jax.rollout.sampler import _row_shards
 

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from qerl_jax.linear import PROJ_OUT, ByRows, Fused, fused_linear, linear, stack_loras
 from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
@@ -208,8 +209,24 @@ def attend_decode_slots(
                 from pallas_kernels.decode_attention import decode_attention as kernel  # noqa: PLC0415
             except ImportError as e:
                 raise ValueError(f"decode attention backend 'pallas' needs pallas_kernels.decode_attention: {e}") from e
-            return kernel(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B)
+            return _per_model_device_heads(kernel, k_BxSxKxD.shape[2])(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B)
         raise ValueError(f"unknown decode attention backend {backend!r}; expected one of {DECODE_ATTENTION_BACKENDS}")
+
+
+def _per_model_device_heads(kernel, kv_heads: int):
+    """`kernel` run by each device of the "model" axis on its own kv heads (and their query
+    heads), where the tensor-parallel projections and the KV cache leave them; the kernel itself
+    where no mesh is set (`jax.sharding.use_abstract_mesh`, the rollout's tensor-parallel shards)
+    or its "model" axis does not divide the kv heads. XLA cannot split a custom call: left to
+    it, every device gathers the layer's whole cache before the kernel, every decode step."""
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
+    if devices == 1 or kv_heads % devices:
+        return kernel
+    heads, cache, rows = P(None, "model", None), P(None, None, "model", None), P()
+    return jax.shard_map(
+        kernel, in_specs=(heads, cache, cache, rows, rows), out_specs=heads, axis_names={"model"}, check_vma=False
+    )
 
 
 def decode_attention_reference(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B) -> jax.Array:

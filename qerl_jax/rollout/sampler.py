@@ -23,6 +23,7 @@ rows, then those of `smaller_rows` below them when compacting), per prompt / new
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib.util
 from collections.abc import Sequence
@@ -455,14 +456,15 @@ def generate(
     dense = plan.dense_names
     run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
     placement = options.batch_sharding or _committed_placement(run_params)
-    if placement is None or placement.is_fully_replicated:  # rows split over devices: compiled as they come
-        key = key if placement is None else jax.device_put(key, _whole(placement))
-        limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
-        # Only a queue held below its end admits sequences after a compaction.
-        admit_smaller = limit < min(end, call.total)
-        host_placed = options.batch_sharding is not None
-        _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller)
-    out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement)
+    with _model_axis_of(params):
+        if placement is None or placement.is_fully_replicated:  # rows split over devices: compiled as they come
+            key = key if placement is None else jax.device_put(key, _whole(placement))
+            limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
+            # Only a queue held below its end admits sequences after a compaction.
+            admit_smaller = limit < min(end, call.total)
+            host_placed = options.batch_sharding is not None
+            _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller)
+        out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement)
     return _rollout_batch(call, out, segments)
 
 
@@ -619,6 +621,17 @@ def _committed_placement(params) -> jax.sharding.Sharding | None:
         if isinstance(leaf, jax.Array) and leaf.committed:
             return _whole(leaf.sharding) if len(leaf.sharding.device_set) == 1 else None
     return None
+
+
+def _model_axis_of(params):
+    """A context in which the programs trace with the abstract mesh of tensor-parallel params
+    (a mesh whose "model" axis has several devices): the model's kernels then run per device on
+    their own heads (`models.qwen2.attend_decode_slots`). Otherwise no mesh is set."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and dict(sharding.mesh.shape).get("model", 1) > 1:
+            return jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh)
+    return contextlib.nullcontext()
 
 
 def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
