@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed
 
@@ -99,14 +100,17 @@ def _is_wgmma(w) -> bool:
     return type(w).__name__ == "WgmmaWeight"  # pallas_kernels is only imported where it is used
 
 
-def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend: str = "xla") -> jax.Array:
+def base_matmul(
+    x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend: str = "xla", parallel: str | None = None
+) -> jax.Array:
     """x [M, K] @ W.T for W [N, K] dense, packed or one layer of a stack (`LayerOf`); float32 [M, N].
+    parallel: "column" or "row", how tensor parallelism splits W (`projections.COLUMN_PARALLEL`).
 
     W may also be a `pallas_kernels.wgmma_nvfp4.WgmmaWeight` (NVFP4 repacked for the Hopper
     decode kernel, made by the rollout): its kernel on Hopper at small M, else dequantize + dot.
     """
     if isinstance(w, ByRows):
-        return base_matmul(x_MxK, w.small if x_MxK.shape[0] <= w.max_rows else w.large, backend)
+        return base_matmul(x_MxK, w.small if x_MxK.shape[0] <= w.max_rows else w.large, backend, parallel)
     if _is_wgmma(w):
         from pallas_kernels import wgmma_nvfp4
 
@@ -120,12 +124,49 @@ def base_matmul(x_MxK: jax.Array, w: jax.Array | PackedWeight | LayerOf, backend
     if not is_packed(w):
         return matmul_nt(x_MxK, w)
     if backend == "pallas":
-        import pallas_kernels  # imported lazily: the kernels are only needed on this path
-
-        return pallas_kernels.quant_matmul(x_MxK.astype(jnp.bfloat16), w, layer=layer)
+        return _quant_matmul(x_MxK.astype(jnp.bfloat16), w, layer, parallel)
     if backend == "xla":
         return matmul_nt(x_MxK, dequantize(w, x_MxK.dtype))
     raise ValueError(f"unknown linear backend {backend!r}; expected one of {BACKENDS}")
+
+
+def model_devices() -> int:
+    """The devices of the "model" axis of the abstract mesh set while tracing (1: none set). A
+    rollout over tensor-parallel weights sets its mesh (`rollout.sampler`) so that the Pallas
+    kernels, which XLA cannot split (left to it, every device gathers the kernel's whole
+    operands first: the packed weights, the KV cache), run per device on its own part."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("model", 1)
+
+
+def per_model_device(fn, in_specs, out_specs):
+    """`fn` run by each device of the "model" axis on its blocks (`jax.shard_map`; other axes automatic)."""
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={"model"}, check_vma=False)
+
+
+def _quant_matmul(x_MxK: jax.Array, w: PackedWeight, layer, parallel: str | None) -> jax.Array:
+    """The Pallas kernel on packed W (layer `layer` of a stack, or W itself); with a "model" axis
+    (`model_devices`) that splits W as `sharding` does, each device multiplies its own part: a
+    column-parallel W its output features, a row-parallel W its input features (then summed)."""
+    import pallas_kernels  # imported lazily: the kernels are only needed on this path
+
+    kernel = lambda x, w, layer: pallas_kernels.quant_matmul(x, w, layer=layer)  # noqa: E731
+    m = model_devices()
+    lead = (None,) * (w.codes.ndim - 2)
+    if m > 1 and parallel == "column" and w.codes.shape[-2] % m == 0:
+        split = P(*lead, "model", None)
+        in_x, out, fn = P(), P(None, "model"), kernel
+    elif m > 1 and parallel == "row" and w.scales.shape[-1] % m == 0:  # whole blocks per device
+        split = P(*lead, None, "model")
+        in_x, out = P(None, "model"), P()
+        fn = lambda x, w, layer: jax.lax.psum(kernel(x, w, layer), "model")  # noqa: E731
+    else:
+        return kernel(x_MxK, w, layer)
+    w_spec = PackedWeight(codes=split, scales=split, global_scale=P(), fmt=w.fmt)
+    if layer is None:  # one weight, not a stack: the kernel takes no layer index
+        whole, layer = fn, jnp.int32(0)
+        fn = lambda x, w, _: whole(x, w, None)  # noqa: E731
+    return per_model_device(fn, (in_x, w_spec, P()), out)(x_MxK, w, layer)
 
 
 def linear(
@@ -136,15 +177,16 @@ def linear(
     lora: dict[str, Any] | None = None,
     lora_scale: float = 1.0,
     backend: str = "xla",
+    parallel: str | None = None,
 ) -> jax.Array:
     """y [..., N] = x [..., K] @ W.T (+ bias) (+ lora_scale * x @ A.T @ B.T), in x.dtype.
 
     W is [N, K] (HF layout), dense or a `PackedWeight`; lora is {"a": [r, K], "b": [N, r]}.
-    Accumulation is float32.
+    Accumulation is float32. parallel: see `base_matmul`.
     """
     x_MxK = x.reshape(-1, x.shape[-1])
     with jax.named_scope("base_matmul"):
-        y_MxN = base_matmul(x_MxK, w, backend)
+        y_MxN = base_matmul(x_MxK, w, backend, parallel)
     return _finish(x, x_MxK, y_MxN, bias, lora, lora_scale)
 
 

@@ -29,11 +29,11 @@ import dataclasses
 from typing import Any, Callable
 
 from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
+from qerl_jax.projections import COLUMN_PARALLEL
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rollout import budget as rollout_budget
 from qerl_jax.rollout import programs as rollout_programs
 from qerl_jax.rollout import scheduler as rollout_scheduler
-from qerl_jax.sharding import COLUMN_PARALLEL
 
 DENSE_BYTES = 2  # bf16 weights and activations
 LORA_BYTES = 4  # LoRA params, their gradients and AdamW moments are float32

@@ -33,14 +33,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qerl_jax.models.qwen2 import PROJECTIONS
+from qerl_jax.projections import COLUMN_PARALLEL, ROW_PARALLEL
 from qerl_jax.quant.packed import PackedWeight
 
 log = logging.getLogger(__name__)
 
 AXES = ("data", "model")
 STRATEGIES = ("tp", "fsdp")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def make_mesh(data: int = -1, model: int = 1, devices: list | None = None) -> Mesh:

@@ -306,6 +306,17 @@ def test_pallas_decode_attention_runs_on_each_model_device_s_own_heads(four_devi
     assert r["max_abs_diff"] < 1e-5, r
 
 
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_pallas_matmul_runs_on_each_model_device_s_own_part_of_the_weight(four_device_results, parallel):
+    """With the tensor-parallel mesh set, the NVFP4 kernel multiplies each device's own output
+    (column) or input (row, then summed) features: no all-gather. Left to XLA, the compiled
+    (Triton) kernel gathers the whole weight to every device first, every decode step."""
+    r = four_device_results["quant_matmul_tp"]
+    assert r[parallel]["largest_gather_without_mesh"] > 0, r  # interpreted, XLA splits the kernel's loops its own way
+    assert r[parallel]["largest_gather_with_mesh"] == 0, r
+    assert r[parallel]["max_abs_diff"] <= 1e-5 * r[parallel]["scale"], r
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -322,6 +333,55 @@ def _shard_thread_compiles(sink: list):
                 sink.append(name)
 
     return record
+
+
+def _largest_gather(jitted, *args) -> int:
+    """Elements of the largest all-gather in the compiled program of `jitted` on args."""
+    import numpy as np
+
+    text = jitted.lower(*args).compile().as_text()
+    shapes = re.findall(r"= [a-z0-9]+\[([\d,]*)\][^ ]* all-gather", text)
+    return max((int(np.prod([int(n) for n in dims.split(",")])) for dims in shapes), default=0)
+
+
+def _quant_matmul_over_model_devices() -> dict:
+    """The Pallas NVFP4 matmul (interpreted) of a column- and a row-parallel weight split over a
+    1 x 2 mesh's "model" axis as `sharding` splits them: the largest all-gather with and without
+    the mesh set, and the output against one device's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from qerl_jax import sharding
+    from qerl_jax.linear import base_matmul
+    from qerl_jax.quant import quantize
+    from qerl_jax.quant.packed import PackedWeight
+
+    mesh = sharding.make_mesh(1, 2, devices=jax.devices()[:2])
+    keys = jax.random.split(jax.random.key(11), 2)
+    w = quantize(jax.random.normal(keys[0], (64, 128), jnp.float32), "nvfp4")
+    x = jax.random.normal(keys[1], (5, 128), jnp.float32).astype(jnp.bfloat16)
+    ref = np.asarray(base_matmul(x, w, "pallas"))
+    out = {}
+    for parallel, dim in (("column", 0), ("row", 1)):
+        split = P(*[("model" if i == dim else None) for i in range(2)])
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        w_split = PackedWeight(put(w.codes, split), put(w.scales, split), put(w.global_scale, P()), w.fmt)
+        x_split = jax.device_put(x, NamedSharding(mesh, P(None, "model") if parallel == "row" else P()))
+        matmul = jax.jit(lambda x, w, parallel=parallel: base_matmul(x, w, "pallas", parallel))
+        without_mesh = _largest_gather(matmul, x_split, w_split)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            with_mesh = _largest_gather(matmul, x_split, w_split)
+            got = np.asarray(matmul(x_split, w_split))
+        out[parallel] = {
+            "largest_gather_with_mesh": with_mesh,
+            "largest_gather_without_mesh": without_mesh,
+            "max_abs_diff": float(np.abs(got - ref).max()),
+            "scale": float(np.abs(ref).max()),
+        }
+    return out
 
 
 def _decode_attention_over_model_devices() -> dict:
@@ -346,14 +406,9 @@ def _decode_attention_over_model_devices() -> dict:
     args = (put(q, None, "model"), put(k, None, None, "model"), put(v, None, None, "model"), put(start), put(end))
     attend = jax.jit(lambda *a: attend_decode_slots(*a, backend="pallas"))
 
-    def largest_gather() -> int:
-        text = attend.lower(*args).compile().as_text()
-        shapes = re.findall(r"= f32\[([\d,]*)\][^ ]* all-gather", text)
-        return max((int(np.prod([int(n) for n in dims.split(",")])) for dims in shapes), default=0)
-
-    without_mesh = largest_gather()
+    without_mesh = _largest_gather(attend, *args)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        with_mesh = largest_gather()
+        with_mesh = _largest_gather(attend, *args)
         got = np.asarray(attend(*args))
     return {
         "largest_gather_with_mesh": with_mesh,
@@ -538,13 +593,14 @@ def _worker() -> dict:
         out["rollout"][mode]["dp_tokens_equal"] = bool(np.array_equal(np.asarray(ref.tokens), np.asarray(dp.tokens)))
         # Each data shard its own generate call (threads), over a 2 x 2 (tensor parallel shards) and a 4 x 1 mesh.
         # The tensor-parallel shards run the Pallas decode attention (interpreted), as on a GPU.
-        for name, shape, attention in (("shards_2x2", (2, 2), "pallas"), ("shards_4x1", (4, 1), None)):
+        pallas = dict(decode_attention="pallas")
+        for name, shape, kernels in (("shards_2x2", (2, 2), pallas), ("shards_4x1", (4, 1), {})):
             m = sharding.make_mesh(*shape)
             four_ids, four_mask = (
                 np.concatenate([prompt_ids, ids[2:4, :6]]),
                 np.concatenate([prompt_mask, mask[2:4, :6]]),
             )
-            f32 = RolloutOptions(cache_dtype=jnp.float32, decode_attention=attention)
+            f32 = RolloutOptions(cache_dtype=jnp.float32, **kernels)
             ref4 = generate(config, full, four_ids, four_mask, jax.random.key(3), sampling, **kw, options=f32)
             in_loop = []  # programs compiled by a shard's own thread (its decode loop), not ahead
             listener = _shard_thread_compiles(in_loop)
@@ -565,6 +621,7 @@ def _worker() -> dict:
             }
         _tick(f"rollout {mode}")
     out["decode_attention_tp"] = _decode_attention_over_model_devices()
+    out["quant_matmul_tp"] = _quant_matmul_over_model_devices()
     _tick("decode attention")
     # Row shards of a data sharding, also for a data axis that is not a power of two.
     from qerl_jax.rollout.sampler import _row_shards

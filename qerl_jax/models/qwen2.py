@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.linear import PROJ_OUT, ByRows, Fused, fused_linear, linear, stack_loras
-from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
+from qerl_jax.linear import PROJ_OUT, ByRows, Fused, fused_linear, linear, model_devices, per_model_device, stack_loras
+from qerl_jax.projections import COLUMN_PARALLEL, FUSED_GROUPS, PROJECTIONS
 
 ATTENTION_PROJECTIONS = PROJECTIONS[:4]
 _MASK_VALUE = -1e30  # finite, so fully masked rows (left padding) give a uniform softmax, not NaN
@@ -219,14 +219,11 @@ def _per_model_device_heads(kernel, kv_heads: int):
     where no mesh is set (`jax.sharding.use_abstract_mesh`, the rollout's tensor-parallel shards)
     or its "model" axis does not divide the kv heads. XLA cannot split a custom call: left to
     it, every device gathers the layer's whole cache before the kernel, every decode step."""
-    mesh = jax.sharding.get_abstract_mesh()
-    devices = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
+    devices = model_devices()
     if devices == 1 or kv_heads % devices:
         return kernel
     heads, cache, rows = P(None, "model", None), P(None, None, "model", None), P()
-    return jax.shard_map(
-        kernel, in_specs=(heads, cache, cache, rows, rows), out_specs=heads, axis_names={"model"}, check_vma=False
-    )
+    return per_model_device(kernel, (heads, cache, cache, rows, rows), heads)
 
 
 def decode_attention_reference(q_BxHxD, k_BxSxKxD, v_BxSxKxD, start_B, end_B) -> jax.Array:
@@ -308,6 +305,7 @@ class DecoderLayer(nn.Module):
             lora=self._lora(name),
             lora_scale=self.options.lora_scale,
             backend=self.options.backend,
+            parallel="column" if name in COLUMN_PARALLEL else "row",
         )
 
     def _lora(self, name: str) -> dict[str, jax.Array] | None:

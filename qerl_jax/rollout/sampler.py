@@ -253,8 +253,10 @@ class _Planner:
         )
         limit = self.limit
         fits = lambda extra: not choose_copies or limit is None or (mem.total + extra) * budget.MEMORY_MARGIN <= limit  # noqa: E731
+        # The wgmma kernel has no per-device form: tensor-parallel weights stay with the Triton one.
+        wgmma_weights = False if _model_mesh(params) is not None else o.wgmma_weights
         dense, wgmma = weights.decode_weight_names(
-            params, o.dense_weights, o.wgmma_weights, backend=o.backend, rows=(lay.rows, *lay.smaller), fits=fits
+            params, o.dense_weights, wgmma_weights, backend=o.backend, rows=(lay.rows, *lay.smaller), fits=fits
         )
         extra = (
             weights.dense_copy_bytes(params, dense)
@@ -623,15 +625,21 @@ def _committed_placement(params) -> jax.sharding.Sharding | None:
     return None
 
 
-def _model_axis_of(params):
-    """A context in which the programs trace with the abstract mesh of tensor-parallel params
-    (a mesh whose "model" axis has several devices): the model's kernels then run per device on
-    their own heads (`models.qwen2.attend_decode_slots`). Otherwise no mesh is set."""
+def _model_mesh(params) -> jax.sharding.Mesh | None:
+    """The mesh of tensor-parallel params (its "model" axis has several devices), else None."""
     for leaf in jax.tree.leaves(params):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding) and dict(sharding.mesh.shape).get("model", 1) > 1:
-            return jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh)
-    return contextlib.nullcontext()
+            return sharding.mesh
+    return None
+
+
+def _model_axis_of(params):
+    """A context in which the programs trace with the abstract mesh of tensor-parallel params:
+    the model's Pallas kernels then run per device on their own part (`linear.model_devices`).
+    Otherwise no mesh is set."""
+    mesh = _model_mesh(params)
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
