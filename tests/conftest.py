@@ -38,26 +38,27 @@ import pytest  # noqa: E402 (JAX_PLATFORMS must be set before anything imports j
 
 # The slowest items (the run's own `--durations`, 2-core machine), started first: the suite's time is
 # the busier xdist worker's, and a long item dealt out last keeps one worker busy while the other has
-# nothing left. The multi-process ones (two-process run, 4-device worker, 2-device benchmark) come
-# apart, each beside single-process work: processes that wait on each other lose their core to
-# another such run. Each is the first of its module to use a long shared fixture (`once_per_test_run`);
-# the scheduler below keeps a module on one worker, so the tests that reuse it find it built instead
-# of waiting beside it. A renamed test only loses its place here.
+# nothing left. Each is the first of its module to use the test run's shared result of a long
+# fixture (`once_per_test_run`); the tests that reuse it keep their place, so they find it built
+# instead of waiting beside it. A renamed test only loses its place here.
 START_FIRST = (
     "tests/test_distributed.py::test_a_killed_process_stops_the_other_without_a_hang",
-    "tests/test_notebook.py::test_quickstart_notebook_executes",
-    "tests/test_train.py::test_grpo_loop_learns_a_reward_from_scratch",
-    "tests/test_sharding.py::test_worker_saw_four_devices",
     "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[data_parallel]",
+    "tests/test_sharding.py::test_worker_saw_four_devices",
+    "tests/test_notebook.py::test_quickstart_notebook_executes",
+    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[grpo_step]",
+    "tests/test_train.py::test_dynamic_sampling_on_a_two_device_mesh",
+    "tests/test_train.py::test_grpo_loop_learns_a_reward_from_scratch",
+    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[devtools.decode_profile]",
+    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[grpo_step:dapo]",
+    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[train_step]",
 )
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`-n 2`'s default scheduling ("load") with two changes. Tests are handed out one at a time to
-    whichever worker is free (xdist's --maxschedchunk=1), `START_FIRST` first: the default hands each
-    worker a quarter of the suite in one block up front, which can leave a long item at the end of
-    one worker. A free worker takes the next test of the module it is in, else the first test of a
-    module the other worker is not in (else any): a module's fixtures are built once, not on both."""
+    """`-n 2`'s default scheduling ("load"), with `START_FIRST` dealt out first and then every test
+    handed to whichever worker is free (xdist's --maxschedchunk=1): the default hands each worker a
+    quarter of the suite in one block up front, which can put the long items on one worker."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScheduling
@@ -68,29 +69,12 @@ def pytest_xdist_make_scheduler(config, log):
                 self.maxschedchunk = 1
             super().schedule()
 
-        def _module(self, index: int) -> str:
-            return self.collection[index].split("::")[0]
-
-        def _next_for(self, node) -> int:
+        def _send_tests(self, node, num):
             if not getattr(self, "_ordered", False):
                 rank = {nodeid: i for i, nodeid in enumerate(START_FIRST)}
                 self.pending.sort(key=lambda i: (rank.get(self.collection[i], len(rank)), i))
-                self._ordered, self._node_module = True, {}
-            others = {m for n, m in self._node_module.items() if n is not node}
-            same = [i for i in self.pending if self._module(i) == self._node_module.get(node)]
-            free = [i for i in self.pending if self._module(i) not in others]
-            index = (same or free or self.pending)[0]
-            self._node_module[node] = self._module(index)
-            return index
-
-        def _send_tests(self, node, num):
-            chosen = []
-            for _ in range(min(num, len(self.pending))):
-                chosen.append(self._next_for(node))
-                self.pending.remove(chosen[-1])
-            if chosen:
-                self.node2pending[node].extend(chosen)
-                node.send_runtest_some(chosen)
+                self._ordered = True
+            super()._send_tests(node, num)
 
     return LongestFirst(config, log)
 
