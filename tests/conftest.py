@@ -36,49 +36,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 import pytest  # noqa: E402 (JAX_PLATFORMS must be set before anything imports jax)
 
-# The slowest items (the run's own `--durations`, 2-core machine), started first: the suite's time is
-# the busier xdist worker's, and a long item dealt out last keeps one worker busy while the other has
-# nothing left. Each is the first of its module to use the test run's shared result of a long
-# fixture (`once_per_test_run`); the tests that reuse it keep their place, so they find it built
-# instead of waiting beside it. A renamed test only loses its place here.
-START_FIRST = (
-    "tests/test_distributed.py::test_a_killed_process_stops_the_other_without_a_hang",
-    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[data_parallel]",
-    "tests/test_sharding.py::test_worker_saw_four_devices",
-    "tests/test_notebook.py::test_quickstart_notebook_executes",
-    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[grpo_step]",
-    "tests/test_train.py::test_dynamic_sampling_on_a_two_device_mesh",
-    "tests/test_train.py::test_grpo_loop_learns_a_reward_from_scratch",
-    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[devtools.decode_profile]",
-    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[grpo_step:dapo]",
-    "tests/test_benchmarks_tiny.py::test_tiny_mode_runs[train_step]",
-)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """`-n 2`'s default scheduling ("load"), with `START_FIRST` dealt out first and then every test
-    handed to whichever worker is free (xdist's --maxschedchunk=1): the default hands each worker a
-    quarter of the suite in one block up front, which can put the long items on one worker."""
-    if config.getoption("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScheduling
-
-    class LongestFirst(LoadScheduling):
-        def schedule(self):
-            if self.maxschedchunk is None:  # not set on the command line
-                self.maxschedchunk = 1
-            super().schedule()
-
-        def _send_tests(self, node, num):
-            if not getattr(self, "_ordered", False):
-                rank = {nodeid: i for i, nodeid in enumerate(START_FIRST)}
-                self.pending.sort(key=lambda i: (rank.get(self.collection[i], len(rank)), i))
-                self._ordered = True
-            super()._send_tests(node, num)
-
-    return LongestFirst(config, log)
-
-
 TINY_QWEN2 = dict(
     vocab_size=131,
     hidden_size=64,
