@@ -404,13 +404,13 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         train.train(cfg)
 
 
-def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_model_dir):
+def test_eval_of_run_checkpoint_equals_eval_of_exported_adapter(tmp_path, tiny_model_dir, straight_run):
     import json
 
     from qerl_jax import evaluation
 
-    cfg = _config(tmp_path / "run", tiny_model_dir, **{"train.total_steps": 2, "rl.reward": DIGIT_REWARD})
-    train.train(cfg)
+    # The finished 4-step run (its checkpoint and its exported adapter), read only: eval writes to tmp_path.
+    cfg = _config(straight_run.workdir, tiny_model_dir, **RESUME_RUN)
     outputs = []
     for checkpoint in (cfg.workdir, os.path.join(cfg.workdir, "adapter")):
         cfg.eval.checkpoint, cfg.eval.num_examples, cfg.eval.max_new_tokens = checkpoint, 4, 8
