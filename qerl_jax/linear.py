@@ -163,9 +163,6 @@ def _quant_matmul(x_MxK: jax.Array, w: PackedWeight, layer, parallel: str | None
     else:
         return kernel(x_MxK, w, layer)
     w_spec = PackedWeight(codes=split, scales=split, global_scale=P(), fmt=w.fmt)
-    if layer is None:  # one weight, not a stack: the kernel takes no layer index
-        whole, layer = fn, jnp.int32(0)
-        fn = lambda x, w, _: whole(x, w, None)  # noqa: E731
     return per_model_device(fn, (in_x, w_spec, P()), out)(x_MxK, w, layer)
 
 

@@ -28,11 +28,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from qerl_jax.models.qwen2 import ATTENTION_MODES, PROJECTIONS, ModelConfig, projection_shapes, remat_mode
+from qerl_jax.models.qwen2 import (
+    ATTENTION_MODES,
+    PROJECTIONS,
+    ModelConfig,
+    kv_head_shards,
+    projection_shapes,
+    remat_mode,
+)
 from qerl_jax.projections import COLUMN_PARALLEL
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
 from qerl_jax.rollout import budget as rollout_budget
-from qerl_jax.rollout import programs as rollout_programs
 from qerl_jax.rollout import scheduler as rollout_scheduler
 
 DENSE_BYTES = 2  # bf16 weights and activations
@@ -465,7 +471,7 @@ def rollout_terms(
     )
     norms_biases = (_bias_elements(c) + 2 * n_layers * c.hidden_size) * DENSE_BYTES
     return dict(
-        kv_cache=rollout.kv_cache // rollout_programs.cache_head_shards(c, inputs.model_shards),
+        kv_cache=rollout.kv_cache // kv_head_shards(c.num_key_value_heads, inputs.model_shards),
         rollout_activations=rollout.row_state + rollout.work,
         rollout_layer_copies=dense_linear + norms_biases + lora_params,
     )

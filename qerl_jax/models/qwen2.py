@@ -213,14 +213,19 @@ def attend_decode_slots(
         raise ValueError(f"unknown decode attention backend {backend!r}; expected one of {DECODE_ATTENTION_BACKENDS}")
 
 
+def kv_head_shards(num_kv_heads: int, model_devices: int) -> int:
+    """The parts the kv heads (the KV cache, the decode attention) split into over `model_devices`
+    devices of a tensor-parallel mesh: all of them where they divide the heads, else 1 (whole)."""
+    return model_devices if num_kv_heads % model_devices == 0 else 1
+
+
 def _per_model_device_heads(kernel, kv_heads: int):
     """`kernel` run by each device of the "model" axis on its own kv heads (and their query
     heads), where the tensor-parallel projections and the KV cache leave them; the kernel itself
     where no mesh is set (`jax.sharding.use_abstract_mesh`, the rollout's tensor-parallel shards)
     or its "model" axis does not divide the kv heads. XLA cannot split a custom call: left to
     it, every device gathers the layer's whole cache before the kernel, every decode step."""
-    devices = model_devices()
-    if devices == 1 or kv_heads % devices:
+    if kv_head_shards(kv_heads, model_devices()) == 1:
         return kernel
     heads, cache, rows = P(None, "model", None), P(None, None, "model", None), P()
     return per_model_device(kernel, (heads, cache, cache, rows, rows), heads)

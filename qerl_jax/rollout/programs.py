@@ -37,6 +37,7 @@ from qerl_jax.models.qwen2 import (
     DecodeSlots,
     ForwardOptions,
     ModelConfig,
+    kv_head_shards,
     positions_from_mask,
     rms_norm,
 )
@@ -116,14 +117,9 @@ def cache_sharding(static: Static, sharding: jax.sharding.Sharding | None) -> ja
     they took it, and each device holds 1/M of it); else `sharding`."""
     if not isinstance(sharding, NamedSharding) or not sharding.is_fully_replicated:
         return sharding
-    if cache_head_shards(static.config, dict(sharding.mesh.shape).get("model", 1)) > 1:
+    if kv_head_shards(static.config.num_key_value_heads, dict(sharding.mesh.shape).get("model", 1)) > 1:
         return NamedSharding(sharding.mesh, P(None, None, "model"))
     return sharding
-
-
-def cache_head_shards(config: ModelConfig, model_devices: int) -> int:
-    """The parts the KV cache's kv heads are split into over `model_devices` devices (1: whole)."""
-    return model_devices if config.num_key_value_heads % model_devices == 0 else 1
 
 
 @functools.lru_cache(maxsize=64)

@@ -194,6 +194,8 @@ def plan_rollout(
         config, params, prompt_slots, new_slots, group_size, smaller_rows, options,
         limit=budget_bytes if budget_bytes is not None else budget.device_free_bytes(),
         act_dtype=weights.act_dtype_of(params), layer_copies=weights.layer_copy_bytes(params),
+        # The wgmma kernel has no per-device form: tensor-parallel weights stay with the Triton one.
+        wgmma_weights=False if _model_mesh(params) is not None else options.wgmma_weights,
     )  # fmt: skip
     if max_batch is None and planner.limit is not None:
         return _auto_rows(planner, num_seqs)
@@ -228,6 +230,7 @@ class _Planner:
     limit: int | None  # the bytes the rollout may use (None: unchecked)
     act_dtype: Any  # of the params' activations (`weights.act_dtype_of`)
     layer_copies: int  # bytes of the per-layer copies of the call (`weights.layer_copy_bytes`)
+    wgmma_weights: bool | Sequence[str] | None  # options.wgmma_weights; False for tensor-parallel params
 
     def plan(self, at_once: int, choose_copies: bool) -> RolloutPlan:
         """The plan at `at_once` sequences decoded at once; copies wanted (False) or those that fit (True)."""
@@ -253,10 +256,8 @@ class _Planner:
         )
         limit = self.limit
         fits = lambda extra: not choose_copies or limit is None or (mem.total + extra) * budget.MEMORY_MARGIN <= limit  # noqa: E731
-        # The wgmma kernel has no per-device form: tensor-parallel weights stay with the Triton one.
-        wgmma_weights = False if _model_mesh(params) is not None else o.wgmma_weights
         dense, wgmma = weights.decode_weight_names(
-            params, o.dense_weights, wgmma_weights, backend=o.backend, rows=(lay.rows, *lay.smaller), fits=fits
+            params, o.dense_weights, self.wgmma_weights, backend=o.backend, rows=(lay.rows, *lay.smaller), fits=fits
         )
         extra = (
             weights.dense_copy_bytes(params, dense)
@@ -280,7 +281,7 @@ def _auto_rows(planner: _Planner, num_seqs: int) -> RolloutPlan:
     # memory from one call (training step) to the next would compile new programs each time.
     key = (planner.config, scheduler.rows_bucket(num_seqs), planner.prompt_slots, planner.new_slots,
            planner.group_size, planner.smaller_rows, o.share_prefill, o.backend, jnp.dtype(o.cache_dtype).name,
-           o.dense_weights, o.wgmma_weights, _row_shards(o.batch_sharding))  # fmt: skip
+           o.dense_weights, planner.wgmma_weights, _row_shards(o.batch_sharding))  # fmt: skip
     if key in _AUTO_ROWS:
         chosen = planner.plan(*_AUTO_ROWS[key])
         if planner.fits(chosen):
