@@ -1,6 +1,7 @@
 """Data-parallel scaling of the GRPO step users run: whole long-tailed rollouts + the train step.
 
     python -m benchmarks.data_parallel --out $OUT/dp.json                 # all local GPUs: 1, 2, 4, ...
+    python -m benchmarks.data_parallel --max-devices 1 --model-shards 2 --quant bf16  # tensor parallel
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
       python -m benchmarks.data_parallel --tiny --out /tmp/dp.json      # CPU smoke test
 
@@ -13,7 +14,9 @@ A Qwen2.5-shaped random NVFP4 policy with LoRA (benchmarks/common.py) on the rec
   the prompts with its own scheduler; then the packed DAPO train step with the batch split over
   "data";
 - `one call` (the smallest n > 1; the path before, kept as the baseline): one `generate` call whose rows are
-  sharded over "data" (`RolloutOptions(batch_sharding=...)`).
+  sharded over "data" (`RolloutOptions(batch_sharding=...)`);
+- `tp` (with --model-shards M > 1): the same batch on a (1, M) mesh, the base tensor parallel over
+  "model" (the Pallas kernels run per device), against one device.
 
 Strong scaling: the same batch on n devices; weak scaling: n times the prompts. Each rollout is
 the second of two calls (the first compiles), the train step likewise. The step = rollout +
@@ -62,16 +65,17 @@ def _train_batch(out, args) -> dict[str, np.ndarray]:
     return packing.pack_batch(batch, args.prompt_len + args.max_new, rows_multiple=args.micro_batch_size)
 
 
-def measure(config, params, lora, n: int, prompts: int, path: str, args) -> dict:
-    """Rollout, train and step seconds of `prompts` x group sequences on the first n devices."""
-    mesh = sharding.make_mesh(n, 1, devices=jax.devices()[:n])
+def measure(config, params, lora, n: int, prompts: int, path: str, args, model: int = 1) -> dict:
+    """Rollout, train and step seconds of `prompts` x group sequences on the first n x model devices
+    (a (n, model) mesh)."""
+    mesh = sharding.make_mesh(n, model, devices=jax.devices()[: n * model])
     policy = sharding.shard_params(with_lora(params, lora), mesh, "tp")
     frozen = sharding.shard_params(params, mesh, "tp")
     ids, mask, lengths = _inputs(config, prompts, args)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new, ignore_eos=True)
     backend = "xla" if jax.default_backend() == "cpu" else "pallas"
     kw = dict(group_size=args.group, lora_scale=lora_scale(args.lcfg), max_new_tokens_per_seq=lengths)
-    if path == "shards":
+    if path in ("shards", "tp"):
         run = lambda: generate_data_parallel(  # noqa: E731
             config, policy, ids, mask, jax.random.key(3), sampling, mesh=mesh, options=RolloutOptions(backend=backend),
             **kw,
@@ -90,7 +94,7 @@ def measure(config, params, lora, n: int, prompts: int, path: str, args) -> dict
     (_, metrics), train_s = _timed(lambda: step(rl_step.init_train_state(lora_n, optimizer), frozen, batch))
     seqs = prompts * args.group
     res = dict(
-        devices=n, path=path, prompts=prompts, sequences=seqs, rollout_s=roll_s, train_s=train_s,
+        devices=n * model, path=path, prompts=prompts, sequences=seqs, rollout_s=roll_s, train_s=train_s,
         step_s=roll_s + train_s, completions_per_s=seqs / (roll_s + train_s), loss=float(metrics["loss"]),
         tokens=np.asarray(out.tokens), lengths=int(lengths.sum()),
     )  # fmt: skip
@@ -113,6 +117,8 @@ def run(args) -> dict:
             rows.append(measure(config, params, lora, n, args.prompts * n, "shards", args))  # weak scaling
             if not args.skip_one_call and n == counts[1]:
                 rows.append(measure(config, params, lora, n, args.prompts, "one call", args))
+    if 1 < args.model_shards <= n_max:
+        rows.append(measure(config, params, lora, 1, args.prompts, "tp", args, model=args.model_shards))
     one = rows[0]
     for r in rows:
         r["step_speedup"] = one["step_s"] / r["step_s"] if r["prompts"] == one["prompts"] else None
@@ -154,6 +160,7 @@ def main(argv=None) -> None:
     p.add_argument("--logprob-chunk", type=int, default=512)
     p.add_argument("--max-devices", type=int, default=8)
     p.add_argument("--skip-one-call", action="store_true", help="leave out the one-call baseline rows")
+    p.add_argument("--model-shards", type=int, default=1, help="M > 1: a tensor-parallel row on a (1, M) mesh")
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (CPU smoke test)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

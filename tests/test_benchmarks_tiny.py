@@ -18,7 +18,7 @@ CASES = {
     "grpo_step:dapo": ["--workload", "dapo"],  # its cases must run without an error row
     "train_step": [],
     "scale": [],
-    "data_parallel": [],  # two CPU devices, below
+    "data_parallel": ["--model-shards", "2"],  # two CPU devices, below; with the tensor-parallel row
     "devtools.decode_profile": ["--prompt-len", "16", "--cache-new-tokens", "32"],  # its documented CPU smoke sizes
     "devtools.train_profile": [],
 }
@@ -46,6 +46,8 @@ def test_tiny_mode_runs(module, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report and not _error_rows(report), _error_rows(report)  # every case ran (no child's error row)
+    if module == "data_parallel":  # the tensor-parallel row samples one device's tokens
+        assert [r["tokens_equal_1"] for r in report["rows"] if r["path"] == "tp"] == [True], report["rows"]
     if module == "grpo_step:dapo":
         rows = report["results"]
         assert rows, report
