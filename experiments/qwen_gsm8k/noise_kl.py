@@ -33,13 +33,13 @@ DOSE_SIGMAS = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)
 
 
 def text_batches(tokenizer, num_texts: int, max_len: int, batch: int):
-    """Right-padded int32 [B, T] ids and masks of GSM8K test question + answer texts."""
+    """Right-padded int32 [B, max_len] ids and masks of GSM8K test question + answer texts (one shape,
+    so the forward compiles once rather than once per batch)."""
     rows = [json.loads(line) for line in open(data_path("gsm8k/test.jsonl"))][:num_texts]
     ids = [tokenizer(r["question"] + "\n" + r["answer"], add_special_tokens=False)["input_ids"][:max_len] for r in rows]
     for i in range(0, len(ids), batch):
         chunk = ids[i : i + batch]
-        t = max(map(len, chunk))
-        x, m = np.zeros((len(chunk), t), np.int32), np.zeros((len(chunk), t), np.int32)
+        x, m = np.zeros((len(chunk), max_len), np.int32), np.zeros((len(chunk), max_len), np.int32)
         for r, seq in enumerate(chunk):
             x[r, : len(seq)], m[r, : len(seq)] = seq, 1
         yield x, m
