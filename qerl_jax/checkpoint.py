@@ -31,8 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from absl import logging as absl_logging
+from jax.experimental import multihost_utils
 from orbax.checkpoint._src import asyncio_utils
 
 from qerl_jax.config import recipe_fields

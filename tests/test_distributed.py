@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import REPO, TWO_DEVICE_RUN_FLAGS
 
 STEPS = tuple(f for f in TWO_DEVICE_RUN_FLAGS if f.startswith(("--config.train.", "--config.eval.")))

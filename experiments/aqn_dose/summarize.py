@@ -22,7 +22,15 @@ import numpy as np
 
 from experiments import stats
 from experiments.fidelity.summarize import _jsonl_curves, _smooth, read_experiment
-from experiments.qwen_gsm8k.summarize import GSM8K, PROBLEMS_FILE, _eval, _finite_or_none, mcnemar, paired, read_problems
+from experiments.qwen_gsm8k.summarize import (
+    GSM8K,
+    PROBLEMS_FILE,
+    _eval,
+    _finite_or_none,
+    mcnemar,
+    paired,
+    read_problems,
+)
 
 CONTROL = "sigma0"
 MARGIN = 0.010  # reward per 100 steps (PROTOCOL.md: (c)'s margin)
@@ -85,7 +93,7 @@ def stage_table(runs: dict, arm: str, bounds: list[tuple[int, int]]) -> list[dic
         row = {"steps": [lo, hi]}
         for key in MEASURES:
             row[key] = _interval(paired(runs, arm, CONTROL, key, start=lo, end=hi), "level")
-        kl = lambda a: np.nanmean([np.nanmean(r["curves"]["sampler_kl"][lo:hi]) for r in runs[a].values()])  # noqa: E731
+        kl = lambda a, lo=lo, hi=hi: np.nanmean([np.nanmean(r["curves"]["sampler_kl"][lo:hi]) for r in runs[a].values()])  # noqa: E731
         row["sampler_kl_ratio"] = float(kl(arm) / kl(CONTROL))
         row["reward_slope"] = _interval(paired(runs, arm, CONTROL, "reward", start=lo, end=hi), "slope")
         rows.append(row)
