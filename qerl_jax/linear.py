@@ -6,6 +6,7 @@ backend and adding the LoRA delta all happen here, so the model code never branc
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed
+from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed, splits_over
 
 BACKENDS = ("xla", "pallas")
 # The name (`jax.ad_checkpoint.checkpoint_name`) of every projection's output, in the activations'
@@ -139,31 +140,82 @@ def model_devices() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get("model", 1)
 
 
+def model_mesh(params) -> jax.sharding.Mesh | None:
+    """The mesh of tensor-parallel params (its "model" axis has several devices), else None."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and dict(sharding.mesh.shape).get("model", 1) > 1:
+            return sharding.mesh
+    return None
+
+
+def kernels_per_model_device(params):
+    """A context in which programs over `params` trace with the abstract mesh of tensor-parallel
+    params, so that the model's Pallas kernels run per device on their own part (`model_devices`);
+    no mesh for other params. Set around every jitted call (and lowering) of the rollout and the
+    train step."""
+    mesh = model_mesh(params)
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def per_model_device(fn, in_specs, out_specs):
     """`fn` run by each device of the "model" axis on its blocks (`jax.shard_map`; other axes automatic)."""
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={"model"}, check_vma=False)
+
+
+def _kernel(x_MxK: jax.Array, w: PackedWeight, layer) -> jax.Array:
+    import pallas_kernels  # imported lazily: the kernels are only needed on this path
+
+    return pallas_kernels.quant_matmul(x_MxK, w, layer=layer)
+
+
+def _split(w: PackedWeight, dim: int) -> PackedWeight:
+    """The specs of a packed weight (or stack) split over "model" along its output (dim -2) or
+    input (dim -1) features: codes and block scales together."""
+    spec = [None] * w.codes.ndim
+    spec[dim] = "model"
+    return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=P(), fmt=w.fmt)
 
 
 def _quant_matmul(x_MxK: jax.Array, w: PackedWeight, layer, parallel: str | None) -> jax.Array:
     """The Pallas kernel on packed W (layer `layer` of a stack, or W itself); with a "model" axis
     (`model_devices`) that splits W as `sharding` does, each device multiplies its own part: a
     column-parallel W its output features, a row-parallel W its input features (then summed)."""
-    import pallas_kernels  # imported lazily: the kernels are only needed on this path
-
-    kernel = lambda x, w, layer: pallas_kernels.quant_matmul(x, w, layer=layer)  # noqa: E731
     m = model_devices()
-    lead = (None,) * (w.codes.ndim - 2)
-    if m > 1 and parallel == "column" and w.codes.shape[-2] % m == 0:
-        split = P(*lead, "model", None)
-        in_x, out, fn = P(), P(None, "model"), kernel
-    elif m > 1 and parallel == "row" and w.scales.shape[-1] % m == 0:  # whole blocks per device
-        split = P(*lead, None, "model")
-        in_x, out = P(None, "model"), P()
-        fn = lambda x, w, layer: jax.lax.psum(kernel(x, w, layer), "model")  # noqa: E731
-    else:
-        return kernel(x_MxK, w, layer)
-    w_spec = PackedWeight(codes=split, scales=split, global_scale=P(), fmt=w.fmt)
-    return per_model_device(fn, (in_x, w_spec, P()), out)(x_MxK, w, layer)
+    *_, n, k = w.shape
+    if m > 1 and parallel == "column" and splits_over(n, k, -2, m, w.block_size):
+        return _column_parallel_matmul(x_MxK, w, layer)
+    if m > 1 and parallel == "row" and splits_over(n, k, -1, m, w.block_size):
+        summed = lambda x, w, layer: jax.lax.psum(_kernel(x, w, layer), "model")  # noqa: E731
+        return per_model_device(summed, (P(None, "model"), _split(w, -1), P()), P())(x_MxK, w, layer)
+    return _kernel(x_MxK, w, layer)
+
+
+@jax.custom_vjp
+def _column_parallel_matmul(x_MxK: jax.Array, w: PackedWeight, layer) -> jax.Array:
+    """The kernel per "model" device on its output features. Its own VJP, so that the input's
+    cotangent (each device's partial sum over its features) is summed in float32; shard_map's
+    transpose would sum the kernel's bf16 results (and XLA's CPU compiler rejects that program)."""
+    return per_model_device(_kernel, (P(), _split(w, -2), P()), P(None, "model"))(x_MxK, w, layer)
+
+
+def _column_fwd(x_MxK, w, layer):
+    return _column_parallel_matmul(x_MxK, w, layer), (x_MxK, w, layer)
+
+
+def _column_bwd(res, dy_MxN):
+    x_MxK, w, layer = res
+
+    def partial_dx(x, w, layer, dy):
+        _, pullback = jax.vjp(lambda x_: _kernel(x_, w, layer), x)
+        return jax.lax.psum(pullback(dy)[0].astype(jnp.float32), "model")
+
+    specs = (P(), _split(w, -2), P(), P(None, "model"))
+    dx_MxK = per_model_device(partial_dx, specs, P())(x_MxK, w, layer, dy_MxN)
+    return dx_MxK.astype(x_MxK.dtype), None, None  # W is frozen, the layer an index
+
+
+_column_parallel_matmul.defvjp(_column_fwd, _column_bwd)
 
 
 def linear(

@@ -38,6 +38,7 @@ from qerl_jax.models.qwen2 import (
 )
 from qerl_jax.projections import COLUMN_PARALLEL
 from qerl_jax.quant.formats import CONFIG_FORMATS, FORMATS, REGISTRY
+from qerl_jax.quant.packed import splits_over
 from qerl_jax.rollout import budget as rollout_budget
 from qerl_jax.rollout import scheduler as rollout_scheduler
 
@@ -231,11 +232,11 @@ class PlanInputs:
         """(N, K) of a projection's weight on one model device: N split for a column-parallel
         projection, K for a row-parallel one (whole blocks of a packed format), where it divides."""
         m = self.model_shards
-        if projection in COLUMN_PARALLEL:
-            return (n // m, k) if n % m == 0 else (n, k)
         fmt = self.quant_of(projection)
-        unit = 1 if fmt == "bf16" else REGISTRY[fmt].block_size
-        return (n, k // m) if (k // unit) % m == 0 and k % unit == 0 else (n, k)
+        block = 1 if fmt == "bf16" else REGISTRY[fmt].block_size
+        if projection in COLUMN_PARALLEL:
+            return (n // m, k) if splits_over(n, k, -2, m, block) else (n, k)
+        return (n, k // m) if splits_over(n, k, -1, m, block) else (n, k)
 
     def device_vocab(self, vocab: int) -> int:
         """Vocabulary rows of embed / lm_head (and columns of the logits) on one model device."""

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from qerl_jax.models.qwen2 import PROJECTIONS
 from qerl_jax.projections import COLUMN_PARALLEL, ROW_PARALLEL
-from qerl_jax.quant.packed import PackedWeight
+from qerl_jax.quant.packed import PackedWeight, splits_over
 
 log = logging.getLogger(__name__)
 
@@ -95,31 +95,17 @@ def _maybe(spec: tuple, shape: tuple[int, ...], axis_sizes: dict[str, int], what
 
 
 def _packed_specs(w: PackedWeight, dim: int, axis: str, axis_sizes: dict[str, int], what: str) -> PackedWeight:
-    """Specs for a PackedWeight sharded along logical dim -2 (N) or -1 (K) over `axis`."""
-    size = axis_sizes[axis]
-    lead = (None,) * (w.codes.ndim - 2)
-    gs = P(*((None,) * w.global_scale.ndim))
-    if dim == -2:
-        spec = lead + (axis, None)
-        n = w.codes.shape[-2]
-        if n % size:
-            log.info("replicating %s: N=%d does not divide by mesh axis %r of size %d", what, n, axis, size)
-            spec = lead + (None, None)
-        return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=gs, fmt=w.fmt)
-    blocks = w.scales.shape[-1]
-    spec = lead + (None, axis)
-    if blocks % size:
-        k = 2 * w.codes.shape[-1]
+    """Specs for a PackedWeight sharded along logical dim -2 (N) or -1 (K, whole blocks) over `axis`."""
+    *_, n, k = w.shape
+    spec = [None] * w.codes.ndim
+    if splits_over(n, k, dim, axis_sizes[axis], w.block_size):
+        spec[dim] = axis
+    else:
         log.info(
-            "replicating %s: K=%d has %d blocks of %d, not divisible by mesh axis %r of size %d",
-            what,
-            k,
-            blocks,
-            w.block_size,
-            axis,
-            size,
-        )
-        spec = lead + (None, None)
+            "replicating %s: [N, K] = [%d, %d] (K in %d blocks of %d) does not split along dim %d over mesh axis %r of size %d",
+            what, n, k, k // w.block_size, w.block_size, dim, axis, axis_sizes[axis],
+        )  # fmt: skip
+    gs = P(*((None,) * w.global_scale.ndim))
     return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=gs, fmt=w.fmt)
 
 

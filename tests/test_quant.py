@@ -502,3 +502,12 @@ def test_format_record_describes_what_the_quantizer_writes(fmt):
     table = np.asarray(rec.code_table, np.float64)
     np.testing.assert_allclose(blocks, (table[codes].reshape(blocks.shape) * scale), rtol=1e-6)
     assert quant.CONFIG_FORMATS == (quant.DENSE, *quant.FORMATS)
+
+
+def test_splits_over_needs_whole_features_or_whole_blocks():
+    splits_over = packed_lib.splits_over
+    assert splits_over(64, 96, -2, 4) and not splits_over(66, 96, -2, 4)  # output features
+    assert splits_over(64, 96, -1, 4)  # dense K = 96: 4 x 24
+    assert not splits_over(64, 96, -1, 4, block_size=16)  # 6 blocks of 16 do not split 4 ways
+    assert splits_over(64, 128, -1, 4, block_size=16)  # 8 blocks: 2 each
+    assert not splits_over(64, 100, -1, 2, block_size=16)  # K not in whole blocks

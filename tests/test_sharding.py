@@ -318,6 +318,19 @@ def test_tensor_parallel_rollout_with_the_pallas_kernels_equals_one_device(four_
     assert r["logp_max_abs_diff"] < 5e-3, r
 
 
+def test_tensor_parallel_train_step_with_the_pallas_matmul_equals_one_device(four_device_results):
+    """The NVFP4 kernel's forward and backward run per "model" device in the train step: the loss
+    and LoRA gradients equal one device's, and no device gathers the packed weights (it did, every
+    micro-batch, with no mesh set)."""
+    r = four_device_results["train_step"]["tp_pallas"]
+    assert abs(r["loss"] - r["loss_ref"]) <= 1e-5 * max(1.0, abs(r["loss_ref"])), r
+    # The kernel's bf16 cotangents: tensor parallel sums the devices' parts in another order. Its
+    # gradients stay closer to one device's than one device's kernel is to the XLA path.
+    assert r["grad_rel_err"] <= r["kernel_vs_xla_rel_err"], r
+    assert r["u8_gathers_without_mesh"] > 0, r
+    assert r["u8_gathers_with_mesh"] == 0, r
+
+
 @pytest.mark.parametrize("parallel", ["column", "row"])
 def test_pallas_matmul_runs_on_each_model_device_s_own_part_of_the_weight(four_device_results, parallel):
     """With the tensor-parallel mesh set, the NVFP4 kernel multiplies each device's own output
@@ -394,6 +407,53 @@ def _quant_matmul_over_model_devices() -> dict:
             "scale": float(np.abs(ref).max()),
         }
     return out
+
+
+def _pallas_train_step_over_model_devices(
+    config, loss_cfg, lora_scale, packed, lora, train_batch, mesh, xla_lora
+) -> dict:
+    """The train step with the NVFP4 Pallas matmul (interpreted) on tensor-parallel weights over the
+    2 x 2 mesh against one device's with the same kernel: loss and LoRA gradients (the backward
+    kernel per device, the input features' cotangent summed over "model"), beside the spread of
+    one device's kernel against the XLA path (xla_lora: the XLA step's updated adapter, same
+    SGD step), and the u8 (packed weight) all-gathers of its compiled micro-step with and without
+    the mesh set as the step sets it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from qerl_jax import linear, sharding
+    from qerl_jax.rl.step import TrainStep, init_train_state
+
+    lr = 0.5
+    step = TrainStep(
+        config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4, backend="pallas"
+    )
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])  # noqa: E731
+    ref_state, ref_metrics = step(init_train_state(jax.tree.map(jnp.copy, lora), optax.sgd(lr)), packed, train_batch)
+    frozen = sharding.shard_params(packed, mesh, "tp")
+    lora_tp = sharding.shard_like_lora(lora, mesh, "tp")
+    batch = sharding.shard_batch(train_batch, mesh)
+    state, metrics = step(init_train_state(lora_tp, optax.sgd(lr)), frozen, batch)
+    g, g_ref, g_xla = (flat(lora) - flat(t) for t in (state.lora, ref_state.lora, xla_lora))
+    micro_args, _ = step.lower_args(init_train_state(lora_tp, optax.sgd(lr)), frozen, batch)
+
+    def u8_gathers() -> int:
+        text = step.micro.lower(*micro_args).compile().as_text()
+        return len(re.findall(r"= u8\[[\d,]*\][^ ]* all-gather", text))
+
+    without_mesh = u8_gathers()
+    with linear.kernels_per_model_device(frozen):
+        with_mesh = u8_gathers()
+    return {
+        "loss": float(metrics["loss"]),
+        "loss_ref": float(ref_metrics["loss"]),
+        "grad_rel_err": float(np.abs(g - g_ref).max() / np.abs(g_ref).max()),
+        "kernel_vs_xla_rel_err": float(np.abs(g_ref - g_xla).max() / np.abs(g_xla).max()),
+        "u8_gathers_with_mesh": with_mesh,
+        "u8_gathers_without_mesh": without_mesh,
+    }
 
 
 def _decode_attention_over_model_devices() -> dict:
@@ -567,6 +627,9 @@ def _worker() -> dict:
             "grad_rel_err": float(np.abs(g - g_ref).max() / np.abs(g_ref).max()),
             "lora_a_spec": str(state.lora["layers"]["down_proj"]["a"].sharding.spec),
         }
+    out["train_step"]["tp_pallas"] = _pallas_train_step_over_model_devices(
+        config, loss_cfg, lora_scale, packed, lora, train_batch, mesh, xla_lora=ref_state.lora
+    )
     # Rows of a micro-batch each device runs (the partitioned micro-step's packed input_ids).
     sharded_batch = sharding.shard_batch(train_batch, mesh)
     micro_args, _ = step.lower_args(init_train_state(lora_s, optax.sgd(lr)), frozen, sharded_batch)

@@ -68,6 +68,15 @@ def is_packed(w) -> bool:
     return isinstance(w, PackedWeight)
 
 
+def splits_over(n: int, k: int, dim: int, parts: int, block_size: int = 1) -> bool:
+    """Whether a weight [N, K] splits evenly over `parts` devices along dim -2 (its output
+    features) or -1 (its input features, in whole blocks of `block_size`: 1 for a dense weight).
+    The one tensor-parallel rule: the sharding, the memory plan and the per-device kernels use it."""
+    if dim == -2:
+        return n % parts == 0
+    return k % block_size == 0 and (k // block_size) % parts == 0
+
+
 def unpack_codes(codes: jax.Array) -> jax.Array:
     """uint8 [..., N, K // 2] -> uint8 codes [..., N, K] (low nibble first)."""
     low = codes & 0x0F

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from flax import struct
 
+from qerl_jax import linear
 from qerl_jax.lora import check_lora, check_trained_norms, with_lora
 from qerl_jax.models.qwen2 import ModelConfig
 from qerl_jax.rl.logprobs import to_next_token_grid, token_logprobs
@@ -184,7 +185,8 @@ class TrainStep:
     `models.qwen2.REMAT_MODES` or a bool; attention: the full-sequence attention, one of
     `models.qwen2.ATTENTION_MODES` (attention stays within each packed segment either way).
     The update donates `state`. `micro` and `update` are the two jitted programs (`lower_args`
-    gives their arguments for a batch, `precompile` compiles them). A step whose loss or gradient
+    gives their arguments for a batch, `precompile` compiles them; lower `micro` of tensor-parallel
+    params under `linear.kernels_per_model_device`, as the step runs it). A step whose loss or gradient
     is not finite leaves lora/norms/opt_state/step unchanged and increments the skip counters (see
     `check_nonfinite`).
     state.norms (trained RMSNorm scales, or None) train beside the LoRA: the forward uses them in
@@ -325,18 +327,19 @@ class TrainStep:
         frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
         r = arrays["input_ids"].shape[0]
         mb = self.micro_batch_size or r
-        for first in range(0, r, mb):
-            rows = slice(first, first + mb)
-            acc = self.micro(
-                (state.lora, state.norms),
-                frozen,
-                _micro_rows(arrays["input_ids"], rows),
-                _micro_rows(arrays["segment_ids"], rows),
-                jnp.int32(first),
-                per_seq,
-                ref,
-                acc,
-            )
+        with linear.kernels_per_model_device(frozen):
+            for first in range(0, r, mb):
+                rows = slice(first, first + mb)
+                acc = self.micro(
+                    (state.lora, state.norms),
+                    frozen,
+                    _micro_rows(arrays["input_ids"], rows),
+                    _micro_rows(arrays["segment_ids"], rows),
+                    jnp.int32(first),
+                    per_seq,
+                    ref,
+                    acc,
+                )
         return self.update(state, per_seq, ref, acc)
 
     def lower_args(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
@@ -353,5 +356,6 @@ class TrainStep:
         persistent cache) without running them; a later call on such a batch compiles nothing.
         Made to run in a thread beside a rollout (XLA compiles without the GIL)."""
         micro_args, update_args = self.lower_args(state, frozen, batch, ref_logp)
-        self.micro.lower(*micro_args).compile()
+        with linear.kernels_per_model_device(frozen):
+            self.micro.lower(*micro_args).compile()
         self.update.lower(*update_args).compile()

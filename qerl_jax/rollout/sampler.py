@@ -23,7 +23,6 @@ rows, then those of `smaller_rows` below them when compacting), per prompt / new
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import importlib.util
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax import linear
 from qerl_jax.models.qwen2 import DECODE_ATTENTION_BACKENDS, ForwardOptions, ModelConfig
 from qerl_jax.rollout import budget, programs, scheduler, weights
 from qerl_jax.rollout.batch import RolloutBatch, to_train_batch
@@ -195,7 +195,7 @@ def plan_rollout(
         limit=budget_bytes if budget_bytes is not None else budget.device_free_bytes(),
         act_dtype=weights.act_dtype_of(params), layer_copies=weights.layer_copy_bytes(params),
         # The wgmma kernel has no per-device form: tensor-parallel weights stay with the Triton one.
-        wgmma_weights=False if _model_mesh(params) is not None else options.wgmma_weights,
+        wgmma_weights=False if linear.model_mesh(params) is not None else options.wgmma_weights,
     )  # fmt: skip
     if max_batch is None and planner.limit is not None:
         return _auto_rows(planner, num_seqs)
@@ -459,7 +459,7 @@ def generate(
     dense = plan.dense_names
     run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
     placement = options.batch_sharding or _committed_placement(run_params)
-    with _model_axis_of(params):
+    with linear.kernels_per_model_device(params):
         if placement is None or placement.is_fully_replicated:  # rows split over devices: compiled as they come
             key = key if placement is None else jax.device_put(key, _whole(placement))
             limit, end = monitor.bounds(wait=False) if monitor is not None else (call.total, call.total)
@@ -624,23 +624,6 @@ def _committed_placement(params) -> jax.sharding.Sharding | None:
         if isinstance(leaf, jax.Array) and leaf.committed:
             return _whole(leaf.sharding) if len(leaf.sharding.device_set) == 1 else None
     return None
-
-
-def _model_mesh(params) -> jax.sharding.Mesh | None:
-    """The mesh of tensor-parallel params (its "model" axis has several devices), else None."""
-    for leaf in jax.tree.leaves(params):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and dict(sharding.mesh.shape).get("model", 1) > 1:
-            return sharding.mesh
-    return None
-
-
-def _model_axis_of(params):
-    """A context in which the programs trace with the abstract mesh of tensor-parallel params:
-    the model's Pallas kernels then run per device on their own part (`linear.model_devices`).
-    Otherwise no mesh is set."""
-    mesh = _model_mesh(params)
-    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
