@@ -132,10 +132,10 @@ def base_matmul(
 
 
 def model_devices() -> int:
-    """The devices of the "model" axis of the abstract mesh set while tracing (1: none set). A
-    rollout over tensor-parallel weights sets its mesh (`rollout.sampler`) so that the Pallas
-    kernels, which XLA cannot split (left to it, every device gathers the kernel's whole
-    operands first: the packed weights, the KV cache), run per device on its own part."""
+    """The devices of the "model" axis of the abstract mesh set while tracing (1: none set). The
+    rollout and the train step over tensor-parallel weights set its mesh (`kernels_per_model_device`)
+    so that the Pallas kernels, which XLA cannot split (left to it, every device gathers the
+    kernel's whole operands first: the packed weights, the KV cache), run per device on its own part."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else dict(mesh.shape).get("model", 1)
 
