@@ -186,9 +186,14 @@ def _quant_matmul(x_MxK: jax.Array, w: PackedWeight, layer, parallel: str | None
     if m > 1 and parallel == "column" and splits_over(n, k, -2, m, w.block_size):
         return _column_parallel_matmul(x_MxK, w, layer)
     if m > 1 and parallel == "row" and splits_over(n, k, -1, m, w.block_size):
-        summed = lambda x, w, layer: jax.lax.psum(_kernel(x, w, layer), "model")  # noqa: E731
-        return per_model_device(summed, (P(None, "model"), _split(w, -1), P()), P())(x_MxK, w, layer)
+        return _row_parallel_matmul(x_MxK, w, layer)
     return _kernel(x_MxK, w, layer)
+
+
+def _input_cotangent(x, w, layer, dy):
+    """The kernel's cotangent for its input x (W frozen), on one device's operands."""
+    _, pullback = jax.vjp(lambda x_: _kernel(x_, w, layer), x)
+    return pullback(dy)[0]
 
 
 @jax.custom_vjp
@@ -205,17 +210,35 @@ def _column_fwd(x_MxK, w, layer):
 
 def _column_bwd(res, dy_MxN):
     x_MxK, w, layer = res
-
-    def partial_dx(x, w, layer, dy):
-        _, pullback = jax.vjp(lambda x_: _kernel(x_, w, layer), x)
-        return jax.lax.psum(pullback(dy)[0].astype(jnp.float32), "model")
-
+    summed = lambda *a: jax.lax.psum(_input_cotangent(*a).astype(jnp.float32), "model")  # noqa: E731
     specs = (P(), _split(w, -2), P(), P(None, "model"))
-    dx_MxK = per_model_device(partial_dx, specs, P())(x_MxK, w, layer, dy_MxN)
+    dx_MxK = per_model_device(summed, specs, P())(x_MxK, w, layer, dy_MxN)
     return dx_MxK.astype(x_MxK.dtype), None, None  # W is frozen, the layer an index
 
 
 _column_parallel_matmul.defvjp(_column_fwd, _column_bwd)
+
+
+@jax.custom_vjp
+def _row_parallel_matmul(x_MxK: jax.Array, w: PackedWeight, layer) -> jax.Array:
+    """The kernel per "model" device on its input features, the partial products summed. Its own
+    VJP: every device holds the whole output cotangent and computes its own input features'
+    cotangent, with no collective (shard_map's transpose would all-reduce the cotangent again)."""
+    summed = lambda x, w, layer: jax.lax.psum(_kernel(x, w, layer), "model")  # noqa: E731
+    return per_model_device(summed, (P(None, "model"), _split(w, -1), P()), P())(x_MxK, w, layer)
+
+
+def _row_fwd(x_MxK, w, layer):
+    return _row_parallel_matmul(x_MxK, w, layer), (x_MxK, w, layer)
+
+
+def _row_bwd(res, dy_MxN):
+    x_MxK, w, layer = res
+    specs = (P(None, "model"), _split(w, -1), P(), P())
+    return per_model_device(_input_cotangent, specs, P(None, "model"))(x_MxK, w, layer, dy_MxN), None, None
+
+
+_row_parallel_matmul.defvjp(_row_fwd, _row_bwd)
 
 
 def linear(
