@@ -18,6 +18,7 @@ The default sigmas cover every stage of the dose-response arms (configs/aqn_dose
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -55,10 +56,19 @@ def noised(params, sigma: float, key) -> dict:
     return {**params, "norms": aqn.apply_aqn(cfg, norms, key, 0)}
 
 
+@functools.cache
+def _log_softmax_fn(config):
+    """The jitted next-token log-softmax of `config`'s model, one per config for every call
+    (a jit made per call would compile again each time)."""
+    return jax.jit(
+        lambda p, x, m: jax.nn.log_softmax(qerl_jax.forward(config, p, x, m)[:, :-1].astype(jnp.float32), -1)
+    )
+
+
 def mean_kl(config, p_params, q_params_list, batches) -> dict[str, float]:
     """Over predicted tokens (and over q_params_list): the mean KL(p || q) per next token and the
     mean next-token entropy of q."""
-    fwd = jax.jit(lambda p, x, m: jax.nn.log_softmax(qerl_jax.forward(config, p, x, m)[:, :-1].astype(jnp.float32), -1))
+    fwd = _log_softmax_fn(config)
     kl_total, ent_total, n = 0.0, 0.0, 0
     for x, m in batches:
         lp = fwd(p_params, x, m)
