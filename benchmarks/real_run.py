@@ -26,10 +26,12 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import time
 
 LAYOUTS = ("1", "mesh", "procs", "weak", "tp")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,21 +83,29 @@ def commands(layout: str, args, workdir: str) -> list[tuple[dict[str, str], list
 
 
 def launch(procs: list[tuple[dict[str, str], list[str]]], log_stem: str, timeout: float) -> list[int]:
-    """Runs the processes side by side (logs at log_stem.<i>.log); their exit codes (124: timed out)."""
+    """Runs the processes side by side (logs at log_stem.<i>.log) within one deadline; their exit
+    codes (124: stopped at the deadline, or because another process of the run failed). Each runs
+    in a session of its own, so stopping it stops its reward workers too."""
     running = []
     for i, (extra, argv) in enumerate(procs):
         log = open(f"{log_stem}.{i}.log", "w")
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
-        running.append((subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = []
-    for p, log in running:
-        try:
-            codes.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(124)
+        p = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        running.append((p, log))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p, _ in running):
+        failed = any(p.returncode not in (None, 0) for p, _ in running)
+        if failed or time.monotonic() > deadline:
+            for p, _ in running:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    p.returncode = 124
+            break
+        time.sleep(0.5)
+    for _, log in running:
         log.close()
-    return codes
+    return [p.returncode for p, _ in running]
 
 
 def summarize(workdir: str, group_size: int) -> dict:
@@ -113,9 +123,9 @@ def summarize(workdir: str, group_size: int) -> dict:
     total = sum(r["time/step_s"] for r in later)
     out = {"steps": len(steps), "step0_s": steps[0]["time/step_s"]}
     for key in ("rollout_s", "train_s", "step_s"):
-        values = [r[f"time/{key}"] for r in later]
-        out[key] = statistics.mean(values)
-        out[key.replace("_s", "_median_s")] = statistics.median(values)
+        values = [r[f"time/{key}"] for r in later if f"time/{key}" in r]  # a step that kept no group trains not
+        out[key] = statistics.mean(values) if values else 0.0
+        out[key.replace("_s", "_median_s")] = statistics.median(values) if values else 0.0
     kept = sum(r.get("rollout/groups_kept", 0) for r in later)
     out["completions_per_s"] = kept * group_size / total
     out["longest_mean"] = statistics.mean(r.get("rollout/response_length_max", 0) for r in later)
@@ -173,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="configs/tiny.py on forced CPU devices (smoke test)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    args.workdir = os.path.abspath(args.workdir)  # the runs start in the repository, not here
+    args.model = os.path.abspath(args.model) if args.model and os.path.exists(args.model) else args.model
     if args.tiny:
         args.config, args.model, args.steps = "configs/tiny.py", "", min(args.steps, 3)
     if args.gpus < 2 and set(args.layouts) - {"1"}:
@@ -185,7 +197,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if all(r.get("steps", 0) >= 2 for r in report["rows"]) else 1
+    ok = all(r.get("steps", 0) >= 2 and not any(r["exit_codes"]) for r in report["rows"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
