@@ -19,8 +19,8 @@ CASES = {
     "train_step": [],
     "scale": [],
     # Two CPU devices (below): one device's row and the tensor-parallel row, which run every function
-    # of the benchmark; the data-parallel paths on 2 devices are the library's, tested in test_sharding
-    # and test_train (all five rows here took 66 s, these two 19 s).
+    # of the benchmark but the one-call baseline's branch; the data-parallel paths on 2 devices are the
+    # library's, tested in test_sharding and test_train (all five rows here took 66 s, these two 19 s).
     "data_parallel": ["--model-shards", "2", "--max-devices", "1"],
     "real_run": ["--gpus", "2", "--layouts", "1", "mesh"],  # the main job itself, 1 and 2 CPU devices
     "devtools.decode_profile": ["--prompt-len", "16", "--cache-new-tokens", "32"],  # its documented CPU smoke sizes
