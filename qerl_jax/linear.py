@@ -16,7 +16,7 @@ from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed, splits_over
+from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed, split_specs, splits_over
 
 BACKENDS = ("xla", "pallas")
 # The name (`jax.ad_checkpoint.checkpoint_name`) of every projection's output, in the activations'
@@ -169,14 +169,6 @@ def _kernel(x_MxK: jax.Array, w: PackedWeight, layer) -> jax.Array:
     return pallas_kernels.quant_matmul(x_MxK, w, layer=layer)
 
 
-def _split(w: PackedWeight, dim: int) -> PackedWeight:
-    """The specs of a packed weight (or stack) split over "model" along its output (dim -2) or
-    input (dim -1) features: codes and block scales together."""
-    spec = [None] * w.codes.ndim
-    spec[dim] = "model"
-    return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=P(), fmt=w.fmt)
-
-
 def _quant_matmul(x_MxK: jax.Array, w: PackedWeight, layer, parallel: str | None) -> jax.Array:
     """The Pallas kernel on packed W (layer `layer` of a stack, or W itself); with a "model" axis
     (`model_devices`) that splits W as `sharding` does, each device multiplies its own part: a
@@ -201,7 +193,7 @@ def _column_parallel_matmul(x_MxK: jax.Array, w: PackedWeight, layer) -> jax.Arr
     """The kernel per "model" device on its output features. Its own VJP, so that the input's
     cotangent (each device's partial sum over its features) is summed in float32; shard_map's
     transpose would sum the kernel's bf16 results (and XLA's CPU compiler rejects that program)."""
-    return per_model_device(_kernel, (P(), _split(w, -2), P()), P(None, "model"))(x_MxK, w, layer)
+    return per_model_device(_kernel, (P(), split_specs(w, -2, "model"), P()), P(None, "model"))(x_MxK, w, layer)
 
 
 def _column_fwd(x_MxK, w, layer):
@@ -211,7 +203,7 @@ def _column_fwd(x_MxK, w, layer):
 def _column_bwd(res, dy_MxN):
     x_MxK, w, layer = res
     summed = lambda *a: jax.lax.psum(_input_cotangent(*a).astype(jnp.float32), "model")  # noqa: E731
-    specs = (P(), _split(w, -2), P(), P(None, "model"))
+    specs = (P(), split_specs(w, -2, "model"), P(), P(None, "model"))
     dx_MxK = per_model_device(summed, specs, P())(x_MxK, w, layer, dy_MxN)
     return dx_MxK.astype(x_MxK.dtype), None, None  # W is frozen, the layer an index
 
@@ -225,7 +217,7 @@ def _row_parallel_matmul(x_MxK: jax.Array, w: PackedWeight, layer) -> jax.Array:
     VJP: every device holds the whole output cotangent and computes its own input features'
     cotangent, with no collective (shard_map's transpose would all-reduce the cotangent again)."""
     summed = lambda x, w, layer: jax.lax.psum(_kernel(x, w, layer), "model")  # noqa: E731
-    return per_model_device(summed, (P(None, "model"), _split(w, -1), P()), P())(x_MxK, w, layer)
+    return per_model_device(summed, (P(None, "model"), split_specs(w, -1, "model"), P()), P())(x_MxK, w, layer)
 
 
 def _row_fwd(x_MxK, w, layer):
@@ -234,7 +226,7 @@ def _row_fwd(x_MxK, w, layer):
 
 def _row_bwd(res, dy_MxN):
     x_MxK, w, layer = res
-    specs = (P(None, "model"), _split(w, -1), P(), P())
+    specs = (P(None, "model"), split_specs(w, -1, "model"), P(), P())
     return per_model_device(_input_cotangent, specs, P(None, "model"))(x_MxK, w, layer, dy_MxN), None, None
 
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from qerl_jax.models.qwen2 import PROJECTIONS
 from qerl_jax.projections import COLUMN_PARALLEL, ROW_PARALLEL
-from qerl_jax.quant.packed import PackedWeight, splits_over
+from qerl_jax.quant.packed import PackedWeight, split_specs, splits_over
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +97,13 @@ def _maybe(spec: tuple, shape: tuple[int, ...], axis_sizes: dict[str, int], what
 def _packed_specs(w: PackedWeight, dim: int, axis: str, axis_sizes: dict[str, int], what: str) -> PackedWeight:
     """Specs for a PackedWeight sharded along logical dim -2 (N) or -1 (K, whole blocks) over `axis`."""
     *_, n, k = w.shape
-    spec = [None] * w.codes.ndim
     if splits_over(n, k, dim, axis_sizes[axis], w.block_size):
-        spec[dim] = axis
-    else:
-        log.info(
-            "replicating %s: [N, K] = [%d, %d] (K in %d blocks of %d) does not split along dim %d over mesh axis %r of size %d",
-            what, n, k, k // w.block_size, w.block_size, dim, axis, axis_sizes[axis],
-        )  # fmt: skip
-    gs = P(*((None,) * w.global_scale.ndim))
-    return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=gs, fmt=w.fmt)
+        return split_specs(w, dim, axis)
+    log.info(
+        "replicating %s: [N, K] = [%d, %d] (K in %d blocks of %d) does not split along dim %d over mesh axis %r of size %d",
+        what, n, k, k // w.block_size, w.block_size, dim, axis, axis_sizes[axis],
+    )  # fmt: skip
+    return split_specs(w, None, axis)
 
 
 def _weight_spec(w, proj: str, strategy: str, axis_sizes: dict[str, int], what: str):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.numerics import exact_div
 from qerl_jax.quant.formats import FORMATS, Format
@@ -75,6 +76,16 @@ def splits_over(n: int, k: int, dim: int, parts: int, block_size: int = 1) -> bo
     if dim == -2:
         return n % parts == 0
     return k % block_size == 0 and (k // block_size) % parts == 0
+
+
+def split_specs(w: PackedWeight, dim: int | None, axis: str) -> PackedWeight:
+    """The PartitionSpecs of a packed weight (or stack) split over mesh axis `axis` along its output
+    (dim -2) or input (dim -1) features, codes and block scales together (dim None: replicated);
+    the global scale replicated."""
+    spec = [None] * w.codes.ndim
+    if dim is not None:
+        spec[dim] = axis
+    return PackedWeight(codes=P(*spec), scales=P(*spec), global_scale=P(*((None,) * w.global_scale.ndim)), fmt=w.fmt)
 
 
 def unpack_codes(codes: jax.Array) -> jax.Array:
