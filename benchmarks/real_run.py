@@ -23,6 +23,7 @@ forced CPU devices.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -37,6 +38,7 @@ LAYOUTS = ("1", "mesh", "procs", "weak", "tp")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@functools.cache
 def _recipe(config_path: str):
     """The config the recipe file builds (its prompts per step and group size size the runs)."""
     spec = importlib.util.spec_from_file_location("recipe", os.path.join(REPO, config_path))
