@@ -13,6 +13,7 @@
 #                                           # cold, then warm from a copy of the checkout at another path
 #                                           # (same compile and model caches)
 #   QG_ARGS="--arms nvfp4 bf16 --seeds 0 1 --max-minutes 8" bash tools/qwen_gsm8k_passes.sh train
+#   (EXP=aqn_dose runs experiments/aqn_dose instead, in this and the start / status / pack passes)
 #                                           # the experiment's launcher (run.py); again on a warm machine resumes
 # Runs longer than one call (while the machine stays between calls):
 #   QG_ARGS="--arms bf16 nvfp4 nvfp4_aqn --seeds 0 1 --max-minutes 20 --mem-fraction 0.13" bash tools/qwen_gsm8k_passes.sh start
@@ -29,6 +30,7 @@
 # Everything it writes is tarred into $OUT/<pass>.tgz ($OUT: the folder whose files the call brings back).
 set -u
 PASS=$1
+EXP=${EXP:-qwen_gsm8k}  # the experiment whose launcher the train / start / status / pack passes run (EXP=aqn_dose)
 OUT=${OUT:-/tmp/qerl_out}
 W=/tmp/qw
 mkdir -p "$OUT" $W
@@ -39,7 +41,7 @@ case $PASS in
   bench|status|pack) ;;
   *) python3 -m experiments.models qwen2.5-coder-1.5b --parts /tmp/parts --out $GGUF || exit 2 ;;
 esac
-running() { ps aux | grep -c "[e]xperiments.qwen_gsm8k.run"; }
+running() { ps aux | grep -c "[e]xperiments.$EXP.run"; }
 case $PASS in
   start)
     if [ ! -d /tmp/qg ] && [ -d /tmp/carry_parts ]; then
@@ -61,7 +63,7 @@ case $PASS in
         echo "no nvidia-cuda-mps-control on this machine: the runs time-slice the GPU"
       fi
     fi
-    QERL_DATA_DIR=/tmp/qdata setsid nohup python3 -m experiments.qwen_gsm8k.run --gguf $GGUF --out /tmp/qg \
+    QERL_DATA_DIR=/tmp/qdata setsid nohup python3 -m experiments.$EXP.run --gguf $GGUF --out /tmp/qg \
       --copy-to $W/qg --stages train ${QG_ARGS:-} > $W/launcher.log 2>&1 < /dev/null &
     sleep 60; cat $W/launcher.log; nvidia-smi --query-gpu=memory.used --format=csv,noheader
     exit 0 ;;
@@ -137,7 +139,7 @@ case $PASS in
     done ;;
   train)
     # /tmp/qg (checkpoints, compilation cache) stays on the machine for the next call; $W/qg is its light copy.
-    python3 -m experiments.qwen_gsm8k.run --gguf $GGUF --out /tmp/qg --copy-to $W/qg ${QG_ARGS:-}
+    python3 -m experiments.$EXP.run --gguf $GGUF --out /tmp/qg --copy-to $W/qg ${QG_ARGS:-}
     echo "launcher rc=$?" ;;
 esac
 echo "pass $PASS done after $(( $(date +%s) - T0 )) s"
