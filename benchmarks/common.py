@@ -12,6 +12,9 @@ weight is drawn (N(0, 0.02^2), bfloat16) and, for a 4-bit format, quantized with
 `qerl_jax.quant.quantize` inside the same iteration, so only one layer's dense matrix exists at a
 time and a quantized model never holds all its bf16 weights. Embeddings / lm_head stay bf16
 (the model reads them dense), norms are ones, q/k/v biases small random values.
+With `mesh=` every piece is made in its tensor-parallel sharding (one jit per piece with
+`out_shardings`), so a model that does not fit one device never lands on one; the values are the
+same (JAX's threefry is partitionable).
 
 The peer (`peer_model`, `peer_train_step`, `train_flops`):
 
@@ -48,6 +51,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from qerl_jax.models.qwen2 import PROJECTIONS, ModelConfig, projection_shapes
 from qerl_jax.rollout import (
@@ -59,6 +63,7 @@ from qerl_jax.rollout import (
     prompt_bucket,
     weights,
 )
+from qerl_jax.sharding import param_shardings
 
 # (vocab, hidden, intermediate, layers, heads, kv_heads, tied) from the public Qwen2.5 config.json files.
 QWEN25_SHAPES = {
@@ -117,33 +122,45 @@ def _random_dense(key: jax.Array, *, shape: tuple[int, ...], std: float):
     return jax.random.normal(key, shape, jnp.bfloat16) * jnp.bfloat16(std)
 
 
+def _build(mesh, where: tuple[str, ...], fn, *args):
+    """fn(*args) (a jitted generator): on the default device (mesh None), or computed straight into
+    its tensor-parallel sharding on `mesh`, the one `param_shardings` gives a params-shaped tree
+    holding only this piece at `where` (it reads shapes only), so no device holds all of it."""
+    if mesh is None:
+        return fn(*args)
+    piece = jax.eval_shape(fn, *args)
+    tree = functools.reduce(lambda sub, name: {name: sub}, reversed(where), piece)
+    shardings = functools.reduce(lambda sub, name: sub[name], where, param_shardings(tree, mesh, "tp"))
+    return jax.jit(fn, out_shardings=shardings)(*args)
+
+
 def random_params(
-    config: ModelConfig, *, quant: str | None = "bf16", seed: int = 0, std: float = 0.02
+    config: ModelConfig, *, quant: str | None = "bf16", seed: int = 0, std: float = 0.02, mesh: Mesh | None = None
 ) -> dict[str, Any]:
-    """{"base", "norms"} of random weights on the default device (bf16 dense or `quant` 4-bit linears)."""
+    """{"base", "norms"} of random weights (bf16 dense or `quant` 4-bit linears): on the default
+    device, or with `mesh` (a ("data", "model") mesh) each piece made in its "tp" sharding
+    (`qerl_jax.sharding.param_shardings`), the same values (JAX's threefry is partitionable)."""
     fmt = None if quant in DENSE else quant
     key = jax.random.key(seed)
     shapes = projection_shapes(config)
     n_layers, d = config.num_hidden_layers, config.hidden_size
+    dense = lambda where, k, shape: _build(mesh, where, functools.partial(_random_dense, shape=shape, std=std), k)  # noqa: E731
     layers = {}
     for i, proj in enumerate(PROJECTIONS):
-        w = _random_stack(jax.random.fold_in(key, i), shape=shapes[proj], num_layers=n_layers, fmt=fmt, std=std)
+        stack = functools.partial(_random_stack, shape=shapes[proj], num_layers=n_layers, fmt=fmt, std=std)
+        w = _build(mesh, ("base", "layers", proj, "w"), stack, jax.random.fold_in(key, i))
         layers[proj] = {"w": jax.block_until_ready(w)}  # one projection's temporaries at a time
         if config.attention_bias and proj in ("q_proj", "k_proj", "v_proj"):
-            layers[proj]["b"] = _random_dense(
-                jax.random.fold_in(key, 100 + i), shape=(n_layers, shapes[proj][0]), std=std
-            )
-    base = {
-        "embed": _random_dense(jax.random.fold_in(key, 200), shape=(config.vocab_size, d), std=std),
-        "layers": layers,
-    }
+            where, bias_key = ("base", "layers", proj, "b"), jax.random.fold_in(key, 100 + i)
+            layers[proj]["b"] = dense(where, bias_key, (n_layers, shapes[proj][0]))
+    base = {"embed": dense(("base", "embed"), jax.random.fold_in(key, 200), (config.vocab_size, d)), "layers": layers}
     if not config.tie_word_embeddings:
-        base["lm_head"] = _random_dense(jax.random.fold_in(key, 201), shape=(config.vocab_size, d), std=std)
+        base["lm_head"] = dense(("base", "lm_head"), jax.random.fold_in(key, 201), (config.vocab_size, d))
+    ones = lambda where, shape: _build(mesh, ("norms", *where), lambda: jnp.ones(shape, jnp.bfloat16))  # noqa: E731
     norms = {
-        "final_norm": jnp.ones((d,), jnp.bfloat16),
+        "final_norm": ones(("final_norm",), (d,)),
         "layers": {
-            "input_layernorm": jnp.ones((n_layers, d), jnp.bfloat16),
-            "post_attention_layernorm": jnp.ones((n_layers, d), jnp.bfloat16),
+            name: ones(("layers", name), (n_layers, d)) for name in ("input_layernorm", "post_attention_layernorm")
         },
     }
     return jax.block_until_ready({"base": base, "norms": norms})

@@ -2,6 +2,7 @@
 
     python -m benchmarks.data_parallel --out $OUT/dp.json                 # all local GPUs: 1, 2, 4, ...
     python -m benchmarks.data_parallel --max-devices 1 --model-shards 2 --quant bf16  # tensor parallel
+    python -m benchmarks.data_parallel --max-devices 0 --model-shards 2 --model 32B --quant bf16  # tp only
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
       python -m benchmarks.data_parallel --tiny --out /tmp/dp.json      # CPU smoke test
 
@@ -22,7 +23,10 @@ workload) every shard has rows to the cap whatever its size, and the weak scalin
 - `one call` (the smallest n > 1; the path before, kept as the baseline): one `generate` call whose rows are
   sharded over "data" (`RolloutOptions(batch_sharding=...)`);
 - `tp` (with --model-shards M > 1): the same batch on a (1, M) mesh, the base tensor parallel over
-  "model" (the Pallas kernels run per device), against one device.
+  "model" (the Pallas kernels run per device), against one device. With --max-devices 0 it is the
+  only row (a model whose weights do not fit one device, e.g. 32B bf16 on an 80 GB H100): the
+  weights are made in their tensor-parallel sharding (`common.random_params(..., mesh=...)`) and
+  the ratios are against the first row, here the tp row itself (1.0).
 
 Strong scaling: the same batch on n devices; weak scaling: n times the prompts. Each rollout is
 the second of two calls (the first compiles), the train step likewise. The step = rollout +
@@ -113,8 +117,13 @@ def measure(config, params, lora, n: int, prompts: int, path: str, args, model: 
 def run(args) -> dict:
     n_max = len(jax.devices())
     counts = [n for n in (1, 2, 4, 8) if n <= n_max and n <= args.max_devices]
+    tp = 1 < args.model_shards <= n_max
+    if not counts and not tp:
+        raise SystemExit(f"nothing to run: --model-shards {args.model_shards} on {n_max} devices, --max-devices {args.max_devices}")  # fmt: skip
     config = common.model_config("tiny" if args.tiny else args.model)
-    params = common.random_params(config, quant=args.quant, seed=0)
+    # tp only: made in the tp row's sharding, no device holds a whole weight
+    mesh = sharding.make_mesh(1, args.model_shards, devices=jax.devices()[: args.model_shards]) if not counts else None
+    params = common.random_params(config, quant=args.quant, seed=0, mesh=mesh)
     args.lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
     lora = init_lora(jax.random.key(1), config, args.lcfg)
     lora = jax.tree.map(lambda x: x + 1e-3 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), lora)
@@ -125,9 +134,9 @@ def run(args) -> dict:
             rows.append(measure(config, params, lora, n, args.prompts * n, "shards", args))  # weak scaling
             if not args.skip_one_call and n == counts[1]:
                 rows.append(measure(config, params, lora, n, args.prompts, "one call", args))
-    if 1 < args.model_shards <= n_max:
+    if tp:
         rows.append(measure(config, params, lora, 1, args.prompts, "tp", args, model=args.model_shards))
-    one = rows[0]
+    one = rows[0]  # the ratios' baseline: one device's row, or the tp row alone (--max-devices 0)
     for r in rows:
         r["step_speedup"] = one["step_s"] / r["step_s"] if r["prompts"] == one["prompts"] else None
         r["throughput_vs_1"] = r["completions_per_s"] / one["completions_per_s"]
@@ -137,7 +146,7 @@ def run(args) -> dict:
     return {
         "model": "tiny" if args.tiny else args.model, "quant": args.quant, "device_kind": jax.devices()[0].device_kind,
         "group": args.group, "prompt_len": args.prompt_len, "max_new": args.max_new, "median": args.median,
-        "cap_fraction": args.cap_fraction,
+        "cap_fraction": args.cap_fraction, "baseline": f"{one['path']} on {one['devices']} devices",
         "rows": rows,
     }  # fmt: skip
 
@@ -145,7 +154,8 @@ def run(args) -> dict:
 def table(report: dict) -> str:
     head = f"{'GPUs':>4} {'path':9} {'prompts':>7} {'longest':>7} {'rollout s':>9} {'train s':>8} {'step s':>7} {'speed-up':>8} {'compl/s':>8} {'x 1 GPU':>7}"
     lines = [f"{report['model']} {report['quant']} on {report['device_kind']}, group {report['group']}, up to "
-             f"{report['max_new']} new tokens (median {report['median']}, {report['cap_fraction']:.2%} at the cap)", head]  # fmt: skip
+             f"{report['max_new']} new tokens (median {report['median']}, {report['cap_fraction']:.2%} at the cap); "
+             f"ratios against {report['baseline']}", head]  # fmt: skip
     for r in report["rows"]:
         speed = f"{r['step_speedup']:.2f}x" if r["step_speedup"] is not None else "-"
         lines.append(
@@ -168,12 +178,17 @@ def main(argv=None) -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--logprob-chunk", type=int, default=512)
-    p.add_argument("--max-devices", type=int, default=8)
+    p.add_argument("--max-devices", type=int, default=8, help="data-parallel rows on up to this many devices; "
+                   "0: none, only the tp row (needs --model-shards > 1), its ratios against itself (1.0)")  # fmt: skip
     p.add_argument("--skip-one-call", action="store_true", help="leave out the one-call baseline rows")
     p.add_argument("--model-shards", type=int, default=1, help="M > 1: a tensor-parallel row on a (1, M) mesh")
     p.add_argument("--tiny", action="store_true", help="tiny model and sizes (CPU smoke test)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.max_devices < 0 or args.model_shards < 1:
+        p.error("--max-devices must be >= 0 and --model-shards >= 1")
+    if args.max_devices == 0 and args.model_shards < 2:
+        p.error("--max-devices 0 runs only the tensor-parallel row: it needs --model-shards M > 1")
     # Each device compiles the shard's programs; the persistent cache serves the later ones.
     compile_cache.enable_compilation_cache(compile_cache.cache_dir(""))
     if args.tiny:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, two_device_env
 
 CASES = {
     "grpo_step": [],
@@ -60,3 +60,65 @@ def test_tiny_mode_runs(module, tmp_path):
         rows = report["results"]
         assert rows, report
         assert all(r["kept_same"] for r in rows), rows  # float32 on the CPU: the same samples
+
+
+def _tp_only_worker(out_path: str) -> None:
+    """On 2 forced CPU devices (this file run as a script): `random_params` on a (1, 2) mesh against
+    the default device's, bf16 and nvfp4, then data_parallel's tp-only mode (--max-devices 0)."""
+    import jax
+    import numpy as np
+
+    from benchmarks import common, data_parallel
+    from qerl_jax import sharding
+
+    config, mesh = common.model_config("tiny"), sharding.make_mesh(1, 2)
+    result = {"devices": jax.device_count()}
+    for quant in ("bf16", "nvfp4"):
+        ref = common.random_params(config, quant=quant)
+        got = common.random_params(config, quant=quant, mesh=mesh)
+        pairs = list(zip(jax.tree.leaves(ref), jax.tree.leaves(got)))
+        want = jax.tree.leaves(sharding.param_shardings(ref, mesh, "tp"))
+        layers = got["base"]["layers"]
+        pieces = jax.tree.leaves([layers["q_proj"]["w"], layers["down_proj"]["w"], got["base"]["embed"]])
+        result[quant] = {
+            "same_tree": jax.tree.structure(ref) == jax.tree.structure(got),
+            "equal": all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs),
+            "tp_shardings": all(y.sharding.is_equivalent_to(s, y.ndim) for (_, y), s in zip(pairs, want)),
+            "split": [not x.sharding.is_fully_replicated for x in pieces if x.ndim > 1],  # not global_scale [L]
+        }
+    data_parallel.main(["--tiny", "--max-devices", "0", "--model-shards", "2", "--out", out_path])
+    print(json.dumps(result))
+
+
+def test_random_params_on_a_mesh_and_tp_only_mode(tmp_path):
+    """random_params(mesh=...) makes the same values in the tp shardings, and `data_parallel
+    --max-devices 0 --model-shards 2` reports the tp row alone, against itself (one cheap process:
+    no one-device row)."""
+    out = tmp_path / "dp.json"
+    env = two_device_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.abspath(__file__), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 2
+    for quant in ("bf16", "nvfp4"):
+        r = result[quant]
+        assert r["same_tree"] and r["equal"] and r["tp_shardings"] and r["split"] and all(r["split"]), (quant, r)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["path"], r["devices"]) for r in rows] == [("tp", 2)], rows
+    assert rows[0]["step_speedup"] == rows[0]["throughput_vs_1"] == 1.0 and rows[0]["tokens_equal_1"], rows
+
+
+@pytest.mark.parametrize(
+    "argv", [["--max-devices", "0"], ["--max-devices", "0", "--model-shards", "1"], ["--max-devices", "-1"]]
+)
+def test_data_parallel_rejects_bad_device_counts(argv, capsys):
+    from benchmarks import data_parallel
+
+    with pytest.raises(SystemExit) as exc:
+        data_parallel.main(["--tiny", *argv])
+    assert exc.value.code == 2 and "--max-devices" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    _tp_only_worker(sys.argv[1])
