@@ -166,6 +166,9 @@ def test_one_seed_reads_inconclusive_and_missing_control_is_refused(tmp_path):
     _write(out, seeds=(0,), noise_kl=False)
     s = summarize.summarize(out, str(tmp_path / "res"))
     assert set(s["arms"]["sigma1e-1"]["readings"].values()) == {"inconclusive (one seed)"}
+    # The synthetic sigma1e-1 loses 18 problems per seed: one seed must still not name a threshold.
+    assert s["answer"]["accuracy"]["threshold"] is None and s["answer"]["exploration"].startswith("no verdict")
+    assert "no verdict: fewer than two seeds" in open(str(tmp_path / "res" / "results.md")).read()
     assert s["arms"]["sigma1e-1"]["doses"] == [None, None, None]
     bare = str(tmp_path / "bare")
     _write(bare, effects={"sigma1e-2": EFFECTS["sigma1e-2"]}, noise_kl=False)

@@ -158,6 +158,21 @@ def readings(stage0: dict, growth: dict) -> dict[str, str]:
     return {"sampler": sampler, "exploration": exploration, "growth": grow}
 
 
+def _answer(arms: dict[str, dict], order: list[str]) -> dict:
+    """The smallest sigma_start at which each reading holds. The design needs two seeds in every arm
+    (PROTOCOL.md, section 3); with fewer, every entry says so instead of naming an arm."""
+    if any(len(arms[a]["seeds"]) < 2 for a in order):
+        text = "no verdict: fewer than two seeds in some arm (the design needs two)"
+        return {"sampler": text, "exploration": text, "growth": text, "accuracy": {"threshold": None, "text": text}}
+    first = lambda key, phrase: next((a for a in order if arms[a]["readings"][key].startswith(phrase)), None)  # noqa: E731
+    return {
+        "sampler": first("sampler", "raises"),
+        "exploration": next((a for a in order if not arms[a]["readings"]["exploration"].startswith("no ")), None),
+        "growth": next((a for a in order if arms[a]["readings"]["growth"].endswith("reward growth")), None),
+        "accuracy": accuracy_threshold({a: arms[a]["accuracy"] for a in order}, order),
+    }
+
+
 def doses(out: str, arm: str, stages: int) -> list[float | None]:
     """Next-token KL that each stage's sigma adds on top of NVFP4 (noise_kl.json), None where not measured."""
     path = os.path.join(out, "noise_kl.json")
@@ -273,14 +288,8 @@ def summarize(out: str, results: str) -> dict:
             "readings": readings(rows[0], growth),
         }
         arms[arm]["suffers"] = suffers(arms[arm]["accuracy"])
-    threshold = accuracy_threshold({a: v["accuracy"] for a, v in arms.items()}, order)
-    first = lambda key, phrase: next((a for a in order if arms[a]["readings"][key].startswith(phrase)), None)  # noqa: E731
-    answer = {
-        "sampler": first("sampler", "raises"),
-        "exploration": next((a for a in order if not arms[a]["readings"]["exploration"].startswith("no ")), None),
-        "growth": next((a for a in order if arms[a]["readings"]["growth"].endswith("reward growth")), None),
-        "accuracy": threshold,
-    }
+    answer = _answer(arms, order)
+    threshold = answer["accuracy"]
     summary = {"experiment": exp, "stage_bounds": bounds, "control": CONTROL, "margin": MARGIN, "arms": arms, "answer": answer}
     plot(runs, bounds, os.path.join(results, "aqn_dose.png"))
     ctrl_acc = [r["accuracy"] for r in runs[CONTROL].values() if r["accuracy"] is not None]
