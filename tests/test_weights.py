@@ -512,3 +512,28 @@ def test_a_group_with_wgmma_and_dense_copies_reads_each_for_its_rows(fusable_nvf
     assert folded > 0  # the stacked adapters themselves are the wgmma copies' (wgmma_copy_bytes)
     every = tuple(PROJECTIONS)
     assert weights_module.fused_lora_bytes(params, every, every) == folded
+
+
+def test_copy_bytes_count_what_one_device_holds_of_tensor_parallel_weights():
+    """A (1, 2) tensor-parallel policy's per-layer and bf16 copies are made per device: each device
+    holds half of a split weight, so the rollout's budget counts half (it counted the whole model:
+    a 32B bf16 policy over 2 H100s was refused for 58 GiB of copies that are 29 GiB a device)."""
+    from jax.sharding import AbstractMesh, NamedSharding
+
+    from qerl_jax import sharding
+
+    config = qwen25_config("0.5B")  # shapes only (eval_shape): nothing is allocated
+    mesh = AbstractMesh((1, 2), sharding.AXES)
+    for quant in (None, "nvfp4"):
+        params = jax.eval_shape(functools.partial(random_params, config, quant=quant, dtype=jnp.bfloat16))
+        specs = sharding.param_specs(params, mesh, "tp")
+        placed = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+            params, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+        )  # fmt: skip
+        whole, per_device = weights_module.layer_copy_bytes(params), weights_module.layer_copy_bytes(placed)
+        if quant is None:  # the copies are the linears (split in two) and the norms (replicated)
+            assert 0.45 * whole < per_device < 0.6 * whole, (whole, per_device)
+        else:  # the copies are the norms and biases (q/k/v's split); the bf16 copies of the linears halve
+            assert per_device < whole
+            assert weights_module.dense_copy_bytes(placed) == weights_module.dense_copy_bytes(params) // 2

@@ -482,10 +482,21 @@ def decode_weight_names(
 # ----------------------------------------------------------------------------- sizes
 
 
+def device_shape(x: Any) -> tuple[int, ...]:
+    """The shape one device holds of an array or `jax.ShapeDtypeStruct`: its shard's under a
+    sharding (tensor-parallel weights hold 1/M of a sharded dimension), else the whole shape."""
+    try:
+        sharding = x.sharding
+    except Exception:  # a tracer, or a ShapeDtypeStruct without one
+        sharding = None
+    return tuple(sharding.shard_shape(x.shape)) if sharding is not None else tuple(x.shape)
+
+
 def nbytes(x: Any, dtype: Any = None) -> int:
-    """Bytes of an array or of a `jax.ShapeDtypeStruct` (shape-only params, e.g. for `jax.eval_shape`),
-    or of a copy of it in `dtype`."""
-    return math.prod(x.shape) * jnp.dtype(x.dtype if dtype is None else dtype).itemsize
+    """Bytes one device holds of an array or a `jax.ShapeDtypeStruct` (shape-only params, e.g. for
+    `jax.eval_shape`), or of a copy of it in `dtype`: the copies are made per device, so a
+    tensor-parallel weight's copies take 1/M of its bytes on each of the M devices."""
+    return math.prod(device_shape(x)) * jnp.dtype(x.dtype if dtype is None else dtype).itemsize
 
 
 def act_dtype_of(params: dict[str, Any]) -> np.dtype:
@@ -508,7 +519,7 @@ def dense_copy_bytes(params: dict[str, Any], names: tuple[str, ...] | None = Non
     which the estimate ignores)."""
     packed, _ = _packed_and_copied(params)
     # 2 weights per code byte, 2 bytes each
-    return sum(4 * stack.codes.size for n, stack in packed.items() if names is None or n in names)
+    return sum(4 * math.prod(device_shape(stack.codes)) for n, stack in packed.items() if names is None or n in names)
 
 
 def wgmma_copy_bytes(params: dict[str, Any], names: tuple[str, ...]) -> int:
