@@ -175,3 +175,41 @@ def test_library_functions_are_short_or_say_why_they_are_long():
     )
     stale = LONG_FUNCTIONS_PENDING - set(found)
     assert not stale, f"no longer unexplained long functions, remove them from LONG_FUNCTIONS_PENDING: {stale}"
+
+
+# Library modules whose tests live in a file not named after them: the file that covers them.
+TESTED_IN = {
+    "pallas_kernels.autotune": "test_kernels.py",
+    "pallas_kernels.decode_asm": "test_kernels.py",
+    "pallas_kernels.formats": "test_kernels.py",
+    "pallas_kernels.numerics": "test_quant.py",
+    "pallas_kernels.quant_matmul": "test_kernels.py",
+    "qerl_jax.config": "test_schema.py",
+    "qerl_jax.data.datasets": "test_data.py",
+    "qerl_jax.data.prompts": "test_data.py",
+    "qerl_jax.errors": "test_eval.py",
+    "qerl_jax.evaluation": "test_eval.py",
+    "qerl_jax.main": "test_cli.py",
+    "qerl_jax.models.qwen2": "test_model.py",
+    "qerl_jax.policy": "test_model_dir.py",
+    "qerl_jax.projections": "test_sharding.py",  # constants: the split they name is tested there
+    "qerl_jax.quant.formats": "test_quant.py",
+    "qerl_jax.quant.mxfp4": "test_quant.py",
+    "qerl_jax.quant.nf4": "test_quant.py",
+    "qerl_jax.quant.nvfp4": "test_quant.py",
+    "qerl_jax.quant.packed": "test_quant.py",
+    "qerl_jax.quantize": "test_quantize_cli.py",
+    "qerl_jax.quantize_checkpoint": "test_quantize_cli.py",
+    "qerl_jax.rollout.data_parallel": "test_sharding.py",
+    "qerl_jax.workdir": "test_cli.py",
+}
+
+
+def test_every_library_module_has_its_test_file():
+    """tests/test_<module>.py, or the file named in TESTED_IN: a new module comes with its tests."""
+    tests = ROOT / "tests"
+    modules = [m for m, p in _modules().items() if p.name != "__init__.py"]
+    missing = [m for m in modules if not (tests / f"test_{m.rsplit('.', 1)[-1]}.py").is_file() and m not in TESTED_IN]
+    assert not missing, f"library modules without tests/test_<name>.py or a TESTED_IN entry: {missing}"
+    stale = {m: f for m, f in TESTED_IN.items() if m not in modules or not (tests / f).is_file()}
+    assert not stale, f"TESTED_IN names modules or test files that do not exist: {stale}"
