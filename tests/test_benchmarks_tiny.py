@@ -18,10 +18,6 @@ CASES = {
     "grpo_step:dapo": ["--workload", "dapo"],  # its cases must run without an error row
     "train_step": [],
     "scale": [],
-    # Two CPU devices (below): one device's row and the tensor-parallel row, which run every function
-    # of the benchmark but the one-call baseline's branch; the data-parallel paths on 2 devices are the
-    # library's, tested in test_sharding and test_train (all five rows here took 66 s, these two 19 s).
-    "data_parallel": ["--model-shards", "2", "--max-devices", "1"],
     "real_run": ["--gpus", "2", "--layouts", "1", "mesh"],  # the main job itself, 1 and 2 CPU devices
     "devtools.decode_profile": ["--prompt-len", "16", "--cache-new-tokens", "32"],  # its documented CPU smoke sizes
     "devtools.train_profile": [],
@@ -42,8 +38,6 @@ def _error_rows(report) -> list:
 def test_tiny_mode_runs(module, tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if module == "data_parallel":
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     name = module.split(":")[0]
     extra = ["--workdir", str(tmp_path / "runs")] if name == "real_run" else []
     cmd = [sys.executable, "-m", f"benchmarks.{name}", "--tiny", "--out", str(out), *CASES[module], *extra]
@@ -51,8 +45,6 @@ def test_tiny_mode_runs(module, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report and not _error_rows(report), _error_rows(report)  # every case ran (no child's error row)
-    if module == "data_parallel":  # the tensor-parallel row samples one device's tokens
-        assert [r["tokens_equal_1"] for r in report["rows"] if r["path"] == "tp"] == [True], report["rows"]
     if module == "real_run":  # both layouts trained and were timed against the one-device run
         assert [r["layout"] for r in report["rows"]] == ["1", "mesh"] and all(r["steps"] == 3 for r in report["rows"])
         assert report["rows"][1]["throughput_vs_1"] > 0, report["rows"]
@@ -62,9 +54,11 @@ def test_tiny_mode_runs(module, tmp_path):
         assert all(r["kept_same"] for r in rows), rows  # float32 on the CPU: the same samples
 
 
-def _tp_only_worker(out_path: str) -> None:
+def _tp_only_worker(out_path: str, smoke_out_path: str) -> None:
     """On 2 forced CPU devices (this file run as a script): `random_params` on a (1, 2) mesh against
-    the default device's, bf16 and nvfp4, then data_parallel's tp-only mode (--max-devices 0)."""
+    the default device's, bf16 and nvfp4, then data_parallel's tp-only mode (--max-devices 0), then
+    its --tiny smoke (one device's row and the tensor-parallel row; in this process, which has
+    compiled the tensor-parallel row's programs already)."""
     import jax
     import numpy as np
 
@@ -87,16 +81,21 @@ def _tp_only_worker(out_path: str) -> None:
             "split": [not x.sharding.is_fully_replicated for x in pieces if x.ndim > 1],  # not global_scale [L]
         }
     data_parallel.main(["--tiny", "--max-devices", "0", "--model-shards", "2", "--out", out_path])
+    data_parallel.main(["--tiny", "--model-shards", "2", "--max-devices", "1", "--out", smoke_out_path])
     print(json.dumps(result))
 
 
-def test_random_params_on_a_mesh_and_tp_only_mode(tmp_path):
-    """random_params(mesh=...) makes the same values in the tp shardings, and `data_parallel
-    --max-devices 0 --model-shards 2` reports the tp row alone, against itself (one cheap process:
-    no one-device row)."""
-    out = tmp_path / "dp.json"
+def test_random_params_on_a_mesh_tp_only_mode_and_tiny_mode(tmp_path):
+    """random_params(mesh=...) makes the same values in the tp shardings, `data_parallel
+    --max-devices 0 --model-shards 2` reports the tp row alone, against itself, and data_parallel's
+    --tiny smoke runs (one process for the three: a second process for the smoke compiled the same
+    programs again). The smoke's two CPU devices give one device's row and the tensor-parallel row,
+    which run every function of the benchmark but the one-call baseline's branch; the data-parallel
+    paths on 2 devices are the library's, tested in test_sharding and test_train (all five rows took
+    66 s, these two 19 s)."""
+    out, smoke_out = tmp_path / "dp.json", tmp_path / "dp_tiny.json"
     env = two_device_env(PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), str(out)]
+    cmd = [sys.executable, os.path.abspath(__file__), str(out), str(smoke_out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -107,6 +106,10 @@ def test_random_params_on_a_mesh_and_tp_only_mode(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["path"], r["devices"]) for r in rows] == [("tp", 2)], rows
     assert rows[0]["step_speedup"] == rows[0]["throughput_vs_1"] == 1.0 and rows[0]["tokens_equal_1"], rows
+    smoke = json.loads(smoke_out.read_text())
+    assert smoke and not _error_rows(smoke), _error_rows(smoke)  # every case ran (no error row)
+    # the tensor-parallel row samples one device's tokens
+    assert [r["tokens_equal_1"] for r in smoke["rows"] if r["path"] == "tp"] == [True], smoke["rows"]
 
 
 @pytest.mark.parametrize(
@@ -121,4 +124,4 @@ def test_data_parallel_rejects_bad_device_counts(argv, capsys):
 
 
 if __name__ == "__main__":
-    _tp_only_worker(sys.argv[1])
+    _tp_only_worker(sys.argv[1], sys.argv[2])
