@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -33,29 +32,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_RUN_DIR:
         shutil.rmtree(os.environ[_RUN_DIR_ENV], ignore_errors=True)
-
-
-# Modules whose tests share a fixture that runs minutes of subprocesses once in the test run
-# (`once_per_test_run`): under xdist each goes whole to one worker, the largest first. Spread over both
-# workers, the second one to need the fixture waited on its lock the whole time (~100 s each) instead
-# of testing. (xdist's own --dist=loadgroup cannot do this: it marks items by an attribute pytest 9
-# no longer reads.)
-ONE_WORKER_MODULES = ("test_sharding.py", "test_distributed.py")  # four_device_results; runs
-
-
-if importlib.util.find_spec("xdist") is not None:
-
-    def pytest_xdist_make_scheduler(config, log):
-        """--dist=load (what -n gives), with each of ONE_WORKER_MODULES one unit of work; other
-        choices of --dist are xdist's own."""
-        from xdist.scheduler import LoadScopeScheduling
-
-        class OneWorkerModules(LoadScopeScheduling):
-            def _split_scope(self, nodeid: str) -> str:
-                module = nodeid.split("::")[0]
-                return module if os.path.basename(module) in ONE_WORKER_MODULES else nodeid
-
-        return OneWorkerModules(config, log) if config.getvalue("dist") == "load" else None
 
 
 import pytest  # noqa: E402 (JAX_PLATFORMS must be set before anything imports jax)
