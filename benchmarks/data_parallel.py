@@ -118,8 +118,6 @@ def run(args) -> dict:
     n_max = len(jax.devices())
     counts = [n for n in (1, 2, 4, 8) if n <= n_max and n <= args.max_devices]
     tp = 1 < args.model_shards <= n_max
-    if not counts and not tp:
-        raise SystemExit(f"nothing to run: --model-shards {args.model_shards} on {n_max} devices, --max-devices {args.max_devices}")  # fmt: skip
     config = common.model_config("tiny" if args.tiny else args.model)
     # tp only: made in the tp row's sharding, no device holds a whole weight
     mesh = sharding.make_mesh(1, args.model_shards, devices=jax.devices()[: args.model_shards]) if not counts else None
@@ -189,6 +187,8 @@ def main(argv=None) -> None:
         p.error("--max-devices must be >= 0 and --model-shards >= 1")
     if args.max_devices == 0 and args.model_shards < 2:
         p.error("--max-devices 0 runs only the tensor-parallel row: it needs --model-shards M > 1")
+    if args.max_devices == 0 and args.model_shards > len(jax.devices()):
+        p.error(f"--max-devices 0 --model-shards {args.model_shards}: only {len(jax.devices())} devices are visible")
     # Each device compiles the shard's programs; the persistent cache serves the later ones.
     compile_cache.enable_compilation_cache(compile_cache.cache_dir(""))
     if args.tiny:

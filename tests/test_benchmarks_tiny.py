@@ -113,7 +113,13 @@ def test_random_params_on_a_mesh_tp_only_mode_and_tiny_mode(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--max-devices", "0"], ["--max-devices", "0", "--model-shards", "1"], ["--max-devices", "-1"]]
+    "argv",
+    [
+        ["--max-devices", "0"],
+        ["--max-devices", "0", "--model-shards", "1"],
+        ["--max-devices", "-1"],
+        ["--max-devices", "0", "--model-shards", "64"],  # more than the visible devices
+    ],
 )
 def test_data_parallel_rejects_bad_device_counts(argv, capsys):
     from benchmarks import data_parallel
