@@ -141,6 +141,9 @@ def test_the_pre_registered_readings_on_synthetic_runs(tmp_path):
     }
     md = open(f"{res}/results.md").read()
     assert "accuracy starts to suffer at sigma1e-1" in md and os.path.isfile(f"{res}/aqn_dose.png")
+    # Every seed loses the same problems here: a zero-width Welch interval must not read as a measured one.
+    assert md.count("no spread between seeds, so no interval") == 3
+    assert "does not meet the rule (more than 1 point lower: no; lower in every seed: yes; pooled McNemar p < 0.05: no)" in md
     assert json.load(open(f"{res}/summary.json"))["control"] == "sigma0"
 
 
@@ -158,7 +161,13 @@ def test_accuracy_rule_needs_every_seed_and_reports_non_monotone():
     got = summarize.accuracy_threshold(mixed, order)
     assert got["threshold"] is None and got["non_monotone"] == ["sigma3e-2"]
     none = summarize.accuracy_threshold({a: acc([0.0, 0.0], 1.0) for a in order}, order)
-    assert none["threshold"] is None and "no sigma" in none["text"]
+    assert none["threshold"] is None and none["text"] == "no sigma up to the largest lowered greedy accuracy by more than 1 point"
+    near = {**{a: acc([0.0, 0.0], 1.0) for a in order}, "sigma1e-1": acc([-0.012, -0.011], 0.06)}
+    got = summarize.accuracy_threshold(near, order)
+    assert got["threshold"] is None
+    assert got["text"].endswith(
+        "by all three conditions (sigma1e-1: more than 1 point lower: yes; lower in every seed: yes; pooled McNemar p < 0.05: no)"
+    )
 
 
 def test_one_seed_reads_inconclusive_and_missing_control_is_refused(tmp_path):
