@@ -300,7 +300,8 @@ def _auto_rows(planner: _Planner, num_seqs: int) -> RolloutPlan:
         f"{_size(one.memory.total)} (x{budget.MEMORY_MARGIN} margin; weight copies {_size(one.memory.weight_copies)}, "
         f"KV cache {_size(one.memory.kv_cache)}), over the {_size(planner.limit)} budget "
         "(RolloutOptions.memory_budget_bytes, default the free device memory); lower max_new_tokens or the prompt "
-        "length, or free device memory"
+        "length, spread the model over more devices (mesh.model), or free device memory (on a GPU JAX takes "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION of it, 0.75 by default)"
     )
 
 
