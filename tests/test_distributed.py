@@ -68,11 +68,12 @@ def _main(workdir: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={workdir}", *flags]
 
 
-def _launch_pair(workdir: str, *flags: str, mesh: str = "--config.mesh.data=2") -> list[subprocess.Popen]:
+def _launch_pair(workdir: str, *flags: str, mesh: str = "--config.mesh.data=2", devices: int = 1) -> list[subprocess.Popen]:
+    """Two processes of one run, each with `devices` local devices (2: as two hosts of two GPUs)."""
     port = _port()
     procs = []
     for pid in range(2):
-        env = _env(QERL_NUM_PROCESSES="2", QERL_PROCESS_ID=str(pid), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+        env = _env(devices, QERL_NUM_PROCESSES="2", QERL_PROCESS_ID=str(pid), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
         procs.append(
             subprocess.Popen(
                 _main(workdir, mesh, *flags), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -164,6 +165,27 @@ def test_resumed_two_process_run_equals_the_one_process_mesh_run(runs):
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_two_hosts_of_two_devices_equal_the_one_process_mesh_run(two_device_tiny_run, tmp_path):
+    """The several-hosts layout: each process feeds and scores two of the mesh's four devices. The
+    per-shard rollouts draw one call's tokens whatever the shard count, so the rewards equal the
+    2-device run's exactly; losses and gradient norms differ only by the order of float sums, and
+    the adapter by what Adam makes of that (far below one step of lr 1e-2)."""
+    multi = str(tmp_path / "hosts")
+    results = _finish(_launch_pair(multi, *STEPS, mesh="--config.mesh.data=4", devices=2))
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    single, hosts = _scalars(str(two_device_tiny_run[0])), _scalars(multi)
+    assert sorted(hosts) == sorted(single) == [0, 1, 2]
+    for step in single:
+        for name in ("reward/mean", "reward/mean_sampled", "rollout/response_length_mean"):
+            assert hosts[step][name] == single[step][name], (step, name)
+        for name in ("train/loss", "train/grad_norm"):
+            assert hosts[step][name] == pytest.approx(single[step][name], rel=1e-4, abs=1e-6), (step, name)
+    a, b = _adapter(str(two_device_tiny_run[0])), _adapter(multi)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-3, err_msg=name)
 
 
 def test_only_the_first_process_writes_logs_and_holds_the_lock(runs):
