@@ -49,16 +49,19 @@ def cache_dir(configured: str, name: str = "jax_cache") -> str:
 MIN_COMPILE_SECONDS = 1.0
 # A user's own threshold, as JAX spells it in the environment, is kept (the tests store every program).
 MIN_COMPILE_SECONDS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+# Likewise a user's own bound (-1: unbounded; the tests' directory lives only as long as their run, and
+# a bound costs a scan of the whole directory per stored program).
+MAX_BYTES_ENV = "JAX_COMPILATION_CACHE_MAX_SIZE"
 
 
 def enable_compilation_cache(
-    directory: str, min_compile_seconds: float | None = None, max_bytes: int = MAX_BYTES
+    directory: str, min_compile_seconds: float | None = None, max_bytes: int | None = None
 ) -> str | None:
     """Points JAX's persistent compilation cache at `directory` (created); returns its absolute path.
 
     Programs that took at least `min_compile_seconds` to compile are stored (None: the environment's
-    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS if set, else `MIN_COMPILE_SECONDS`); past `max_bytes` the
-    least recently used entries are evicted; source paths in programs are made relative
+    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS if set, else `MIN_COMPILE_SECONDS`); past `max_bytes` (None:
+    $JAX_COMPILATION_CACHE_MAX_SIZE if set, else `MAX_BYTES`) the least recently used entries are evicted; source paths in programs are made relative
     (`SOURCE_PREFIX_REGEX`), so keys do not depend on where the checkout lies. Call it before the
     process compiles anything: JAX settles whether the cache is used at its first compilation. A directory that cannot be made or
     written (a file, no permission) leaves the cache off with one line on stderr: it only saves
@@ -71,6 +74,8 @@ def enable_compilation_cache(
     if min_compile_seconds is None:
         min_compile_seconds = float(os.environ.get(MIN_COMPILE_SECONDS_ENV) or MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    if max_bytes is None:
+        max_bytes = int(os.environ.get(MAX_BYTES_ENV) or MAX_BYTES)
     jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     if jax.config.jax_hlo_source_file_canonicalization_regex is None:  # a user's own setting stays
         jax.config.update("jax_hlo_source_file_canonicalization_regex", SOURCE_PREFIX_REGEX)

@@ -25,6 +25,9 @@ if _OWN_RUN_DIR:
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ[_RUN_DIR_ENV], "cache")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["XDG_CACHE_HOME"], "qerl_jax", "jax_cache")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Unbounded (`compile_cache` keeps it too): a bound scans the whole directory for every program stored, and
+# processes with and without one side by side fail each other's writes (an entry with no access time).
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

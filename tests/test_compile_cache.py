@@ -63,22 +63,25 @@ THRESHOLDS = """
 import json, os, sys
 from qerl_jax import compile_cache
 seen = []
-for env_value, given in (("0.25", None), ("0.25", 2.0), ("", None)):
-    os.environ[compile_cache.MIN_COMPILE_SECONDS_ENV] = env_value
-    compile_cache.enable_compilation_cache(sys.argv[1], given)
-    seen.append(compile_cache.jax.config.jax_persistent_cache_min_compile_time_secs)
+for env_values, given in ((("0.25", "-1"), (None, None)), (("0.25", "-1"), (2.0, 3)), (("", ""), (None, None))):
+    os.environ[compile_cache.MIN_COMPILE_SECONDS_ENV], os.environ[compile_cache.MAX_BYTES_ENV] = env_values
+    compile_cache.enable_compilation_cache(sys.argv[1], *given)
+    config = compile_cache.jax.config
+    seen.append([config.jax_persistent_cache_min_compile_time_secs, config.jax_compilation_cache_max_size])
 print(json.dumps(seen))
 """
 
 
-def test_a_minimum_compile_time_set_in_the_environment_is_kept_unless_one_is_given(tmp_path):
-    """$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (how the tests store every program) stays in force;
-    an explicit `min_compile_seconds` wins; without either, MIN_COMPILE_SECONDS."""
+def test_a_minimum_compile_time_and_size_bound_set_in_the_environment_are_kept_unless_given(tmp_path):
+    """$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and $JAX_COMPILATION_CACHE_MAX_SIZE (how the tests store
+    every program, unbounded) stay in force; an explicit `min_compile_seconds` or `max_bytes` wins;
+    without either, MIN_COMPILE_SECONDS and MAX_BYTES."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     cmd = [sys.executable, "-c", THRESHOLDS, str(tmp_path / "cache")]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0.25, 2.0, compile_cache.MIN_COMPILE_SECONDS]
+    expected = [[0.25, -1], [2.0, 3], [compile_cache.MIN_COMPILE_SECONDS, compile_cache.MAX_BYTES]]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
 
 
 LOWER_NVFP4 = """
