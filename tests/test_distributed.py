@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, TWO_DEVICE_RUN_FLAGS
+from conftest import REPO, TWO_DEVICE_RUN_FLAGS, forced_devices_xla_flags
 
 STEPS = tuple(f for f in TWO_DEVICE_RUN_FLAGS if f.startswith(("--config.train.", "--config.eval.")))
 
@@ -58,7 +58,7 @@ def _short_heartbeat_dir() -> str:
 
 def _env(devices: int = 1, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QERL_", "JAX_COORDINATOR", "JAX_NUM_PROC"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=forced_devices_xla_flags(devices))
     env.update(PYTHONPATH=os.pathsep.join([_short_heartbeat_dir(), REPO]))
     env.update(extra)
     return env

@@ -14,7 +14,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
-from conftest import TWO_DEVICE_RUN_FLAGS, faulty_json_save, load_config, once_per_test_run, set_fields, two_device_env
+from conftest import (
+    TWO_DEVICE_RUN_FLAGS,
+    faulty_json_save,
+    forced_devices_xla_flags,
+    load_config,
+    once_per_test_run,
+    set_fields,
+    two_device_env,
+)
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -446,7 +454,7 @@ def test_dynamic_sampling_on_a_two_device_mesh(tmp_path, tiny_model_dir):
     """DAPO's refills in one call on 2 (CPU) devices, each data shard keeping its half of the
     groups: a 2-step run keeps 4 groups a step and gives back the loader batches it did not need."""
     env = {
-        **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": forced_devices_xla_flags(2),
         "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
     }  # fmt: skip
     cmd = [
