@@ -60,12 +60,13 @@ def enable_compilation_cache(
     """Points JAX's persistent compilation cache at `directory` (created); returns its absolute path.
 
     Programs that took at least `min_compile_seconds` to compile are stored (None: the environment's
-    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS if set, else `MIN_COMPILE_SECONDS`); past `max_bytes` (None:
-    $JAX_COMPILATION_CACHE_MAX_SIZE if set, else `MAX_BYTES`) the least recently used entries are evicted; source paths in programs are made relative
-    (`SOURCE_PREFIX_REGEX`), so keys do not depend on where the checkout lies. Call it before the
-    process compiles anything: JAX settles whether the cache is used at its first compilation. A directory that cannot be made or
-    written (a file, no permission) leaves the cache off with one line on stderr: it only saves
-    time. Returns None then.
+    $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS if set, else `MIN_COMPILE_SECONDS`); past `max_bytes`
+    (None: $JAX_COMPILATION_CACHE_MAX_SIZE if set, else `MAX_BYTES`) the least recently used entries
+    are evicted; source paths in programs are made relative (`SOURCE_PREFIX_REGEX`), so keys do not
+    depend on where the checkout lies. Call it before the process compiles anything: JAX settles
+    whether the cache is used at its first compilation. A directory that cannot be made or written
+    (a file, no permission) leaves the cache off with one line on stderr: it only saves time.
+    Returns None then.
     """
     path = usable_cache_dir(directory, "compilation cache")
     if path is None:
