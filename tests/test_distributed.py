@@ -9,6 +9,7 @@ first checkpoint: the other stops (no hang), and both resumed finish the run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -83,16 +84,24 @@ def _launch_pair(workdir: str, *flags: str, mesh: str = "--config.mesh.data=2", 
 
 
 def _finish(procs, timeout=400) -> list[tuple[int, str]]:
-    out = []
-    for p in procs:
+    """(exit code, stderr) of each process. Their pipes are drained at once, each by its own thread: read
+    one after the other, a process whose pipe filled meanwhile would stall the run."""
+
+    def finish(p: subprocess.Popen) -> tuple[int, str, bool]:
         try:
             _, err = p.communicate(timeout=timeout)
+            return p.returncode, err, False
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
+            return p.returncode, err, True
+
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        results = list(pool.map(finish, procs))
+    for _, err, hung in results:
+        if hung:
             pytest.fail(f"a process of the run hung:\n{err[-3000:]}")
-        out.append((p.returncode, err))
-    return out
+    return [(code, err) for code, err, _ in results]
 
 
 def _scalars(workdir: str) -> dict[int, dict]:
