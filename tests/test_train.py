@@ -14,15 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
-from conftest import (
-    TWO_DEVICE_RUN_FLAGS,
-    faulty_json_save,
-    forced_devices_xla_flags,
-    load_config,
-    once_per_test_run,
-    set_fields,
-    two_device_env,
-)
+from conftest import TWO_DEVICE_RUN_FLAGS, faulty_json_save, load_config, once_per_test_run, set_fields, two_device_env
 
 import qerl_jax
 from qerl_jax import run_config, train
@@ -453,10 +445,7 @@ def test_data_parallel_run_on_two_devices_matches_one_device(tmp_path, finished_
 def test_dynamic_sampling_on_a_two_device_mesh(tmp_path, tiny_model_dir):
     """DAPO's refills in one call on 2 (CPU) devices, each data shard keeping its half of the
     groups: a 2-step run keeps 4 groups a step and gives back the loader batches it did not need."""
-    env = {
-        **os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": forced_devices_xla_flags(2),
-        "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
-    }  # fmt: skip
+    env = two_device_env(PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     cmd = [
         sys.executable, "-m", "qerl_jax.main", "--config=configs/tiny.py", f"--config.workdir={tmp_path}",
         f"--config.model.path={tiny_model_dir}", "--config.model.tiny=False", "--config.train.total_steps=2",
