@@ -390,3 +390,14 @@ def test_headroom_gain_and_small_spreads_print_digits():
     assert summarize.growth(r, threshold=2.0, window=1)["headroom_gain"] == pytest.approx((0.75 - 0.5) / 0.5)
     assert summarize._spread(0.0004, 3) == "0.0004" and summarize._spread(0.0123, 3) == "0.012"
     assert summarize._spread(0.0, 3) == "0"
+
+
+def test_results_name_the_bases_math500_when_measured(tmp_path):
+    assert summarize._base_math500_text(str(tmp_path)) == "No MATH500 was measured before training."
+    for quant, score in (("bf16", 0.40461), ("nvfp4", 0.34172)):
+        os.makedirs(tmp_path / "base_math500" / quant)
+        (tmp_path / "base_math500" / quant / "summary.json").write_text(
+            json.dumps({"metrics": {"math500_test/pass_at_1": score}})
+        )
+    text = summarize._base_math500_text(str(tmp_path))
+    assert "bf16 40.5%" in text and "nvfp4 34.2%" in text

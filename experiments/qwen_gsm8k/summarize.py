@@ -575,6 +575,20 @@ def _rules_lines(claims: dict, by_rule: dict) -> list[str]:
     return lines
 
 
+def _base_math500_text(results: str) -> str:
+    """The bases' MATH500 (measured after the runs, `base_math500/<quant>/summary.json`), if there."""
+    scores = {}
+    for quant in ("bf16", "nvfp4"):
+        path = os.path.join(results, "base_math500", quant, "summary.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                scores[quant] = json.load(f)["metrics"]["math500_test/pass_at_1"]
+    if not scores:
+        return "No MATH500 was measured before training."
+    measured = ", ".join(f"{q} {100 * v:.1f}%" for q, v in scores.items())
+    return f"MATH500 of the base models, measured after the runs (`base_math500/`): {measured}."
+
+
 def _results_md(exp, steps, n_common, gpu_minutes, table, threshold, window, paired_lines, claims, by_rule, commands, out, results):
     return [
         "# Qwen2.5-Coder-1.5B-Instruct on GSM8K: results",
@@ -594,7 +608,7 @@ def _results_md(exp, steps, n_common, gpu_minutes, table, threshold, window, pai
         f"Threshold: the mean first-10% reward over all runs + {THRESHOLD_GAIN} = {threshold:.3f}, reached by the "
         f"trailing moving average of {window} steps. Relative growth: last-20% mean / first-10% mean - 1. Headroom "
         "gain: (last-20% - first-10%) / (1 - first-10%) of the reward; greedy: (after - before) / (1 - before). "
-        "No MATH500 was measured before training.",
+        + _base_math500_text(results),
         "",
         "## Paired differences",
         "",
