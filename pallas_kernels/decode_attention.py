@@ -137,7 +137,10 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
 def _kernel(q_ref, k_ref, v_ref, start_ref, end_ref, *out_refs, g, g_pad, block_s, num_splits, seq_len):
     """One (row b, KV head h, split) program. q_ref [B, KVH, G, D]; k_ref / v_ref [B, S, KVH, D];
     out_refs: (o_ref [B, KVH, G, D],) or the partials (m_ref, l_ref [B, KVH, NS, G_pad], acc_ref
-    [B, KVH, NS, G_pad, D]), each possibly preceded by its NaN-filled aliased input."""
+    [B, KVH, NS, G_pad, D]), each possibly preceded by its NaN-filled aliased input.
+
+    Long because a Pallas kernel body is one traced program: its loop carries and refs are shared
+    by every part, so it reads best as the one online-softmax loop it is."""
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
     cdt = q_ref.dtype

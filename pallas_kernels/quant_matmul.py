@@ -456,6 +456,8 @@ def forward_launch(
 
     layer: with stacked weights (codes [L, N, K/2], scales [L, N, K/B], gs [L]) the layer
     to multiply by; the kernel reads its rows in place (no slice copy of the stack).
+
+    Over 60 lines only for its argument lists: one branch per launch mode, each a call.
     """
     fmt = KernelFormat.of(fmt)
     n = codes.shape[-2]

@@ -413,6 +413,9 @@ def wgmma_partials(x, words, swords, *, n: int, tk: int, stages: int, wgs: int =
     segments are unwritten). The accumulator is y.T (W is wgmma's A operand); it is stored
     transposed (WGMMA_TRANSPOSED register layout into a transposed SMEM view), so the output
     needs no XLA transpose.
+
+    Long because the producer and consumer warpgroups share its SMEM ring, barriers and range
+    arithmetic as closures: split apart, each piece would take a dozen of them as arguments.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
