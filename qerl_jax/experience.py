@@ -286,12 +286,16 @@ def _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t_rollou
     """The step's rollout metrics; reward statistics over the groups sampled (those up to each
     shard's last needed one, every reward known)."""
     g = cfg.rollout.group_size
-    lengths = np.asarray(batch.lengths)
+    lengths, decoded = np.asarray(batch.lengths), np.asarray(batch.decoded)
     rows = (np.sort(sampled)[:, None] * g + np.arange(g)).reshape(-1)
     stats = {
         "time/rollout_s": t_rollout,
         "time/reward_s": t_reward,
         "rollout/tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
+        "rollout/decoded_tokens": float(decoded.sum()),
+        # Decoded for groups past the last one needed: admitted on the keep rate's estimate, then
+        # dropped (or finished unneeded). The cost of deciding dynamic sampling in one call.
+        "rollout/unused_tokens_frac": 1.0 - float(decoded[rows].sum()) / max(float(decoded.sum()), 1.0),
         "rollout/groups_sampled": float(len(sampled)),
         "rollout/groups_kept": float(kept),
         "rollout/prompt_batches": float(used),

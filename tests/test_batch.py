@@ -47,7 +47,7 @@ def _rows(n: int, prompt_len: int, first: int):
     return RolloutBatch(
         prompt_ids=jnp.tile(row[:, None], (1, prompt_len)), prompt_mask=jnp.ones((n, prompt_len), jnp.int32),
         tokens=jnp.tile(row[:, None], (1, 3)), logprobs=-jnp.ones((n, 3)), response_mask=jnp.ones((n, 3), jnp.int32),
-        lengths=jnp.full((n,), 3), truncated=jnp.zeros((n,), bool), prompt_index=row, steps=jnp.asarray([first + 4]),
+        lengths=jnp.full((n,), 3), decoded=jnp.full((n,), 3), truncated=jnp.zeros((n,), bool), prompt_index=row, steps=jnp.asarray([first + 4]),
     )  # fmt: skip
 
 

@@ -86,6 +86,9 @@ def test_one_call_keeps_what_refill_rounds_keep(tmp_path, tiny_model_dir, pool, 
     for name in want:  # the advantages and everything the loss reads
         np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
     assert stats["rollout/groups_kept"] == 4 and stats["rollout/groups_sampled"] <= 4 * rounds
+    np.testing.assert_array_equal(exp.rollout.decoded, exp.rollout.lengths)  # kept rows all finished
+    assert stats["rollout/decoded_tokens"] >= int(np.sum(exp.rollout.lengths))
+    assert 0.0 <= stats["rollout/unused_tokens_frac"] < 1.0
 
 
 def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_model_dir, pool):

@@ -564,8 +564,12 @@ def test_monitor_bounds_admissions_and_drops_sequences_mid_run(f32_model):
         options=f32_options(smaller_rows=(2,)),
     )  # fmt: skip
     assert sorted(monitor.stopped)[:6] == list(range(6)) and len(monitor.stopped) < 12
-    lengths = np.asarray(got.lengths)
+    lengths, decoded = np.asarray(got.lengths), np.asarray(got.decoded)
     assert (lengths[6:] == 0).any()  # some dropped before they stopped
+    finished = lengths > 0
+    np.testing.assert_array_equal(decoded[finished], lengths[finished])
+    assert (decoded[~finished] > 0).any()  # dropped while decoding: their partial tokens counted
+    np.testing.assert_array_equal(np.asarray(plain.decoded), np.asarray(plain.lengths))
     first = np.arange(6)
     assert_same_samples(rollout_batch.select_rows(got, first), rollout_batch.select_rows(plain, first), "kept rows")
     rows = np.arange(6, 12)

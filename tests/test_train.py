@@ -590,6 +590,7 @@ def test_the_first_train_step_finds_its_programs_compiled_from_train_batch_like(
         logprobs=jax.numpy.asarray(-rng.random((n, m)) * resp, np.float32),
         response_mask=jax.numpy.asarray(resp),
         lengths=jax.numpy.asarray(lengths),
+        decoded=jax.numpy.asarray(lengths),
         truncated=jax.numpy.asarray(lengths == m),
         prompt_index=jax.numpy.asarray(np.arange(n) // g, np.int32),
         steps=jax.numpy.asarray([m], np.int32),

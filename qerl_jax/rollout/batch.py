@@ -18,6 +18,8 @@ class RolloutBatch:
       truncation), 0 after the stop.
     response_mask: int32 [N, M] 1 up to and including the EOS/stop token.
     lengths: int32 [N] response lengths (EOS included).
+    decoded: int32 [N] the tokens decoded for each sequence: its length, or for a sequence a
+      monitor stopped as no longer needed, what it had decoded by then (its row stays empty).
     truncated: bool [N] True where no EOS/stop id came within the row's token limit
       (max_new_tokens or its own; always True with ignore_eos).
     prompt_index: int32 [N] the prompt (row of the input) each row was sampled from.
@@ -32,13 +34,24 @@ class RolloutBatch:
     logprobs: jax.Array
     response_mask: jax.Array
     lengths: jax.Array
+    decoded: jax.Array
     truncated: jax.Array
     prompt_index: jax.Array
     steps: jax.Array
     group_size: int = struct.field(pytree_node=False, default=1)
 
 
-PER_ROW = ("prompt_ids", "prompt_mask", "tokens", "logprobs", "response_mask", "lengths", "truncated", "prompt_index")
+PER_ROW = (
+    "prompt_ids",
+    "prompt_mask",
+    "tokens",
+    "logprobs",
+    "response_mask",
+    "lengths",
+    "decoded",
+    "truncated",
+    "prompt_index",
+)
 
 
 def select_rows(batch: RolloutBatch, rows) -> RolloutBatch:

@@ -563,8 +563,10 @@ def _decode_all(
     segments = []
     while True:
         if monitor is not None:
+            row_seq = sched.row_seq.copy()
             dropped = sched.set_bounds(*monitor.bounds(wait=sched.idle))
             if dropped.size:
+                out.decoded[row_seq[dropped]] = np.asarray(jax.device_get(rows.t))[dropped]
                 rows = programs.stop(rows, put(np.isin(np.arange(sched.rows), dropped)))
         if sched.idle:
             break
@@ -608,6 +610,7 @@ def _rollout_batch(call: _Call, out: _Outputs, segments: list[int]) -> RolloutBa
         logprobs=jnp.asarray(out.logprobs),
         response_mask=jnp.asarray(response_mask),
         lengths=jnp.asarray(out.lengths),
+        decoded=jnp.asarray(out.decoded),
         truncated=jnp.asarray(~out.stopped),
         prompt_index=jnp.asarray(prompt_index),
         steps=jnp.asarray(np.asarray([s + 1 for s in segments], np.int32)),
@@ -715,12 +718,14 @@ class _Outputs:
         self.tokens = np.full((num_seqs, max_new), pad_id, np.int32)
         self.logprobs = np.zeros((num_seqs, max_new), np.float32)
         self.lengths = np.zeros((num_seqs,), np.int32)
+        self.decoded = np.zeros((num_seqs,), np.int32)  # lengths, and the dropped rows' partial counts
         self.stopped = np.zeros((num_seqs,), bool)
 
     def harvest(self, state, rows: np.ndarray, seqs: np.ndarray) -> None:
         t, stopped, tokens, logp = state
         m = self.tokens.shape[1]
         self.lengths[seqs] = t[rows]
+        self.decoded[seqs] = t[rows]
         self.stopped[seqs] = stopped[rows]
         self.tokens[seqs] = tokens[rows, :m]
         self.logprobs[seqs] = logp[rows, :m]
