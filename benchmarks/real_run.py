@@ -55,8 +55,17 @@ def _free_port() -> int:
 
 def _devices_env(devices: list[int], tiny: bool) -> dict[str, str]:
     if tiny:
-        return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={len(devices)}"}
+        return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": _cpu_xla_flags(len(devices))}
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+
+
+def _cpu_xla_flags(devices: int) -> str:
+    """The environment's XLA_FLAGS with its forced CPU device count replaced by `devices` (none for one,
+    the CPU's own count): the runs' compiled programs then share keys in the compilation cache with
+    other commands of the same XLA flags (the tests' runs of the tiny config)."""
+    force = "--xla_force_host_platform_device_count"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(force)]
+    return " ".join(flags + ([f"{force}={devices}"] if devices > 1 else []))
 
 
 def commands(layout: str, args, workdir: str) -> list[tuple[dict[str, str], list[str]]]:

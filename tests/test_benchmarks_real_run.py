@@ -16,7 +16,8 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_each_layout_runs_the_recipe_on_its_devices():
+def test_each_layout_runs_the_recipe_on_its_devices(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     one = real_run.commands("1", _args(), "/w/1")
     assert len(one) == 1 and one[0][0] == {"CUDA_VISIBLE_DEVICES": "0"}
     argv = one[0][1]
@@ -35,6 +36,15 @@ def test_each_layout_runs_the_recipe_on_its_devices():
     assert len({env["JAX_COORDINATOR_ADDRESS"] for env, _ in procs}) == 1
     cpu = real_run.commands("mesh", _args(tiny=True, gpus=2), "/w/c")[0][0]
     assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and cpu["JAX_PLATFORMS"] == "cpu"
+
+
+def test_tiny_layouts_keep_the_environment_s_other_xla_flags(monkeypatch):
+    """They share compiled programs with other commands of the same flags (the tests' tiny runs)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_force_host_platform_device_count=8")
+    mesh = real_run.commands("mesh", _args(tiny=True, gpus=2), "/w/c")[0][0]
+    assert mesh["XLA_FLAGS"] == "--xla_backend_optimization_level=1 --xla_force_host_platform_device_count=2"
+    one = real_run.commands("1", _args(tiny=True, gpus=2), "/w/1")[0][0]
+    assert one["XLA_FLAGS"] == "--xla_backend_optimization_level=1"  # one device: the CPU's own count
 
 
 def test_summary_sets_step_zero_apart_and_counts_kept_completions(tmp_path):
