@@ -41,13 +41,14 @@ def test_prompt_and_row_buckets():
 
 def test_bounds_hold_the_queue_and_drop_sequences():
     s = scheduler.Scheduler(10, rows=4, max_batch=4)
-    assert s.set_bounds(2, 10).size == 0
+    assert s.set_bounds(2, 10)[0].size == 0
     seqs, rows = s.admissions()
     assert seqs.tolist() == [0, 1] and s.queued == 0 and not s.idle  # held at the limit
     s.set_bounds(6, 10)
     assert s.admissions()[0].tolist() == [2, 3]
-    dropped = s.set_bounds(10, 3)  # sequences 3.. are no longer needed
-    assert dropped.tolist() == [3] and s.row_seq.tolist() == [0, 1, 2, -1] and s.queued == 0
+    dropped, dropped_seqs = s.set_bounds(10, 3)  # sequences 3.. are no longer needed
+    assert dropped.tolist() == [3] and dropped_seqs.tolist() == [3]
+    assert s.row_seq.tolist() == [0, 1, 2, -1] and s.queued == 0
     s.set_bounds(10, 8)  # the end never grows back
     assert s.end == 3
     s.retire(np.zeros(4, bool))

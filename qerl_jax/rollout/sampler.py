@@ -563,10 +563,9 @@ def _decode_all(
     segments = []
     while True:
         if monitor is not None:
-            row_seq = sched.row_seq.copy()
-            dropped = sched.set_bounds(*monitor.bounds(wait=sched.idle))
+            dropped, dropped_seqs = sched.set_bounds(*monitor.bounds(wait=sched.idle))
             if dropped.size:
-                out.decoded[row_seq[dropped]] = np.asarray(jax.device_get(rows.t))[dropped]
+                out.decoded[dropped_seqs] = np.asarray(jax.device_get(rows.t))[dropped]
                 rows = programs.stop(rows, put(np.isin(np.arange(sched.rows), dropped)))
         if sched.idle:
             break

@@ -133,14 +133,16 @@ class Scheduler:
         """Nothing decoding and nothing admissible."""
         return self.queued == 0 and bool(np.all(self.row_seq < 0))
 
-    def set_bounds(self, limit: int, end: int) -> np.ndarray:
+    def set_bounds(self, limit: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Admits sequences below `limit` only and drops those at or past `end` (both only ever
-        lower `end`); returns the rows of dropped sequences that were decoding (now free)."""
+        lower `end`); returns the (rows, sequences) of dropped sequences that were decoding (the
+        rows now free)."""
         self.limit = limit
         self.end = min(self.end, end)
         rows = np.flatnonzero(self.row_seq >= self.end)
+        seqs = self.row_seq[rows].copy()
         self.row_seq[rows] = -1
-        return rows
+        return rows, seqs
 
     def admissions(self) -> tuple[np.ndarray, np.ndarray]:
         """The (sequences, rows) to admit now, in queue order into ascending free rows."""
