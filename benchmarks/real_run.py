@@ -2,6 +2,7 @@
 
     python -m benchmarks.real_run --model q15.gguf --gpus 4 --out $OUT/real_run.json      # GPU
     python -m benchmarks.real_run --tiny --gpus 2 --layouts 1 mesh --out /tmp/rr.json     # CPU smoke
+    python -m benchmarks.real_run --compare REF_WORKDIR NEW_WORKDIR                       # finished runs
 
 Runs the recipe (--config, default configs/gsm8k.py, its model at --model) for --steps steps in
 each layout, one after another, each alone on the machine:
@@ -133,7 +134,9 @@ def summarize(workdir: str, group_size: int) -> dict:
     later = steps[1:]
     total = sum(r["time/step_s"] for r in later)
     out = {"steps": len(steps), "step0_s": steps[0]["time/step_s"]}
-    for key in ("rollout_s", "train_s", "step_s"):
+    for r in later:  # what the rollout and its rewards cost together (rewards scored after it add)
+        r["time/rollout_reward_s"] = r.get("time/rollout_s", 0.0) + r.get("time/reward_s", 0.0)
+    for key in ("rollout_s", "rollout_reward_s", "train_s", "step_s"):
         values = [r[f"time/{key}"] for r in later if f"time/{key}" in r]  # a step that kept no group trains not
         out[key] = statistics.mean(values) if values else 0.0
         out[key.replace("_s", "_median_s")] = statistics.median(values) if values else 0.0
@@ -160,6 +163,29 @@ def run(args) -> dict:
             r["step_median_vs_1"] = r["step_median_s"] / base["step_median_s"]
             r["throughput_vs_1"] = r["completions_per_s"] / base["completions_per_s"]
     return report
+
+
+def compare(workdirs: list[str], group_size: int) -> str:
+    """Finished runs' summaries side by side, each as a ratio of the first's (e.g. one tree against a
+    reference tree, same seed): rollout + reward and the step, mean and median."""
+    rows = [(w, summarize(w, group_size)) for w in workdirs]
+    base = rows[0][1]
+    lines = [
+        f"{'run':40} {'steps':>5} {'rollout+reward s (mean/median)':>31} {'step s (mean/median)':>21} {'x first':>19}"
+    ]
+    for w, r in rows:
+        if "step_s" not in r:
+            lines.append(f"{w:40} no steps")
+            continue
+        vs = "-"
+        if "step_s" in base:
+            vs = (f"{r['rollout_reward_s'] / base['rollout_reward_s']:.2f}/{r['rollout_reward_median_s'] / base['rollout_reward_median_s']:.2f}"
+                  f" {r['step_s'] / base['step_s']:.2f}/{r['step_median_s'] / base['step_median_s']:.2f}")  # fmt: skip
+        lines.append(
+            f"{w:40} {r['steps']:5} {r['rollout_reward_s']:15.2f}/{r['rollout_reward_median_s']:<15.2f} "
+            f"{r['step_s']:10.2f}/{r['step_median_s']:<10.2f} {vs:>19}"
+        )
+    return "\n".join(lines)
 
 
 def table(report: dict) -> str:
@@ -193,7 +219,16 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/real_run", help="one workdir per layout under it")
     p.add_argument("--tiny", action="store_true", help="configs/tiny.py on forced CPU devices (smoke test)")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--compare", nargs="+", metavar="WORKDIR", help="only summarize these finished runs, as ratios of the first"
+    )
     args = p.parse_args(argv)
+    if args.compare:
+        missing = [w for w in args.compare if not os.path.isfile(os.path.join(w, "tensorboard", "scalars.jsonl"))]
+        if missing:
+            p.error(f"--compare {missing[0]}: no tensorboard/scalars.jsonl there (a run's workdir was expected)")
+        print(compare(args.compare, _recipe(args.config).rollout.group_size))
+        return 0
     args.workdir = os.path.abspath(args.workdir)  # the runs start in the repository, not here
     args.model = os.path.abspath(args.model) if args.model and os.path.exists(args.model) else args.model
     if args.tiny:

@@ -66,6 +66,26 @@ def test_summary_sets_step_zero_apart_and_counts_kept_completions(tmp_path):
     assert real_run.summarize(str(tmp_path / "none"), group_size=4) == {"steps": 0}
 
 
+def _write_run(workdir, rollout_s, reward_s, step_s):
+    os.makedirs(workdir / "tensorboard")
+    rows = [{"step": s, "time/step_s": t, "time/rollout_s": r, "time/reward_s": w, "time/train_s": 1.0}
+            for s, (r, w, t) in enumerate(zip(rollout_s, reward_s, step_s))]  # fmt: skip
+    (workdir / "tensorboard" / "scalars.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_compare_gives_finished_runs_as_ratios_of_the_first(tmp_path, capsys):
+    _write_run(tmp_path / "ref", [9.0, 6.0, 7.0, 8.0], [0.0, 1.0, 0.0, 0.5], [20.0, 10.0, 10.0, 12.0])
+    _write_run(tmp_path / "new", [9.0, 4.0, 3.0, 5.0], [0.0, 0.0, 0.0, 0.0], [20.0, 8.0, 7.0, 9.0])
+    s = real_run.summarize(str(tmp_path / "ref"), group_size=4)
+    assert s["rollout_reward_s"] == pytest.approx(7.5) and s["rollout_reward_median_s"] == pytest.approx(7.0)
+    assert real_run.main(["--compare", str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert last[-2:] == [f"{4.0 / 7.5:.2f}/{4.0 / 7.0:.2f}", f"{8.0 / (32 / 3):.2f}/{8.0 / 10.0:.2f}"]
+    with pytest.raises(SystemExit) as e:
+        real_run.main(["--compare", str(tmp_path / "ref"), str(tmp_path / "missing")])
+    assert e.value.code == 2 and "--compare" in capsys.readouterr().err
+
+
 def test_an_existing_layout_workdir_is_refused_before_any_run(tmp_path, capsys):
     os.makedirs(tmp_path / "1")
     with pytest.raises(SystemExit) as e:
