@@ -143,6 +143,13 @@ def summarize(workdir: str, group_size: int) -> dict:
     kept = sum(r.get("rollout/groups_kept", 0) for r in later)
     out["completions_per_s"] = kept * group_size / total
     out["longest_mean"] = statistics.mean(r.get("rollout/response_length_max", 0) for r in later)
+    # Finished tokens a step: what the rollout's time buys, comparable across trees (older ones
+    # log no `rollout/decoded_tokens`).
+    out["finished_tokens"] = statistics.mean(
+        r.get("time/rollout_s", 0.0) * r.get("rollout/tokens_per_s", 0.0) for r in later
+    )
+    unused = [r["rollout/unused_tokens_frac"] for r in later if "rollout/unused_tokens_frac" in r]
+    out["unused_tokens_frac"] = statistics.mean(unused) if unused else float("nan")
     return out
 
 
@@ -167,11 +174,13 @@ def run(args) -> dict:
 
 def compare(workdirs: list[str], group_size: int) -> str:
     """Finished runs' summaries side by side, each as a ratio of the first's (e.g. one tree against a
-    reference tree, same seed): rollout + reward and the step, mean and median."""
+    reference tree, same seed): rollout + reward and the step, mean and median; the finished tokens
+    a step and the share decoded for groups past the last one needed (NaN where not logged)."""
     rows = [(w, summarize(w, group_size)) for w in workdirs]
     base = rows[0][1]
     lines = [
-        f"{'run':40} {'steps':>5} {'rollout+reward s (mean/median)':>31} {'step s (mean/median)':>21} {'x first':>19}"
+        f"{'run':40} {'steps':>5} {'rollout+reward s (mean/median)':>31} {'step s (mean/median)':>21} "
+        f"{'tokens/step':>11} {'unused':>6} {'x first':>19}"
     ]
     for w, r in rows:
         if "step_s" not in r:
@@ -183,7 +192,8 @@ def compare(workdirs: list[str], group_size: int) -> str:
                   f" {r['step_s'] / base['step_s']:.2f}/{r['step_median_s'] / base['step_median_s']:.2f}")  # fmt: skip
         lines.append(
             f"{w:40} {r['steps']:5} {r['rollout_reward_s']:15.2f}/{r['rollout_reward_median_s']:<15.2f} "
-            f"{r['step_s']:10.2f}/{r['step_median_s']:<10.2f} {vs:>19}"
+            f"{r['step_s']:10.2f}/{r['step_median_s']:<10.2f} {r['finished_tokens']:11.0f} "
+            f"{r['unused_tokens_frac']:6.3f} {vs:>19}"
         )
     return "\n".join(lines)
 
