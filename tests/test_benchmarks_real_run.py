@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 import pytest
@@ -66,18 +67,22 @@ def test_summary_sets_step_zero_apart_and_counts_kept_completions(tmp_path):
     assert real_run.summarize(str(tmp_path / "none"), group_size=4) == {"steps": 0}
 
 
-def _write_run(workdir, rollout_s, reward_s, step_s):
+def _write_run(workdir, rollout_s, reward_s, step_s, **more):
     os.makedirs(workdir / "tensorboard")
-    rows = [{"step": s, "time/step_s": t, "time/rollout_s": r, "time/reward_s": w, "time/train_s": 1.0}
+    rows = [{"step": s, "time/step_s": t, "time/rollout_s": r, "time/reward_s": w, "time/train_s": 1.0, **more}
             for s, (r, w, t) in enumerate(zip(rollout_s, reward_s, step_s))]  # fmt: skip
     (workdir / "tensorboard" / "scalars.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
 def test_compare_gives_finished_runs_as_ratios_of_the_first(tmp_path, capsys):
     _write_run(tmp_path / "ref", [9.0, 6.0, 7.0, 8.0], [0.0, 1.0, 0.0, 0.5], [20.0, 10.0, 10.0, 12.0])
-    _write_run(tmp_path / "new", [9.0, 4.0, 3.0, 5.0], [0.0, 0.0, 0.0, 0.0], [20.0, 8.0, 7.0, 9.0])
+    _write_run(tmp_path / "new", [9.0, 4.0, 3.0, 5.0], [0.0, 0.0, 0.0, 0.0], [20.0, 8.0, 7.0, 9.0],
+               **{"rollout/tokens_per_s": 100.0, "rollout/unused_tokens_frac": 0.25})  # fmt: skip
     s = real_run.summarize(str(tmp_path / "ref"), group_size=4)
     assert s["rollout_reward_s"] == pytest.approx(7.5) and s["rollout_reward_median_s"] == pytest.approx(7.0)
+    assert s["finished_tokens"] == 0.0 and math.isnan(s["unused_tokens_frac"])
+    new = real_run.summarize(str(tmp_path / "new"), group_size=4)
+    assert new["finished_tokens"] == pytest.approx(400.0) and new["unused_tokens_frac"] == pytest.approx(0.25)
     assert real_run.main(["--compare", str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert last[-2:] == [f"{4.0 / 7.5:.2f}/{4.0 / 7.0:.2f}", f"{8.0 / (32 / 3):.2f}/{8.0 / 10.0:.2f}"]
