@@ -5,8 +5,19 @@ Public API:
   logits = qerl_jax.forward(config, params, input_ids, attention_mask)
 """
 
-from qerl_jax.model_io.loader import load_model, load_tokenizer
-from qerl_jax.models.qwen2 import ModelConfig, forward
-
 __all__ = ["ModelConfig", "forward", "load_model", "load_tokenizer"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The public API is imported on first use, not with the package: every module of the package
+    # imports it first, and a reward worker (`reward_pool`) must not pay for JAX and the model code.
+    if name in ("load_model", "load_tokenizer"):
+        from qerl_jax.model_io import loader  # noqa: PLC0415
+
+        return getattr(loader, name)
+    if name in ("ModelConfig", "forward"):
+        from qerl_jax.models import qwen2  # noqa: PLC0415
+
+        return getattr(qwen2, name)
+    raise AttributeError(f"module 'qerl_jax' has no attribute {name!r}")

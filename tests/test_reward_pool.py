@@ -294,3 +294,15 @@ def test_workers_not_ready_in_time_fail_every_pending_batch():
             with pytest.raises(RuntimeError, match="not ready after"):
                 fut.result(timeout=60)
         assert not p.stats and not p.reward_stats  # nothing was scored or counted
+
+
+def test_a_worker_imports_neither_jax_nor_the_model_code():
+    """What a worker runs (`_WORKER_CMD`'s import) leaves JAX out: each run starts its workers anew,
+    and the package's public API (the model loader, JAX) would double their start-up."""
+    import subprocess
+    import sys
+
+    check = "import sys; from qerl_jax.reward_pool import _worker_loop; print(sorted({'jax', 'qerl_jax.models'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", check], env=P._worker_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
