@@ -219,12 +219,10 @@ def four_device_results():
 
 
 def _four_device_results(_directory: str) -> dict:
-    # Low XLA CPU optimisation: the worker compiles ~100 small programs; their speed does not matter. XLA's
-    # older (LLVM IR) fusion emitters compile them in half the time of its MLIR ones (~53 s against ~111 s).
-    flags = (
-        "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-    )
+    from conftest import COMPILE_ONLY_XLA_FLAGS
+
+    # The worker compiles ~100 small programs; their speed does not matter (`COMPILE_ONLY_XLA_FLAGS`).
+    flags = f"--xla_force_host_platform_device_count=4 {COMPILE_ONLY_XLA_FLAGS}"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "test_sharding.py")], env=env, capture_output=True, text=True, timeout=600
