@@ -23,11 +23,6 @@ CASES = {
     "devtools.train_profile": [],
 }
 
-# The smoke runs compile many programs and run each a few times: XLA's -O0 saves them more compile time than
-# it costs them (test_tiny_mode_runs: ~45 of ~200 CPU-s). real_run's too: its mesh layout then loads the
-# programs of the suite's `two_device_tiny_run` (multi-device runs are at -O0, `forced_devices_xla_flags`).
-SMOKE_XLA_FLAGS = COMPILE_ONLY_XLA_FLAGS
-
 
 def _error_rows(report) -> list:
     """The dicts anywhere in a benchmark's JSON report that carry an "error" (a case that failed)."""
@@ -44,7 +39,10 @@ def test_tiny_mode_runs(module, tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     name = module.split(":")[0]
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE_XLA_FLAGS, SMOKE_XLA_FLAGS)
+    # The smoke runs compile many programs and run each a few times: XLA's -O0 saves them more compile time
+    # than it costs them (~45 of ~200 CPU-s). real_run's too: its mesh layout then loads the programs of the
+    # suite's `two_device_tiny_run` (multi-device commands are at -O0, `forced_devices_xla_flags`).
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(FAST_COMPILE_XLA_FLAGS, COMPILE_ONLY_XLA_FLAGS)
     extra = ["--workdir", str(tmp_path / "runs")] if name == "real_run" else []
     cmd = [sys.executable, "-m", f"benchmarks.{name}", "--tiny", "--out", str(out), *CASES[module], *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
