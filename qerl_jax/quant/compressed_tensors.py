@@ -30,7 +30,12 @@ import numpy as np
 from qerl_jax.quant.formats import CT_FORMATS, FORMATS, MXFP4, NVFP4, REGISTRY
 from qerl_jax.quant.packed import PackedWeight
 
-# The compressed-tensors release whose serialization `quantization_config` reproduces.
+# `quantization_config`'s "version": the compressed-tensors release whose layout we write and test
+# against, not the installed library's. It is provenance only: compressed-tensors writes its own
+# `__version__` there and reads nothing back from it, and vLLM's CompressedTensorsConfig reads the
+# groups, format, ignore, sparsity, KV-cache and transform fields but never "version". So a new
+# release of the library changes the version it would write, not the format: tests compare every
+# other field bit for bit and only this constant here (`tests/test_compressed_tensors.py`).
 CT_VERSION = "0.20.0"
 TENSOR_SUFFIXES = {
     "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
