@@ -5,8 +5,19 @@ Public API:
   logits = qerl_jax.forward(config, params, input_ids, attention_mask)
 """
 
+import logging
+
 __all__ = ["ModelConfig", "forward", "load_model", "load_tokenizer"]
 __version__ = "0.1.0"
+
+
+def _no_torch_notice(record: logging.LogRecord) -> bool:
+    # transformers announces at import that it found no PyTorch; we use only its tokenizers and configs,
+    # so on a machine without torch that line is noise a user reads as a problem.
+    return not str(record.msg).startswith("PyTorch was not found")
+
+
+logging.getLogger("transformers").addFilter(_no_torch_notice)
 
 
 def __getattr__(name: str):

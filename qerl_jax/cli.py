@@ -145,8 +145,26 @@ def run_command(
         return command(cfg)
     except UserFacingError as e:
         fail(str(e), e.exit_code)
+    except ImportError as e:
+        missing = missing_package(e)
+        if missing is None:
+            raise
+        fail(f"a package this command needs is not installed: {missing} (install it with `pip install {missing}`)")
     except KeyboardInterrupt:
         fail(_interrupted(cfg) if resumable else "interrupted", INTERRUPTED_EXIT)
+
+
+def missing_package(error: ImportError) -> str | None:
+    """The package an ImportError says is missing (ours never count: that is a bug, not an install), or None.
+
+    A module not found names itself; a library that checks for an optional package of its own says so in
+    its message (transformers: "apply_chat_template requires jinja2 ... `pip install jinja2`")."""
+    name = getattr(error, "name", None)
+    if isinstance(error, ModuleNotFoundError) and name:
+        top = name.split(".")[0]
+        return None if top in ("qerl_jax", "pallas_kernels") else top
+    hint = re.search(r"pip install ([A-Za-z0-9_.\-\[\]]+)", str(error))
+    return hint.group(1).rstrip(".") if hint else None
 
 
 def _interrupted(cfg: ml_collections.ConfigDict) -> str:

