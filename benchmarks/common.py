@@ -344,7 +344,7 @@ def decode_step_seconds(short: list[dict[str, float]], long: list[dict[str, floa
     Each call's host work (per-layer weight copies, admissions, the programs' cache lookups) is
     the same in both and cancels. It varies by 60-190 ms from call to call on an H100 at 1.5B, so
     the one-token call's wall time, subtracted from a 32-step call's, put 1.7-2.9 ms on the same
-    2.4 ms step in different processes (RESULTS.md, ninth session).
+    2.4 ms step in different processes (H100, 2026-11-27, `dd2236e`).
     """
     steps = min(tm["steps"] for tm in long) - max(tm["steps"] for tm in short)
     if steps < 1:

@@ -10,7 +10,7 @@ A Qwen2.5-shaped random NVFP4 policy with LoRA (benchmarks/common.py) on the rec
 (prompts x group sequences, continuous batching with refills and compaction) with completion
 lengths drawn like the real run's: log-normal with median --median, a fraction --cap-fraction of
 them at --max-new. The default 0.1% is what the real 1.5B recipe showed (`configs/gsm8k.py`, 4 x
-H200, RESULTS.md fourteenth session: 0-0.3% of a step's completions at the 2048 cap, mean 330):
+H200, 2026-11-27, `725b5ce`: 0-0.3% of a step's completions at the 2048 cap, mean 330):
 there a step's longest completion grows with its size (~1000 tokens at 256 sequences, 1874 at
 1024), which is what bounds the weak scaling. With 5% at the cap (the rollout benchmark's
 workload) every shard has rows to the cap whatever its size, and the weak scaling looked ideal

@@ -22,7 +22,7 @@ wgmma kernel), and transformers' generate (static cache, torch.compile on CUDA).
 call (compile included), compile time (the engine compiles its programs up front, concurrently),
 rollout time (wall - compile; the best of the first and warm calls), generated tokens/s, peak
 memory and the engine's estimate. (The fixed-batch schedule's rows, the engine before continuous
-batching, left with that schedule; RESULTS.md keeps their numbers.)
+batching, left with that schedule; RESULTS.md keeps the comparison with it.)
 Expected on an H100: ~8 minutes in all (each JAX format compiles ~4 programs of ~30-45 s
 concurrently, ~1-1.5 min; rollouts 10-60 s each; transformers compiles ~1-2 min, ~1-1.5 min run).
 

@@ -185,6 +185,7 @@ TESTED_IN = {
     "pallas_kernels.numerics": "test_quant.py",
     "pallas_kernels.quant_matmul": "test_kernels.py",
     "qerl_jax.config": "test_schema.py",
+    "qerl_jax.config_doc": "test_docs.py",  # docs/configuration.md, generated
     "qerl_jax.data.datasets": "test_data.py",
     "qerl_jax.data.prompts": "test_data.py",
     "qerl_jax.errors": "test_eval.py",
