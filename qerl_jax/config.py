@@ -16,7 +16,7 @@ import os
 
 import ml_collections
 
-from qerl_jax import aqn, linear, optim, schema
+from qerl_jax import aqn, fp8, linear, optim, schema
 from qerl_jax.data.prompts import DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
 from qerl_jax.models.qwen2 import ATTENTION_MODES, REMAT_MODES
 from qerl_jax.projections import PROJECTIONS
@@ -67,6 +67,13 @@ class ModelSection:
         (), "projections kept bf16 (embeddings, lm_head and norms always are)", names(PROJECTIONS, nonempty=False)
     )
     backend: str = setting("auto", "linear backend: {choices} (auto: pallas on GPU, xla on CPU)", choice(BACKENDS))
+    fp8_matmul: str = setting(
+        "off",
+        "base matmuls of >= 256 rows (prefill, the largest decode bucket, the train step) on FP8 tensor "
+        "cores over E4M3 copies of the base (+1 byte/weight in the rollout, +2 in training): {choices} "
+        "(auto: a 4-bit base on a GPU with FP8 tensor cores)",
+        choice(fp8.MODES),
+    )
     cache_dir: str = setting(
         "", 'converted GGUF models (qerl_jax.model_io.load_cache); "" = $XDG_CACHE_HOME/qerl_jax/models', text()
     )

@@ -225,7 +225,9 @@ def _completions(
             group_size=k,
             lora_scale=lora_scale,
             max_batch=max_batch,
-            options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
+            options=RolloutOptions(
+            backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len, fp8_matmul=cfg.model.fp8_matmul
+        ),
         )
         tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
         completions += policy.tokenizer.batch_decode([r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True)

@@ -244,7 +244,9 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
         group_size=g,
         lora_scale=lora.lora_scale(cfg.lora),
         max_batch=max_batch,
-        options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
+        options=RolloutOptions(
+            backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len, fp8_matmul=cfg.model.fp8_matmul
+        ),
     )
     sampling = sampling_config(cfg, policy)
     key = jax.random.fold_in(key, 0)  # the first batch draws what a call per batch drew for it

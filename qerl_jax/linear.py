@@ -16,6 +16,7 @@ from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from qerl_jax import fp8
 from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed, split_specs, splits_over
 
 BACKENDS = ("xla", "pallas")
@@ -108,10 +109,15 @@ def base_matmul(
     parallel: "column" or "row", how tensor parallelism splits W (`projections.COLUMN_PARALLEL`).
 
     W may also be a `pallas_kernels.wgmma_nvfp4.WgmmaWeight` (NVFP4 repacked for the Hopper
-    decode kernel, made by the rollout): its kernel on Hopper at small M, else dequantize + dot.
+    decode kernel, made by the rollout): its kernel on Hopper at small M, else dequantize + dot;
+    or an `fp8.Fp8Weight` (the base in E4M3 for matmuls of many rows): x quantized per row, an FP8 dot.
     """
     if isinstance(w, ByRows):
         return base_matmul(x_MxK, w.small if x_MxK.shape[0] <= w.max_rows else w.large, backend, parallel)
+    if isinstance(w, LayerOf) and fp8.is_fp8(w.stack):
+        w = _take_layer(w)
+    if fp8.is_fp8(w):
+        return fp8.fp8_matmul(x_MxK, w)
     if _is_wgmma(w):
         from pallas_kernels import wgmma_nvfp4
 
@@ -129,6 +135,23 @@ def base_matmul(
     if backend == "xla":
         return matmul_nt(x_MxK, dequantize(w, x_MxK.dtype))
     raise ValueError(f"unknown linear backend {backend!r}; expected one of {BACKENDS}")
+
+
+def fp8_train_base(params: dict[str, Any], min_rows: int | None = None) -> dict[str, Any]:
+    """params with each stacked layer weight [L, N, K] (packed or dense) in two layouts, for the
+    train step: `linear.ByRows` of the weight itself for matmuls of fewer than `min_rows` rows and
+    its `fp8.Fp8Weight` (W and W.T) for the others (default `fp8.MIN_ROWS`). Made once; the rollout
+    takes the plain params."""
+    min_rows = fp8.MIN_ROWS if min_rows is None else min_rows
+    layers = params["base"]["layers"]
+    out = {}
+    for name, p in layers.items():
+        w = p["w"]
+        if isinstance(w, ByRows) or not (is_packed(w) or isinstance(w, jax.Array)) or len(w.shape) != 3:
+            out[name] = p
+            continue
+        out[name] = {**p, "w": ByRows(w, fp8.from_packed_jit(w, True), max_rows=min_rows - 1)}
+    return {**params, "base": {**params["base"], "layers": out}}
 
 
 def model_devices() -> int:

@@ -174,6 +174,7 @@ class PlanInputs:
     train_norms: bool = False
     data_shards: int = 1
     model_shards: int = 1
+    fp8_copies: bool = False
 
     def __post_init__(self):
         self._check_names()
@@ -264,12 +265,20 @@ class MemoryPlan:
     train_logits: int
     dequant_workspace: int
     train_sequence_arrays: int = 0
+    fp8_copies: int = 0
     device_bytes: int | None = None
 
     @property
     def persistent(self) -> int:
-        """Arrays alive for the whole run: frozen weights, LoRA params and AdamW moments."""
-        return self.base_linear + self.embeddings + self.biases_norms + self.lora_params + self.optimizer_state
+        """Arrays alive for the whole run: frozen weights (and their FP8 copies), LoRA params and AdamW moments."""
+        return (
+            self.base_linear
+            + self.fp8_copies
+            + self.embeddings
+            + self.biases_norms
+            + self.lora_params
+            + self.optimizer_state
+        )
 
     @property
     def rollout_peak(self) -> int:
@@ -344,8 +353,10 @@ class MemoryPlan:
         lora = f"LoRA params (f32, r={i.lora_rank}, {len(i.lora_targets)} targets)" + (
             " + trained norms" if i.train_norms else ""
         )
+        fp8_rows = [("their FP8 copies for the train step (W and W.T, E4M3)", self.fp8_copies)] if i.fp8_copies else []
         return [
             (f"base linear weights ({i.quant})", self.base_linear),
+            *fp8_rows,
             (embeddings, self.embeddings),
             ("biases + norms (bf16)", self.biases_norms),
             (lora, self.lora_params),
@@ -420,10 +431,14 @@ def frozen_terms(c: ModelConfig, inputs: PlanInputs, shapes: dict[str, tuple[int
       in `quant_skip` is bf16: N*K*2).
     embeddings: V*D*2 for embed plus V*D*2 for an untied lm_head (always bf16).
     biases_norms: L*(H + 2*KVH)*hd*2 q/k/v biases (attention_bias) + (2*L + 1)*D*2 RMSNorm scales.
+    fp8_copies: with inputs.fp8_copies, the train step's E4M3 copies of every projection
+      (`linear.fp8_train_base`: W and W.T, one byte a weight each, float32 scales per row of each):
+      L * (2*N*K + 4*(N + K)).
     """
     n_layers, d = c.num_hidden_layers, c.hidden_size
     return dict(
         base_linear=sum(n_layers * linear_weight_bytes(n, k, inputs.quant_of(p)) for p, (n, k) in shapes.items()),
+        fp8_copies=sum(n_layers * (2 * n * k + 4 * (n + k)) for n, k in shapes.values()) if inputs.fp8_copies else 0,
         embeddings=(1 if c.tie_word_embeddings else 2) * inputs.device_vocab(c.vocab_size) * d * DENSE_BYTES,
         biases_norms=(_bias_elements(c) + (2 * n_layers + 1) * d) * DENSE_BYTES,
     )

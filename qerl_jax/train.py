@@ -29,6 +29,8 @@ from qerl_jax import (
     compile_cache,
     distributed,
     evaluation,
+    fp8,
+    linear,
     lora,
     memory,
     reward_guard,
@@ -194,6 +196,12 @@ class _Run:
     keep_rate: float = 1.0  # the share of groups with varied rewards, measured each step (paces admissions)
     compiling: concurrent.futures.Future | None = None  # the train step's background compile
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last step's
+    # the frozen base as the train step reads it: with its FP8 copies (`linear.fp8_train_base`), or None: policy.frozen
+    train_base: dict[str, Any] | None = None
+
+    @property
+    def train_frozen(self) -> dict[str, Any]:
+        return self.policy.frozen if self.train_base is None else self.train_base
 
 
 def _train(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
@@ -252,8 +260,24 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
     return _Run(
         cfg=cfg, t_start=t_start, mesh=mesh, policy=policy, sizes=sizes, state=state, train_step=train_step,
         lr_fn=lr_fn, noisy_norms=noisy_norms, rollout_key=rollout_key, loader=loader, ckpt=ckpt, writer=writer,
-        start=start, end=end,
+        start=start, end=end, train_base=_fp8_train_base(cfg, policy, mesh),
     )  # fmt: skip
+
+
+def _uses_fp8(cfg: RunConfig, policy: Policy, model_shards: int) -> bool:
+    """Whether the train step's base matmuls of many rows run on FP8 copies (model.fp8_matmul; not
+    for a tensor-parallel base: the copies are made of whole weights)."""
+    return model_shards == 1 and fp8.enabled(cfg.model.fp8_matmul, policy.quant != "bf16")
+
+
+def _fp8_train_base(cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | None) -> dict[str, Any] | None:
+    """The frozen base with its FP8 copies for the train step (`linear.fp8_train_base`), made once; None without."""
+    if not _uses_fp8(cfg, policy, mesh.shape["model"] if mesh is not None else 1):
+        return None
+    train_base = linear.fp8_train_base(policy.frozen)
+    size = fp8.train_copy_bytes(policy.frozen) / 2**30
+    tqdm.write(f"train step: base matmuls of >= {fp8.MIN_ROWS} rows on FP8 copies of the base ({size:.2f} GiB)")
+    return train_base
 
 
 def _sized_for_mesh(cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | None) -> memory.Resolved:
@@ -309,7 +333,7 @@ def _precompile_for(run: _Run) -> concurrent.futures.Future:
     spec_batch = train_batch_like(run.cfg, run.sizes.micro_batch_size)
     if run.mesh is not None:
         spec_batch = sharding.shard_batch(spec_batch, run.mesh)
-    return _precompile_in_background(run.train_step, run.state, run.policy.frozen, spec_batch)
+    return _precompile_in_background(run.train_step, run.state, run.train_frozen, spec_batch)
 
 
 # ----------------------------------------------------------------------------- one step
@@ -383,7 +407,7 @@ def _update(run: _Run, exp: Experience) -> dict[str, float]:
     run.compiling = None
     try:
         for _ in range(run.cfg.rl.ppo_epochs):
-            run.state, train_metrics = run.train_step(run.state, run.policy.frozen, batch)
+            run.state, train_metrics = run.train_step(run.state, run.train_frozen, batch)
         train_metrics = jax.device_get(train_metrics)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" in str(e):
@@ -608,6 +632,7 @@ def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int, model_shards
         train_norms=cfg.lora.train_norms,
         data_shards=data_devices,
         model_shards=model_shards,
+        fp8_copies=_uses_fp8(cfg, policy, model_shards),
     )
     return memory.plan_memory(policy.config, inputs)
 

@@ -615,28 +615,28 @@ GOLDEN_PLAN_INPUTS = {
     "1.5B long": ("1.5B", None, dict(quant="nvfp4", lora_rank=16, rollout_batch=128, group_size=8, prompt_len=256, max_new_tokens=8192 - 256, attention="flash", remat="full")),
 }  # fmt: skip
 GOLDEN_PLANS = {
-    "0.5B bf16": (4633571072, 4633571072, 3006621440, "0957c46772fa8b00"),
-    "1.5B nvfp4 proj flash": (17339723536, 17339723536, 7233044240, "5f71ff46abe5abf3"),
-    "7B nf4 no remat": (182506237600, 182506237600, 15035908768, "79bb7ffb06ee7f4b"),
-    "7B mxfp4 defaults": (15814168336, 15814168336, 15442300688, "3c0345d4c14fbe41"),
-    "7B bf16 mb16": (39888497664, 39888497664, 36621406208, "ce02af80e7ad7a47"),
-    "72B proj": (154504218816, 154504218816, 73111395520, "40f5d19a44e3ba8d"),
-    "1.5B long": (46702690064, 16340676368, 46702690064, "037c11a07f151939"),
+    "0.5B bf16": (4633571072, 4633571072, 3006621440, "3df23fcc535c38a0"),
+    "1.5B nvfp4 proj flash": (17339723536, 17339723536, 7233044240, "106a321176ff84e1"),
+    "7B nf4 no remat": (182506237600, 182506237600, 15035908768, "7b93bd21d3dff3b2"),
+    "7B mxfp4 defaults": (15814168336, 15814168336, 15442300688, "802335480be49229"),
+    "7B bf16 mb16": (39888497664, 39888497664, 36621406208, "f0355b6ba1adb253"),
+    "72B proj": (154504218816, 154504218816, 73111395520, "01e78c83a9e1fad5"),
+    "1.5B long": (46702690064, 16340676368, 46702690064, "17946ca0c504786d"),
 }
 # Fits: (plan, device bytes, fit's options) -> (micro_batch_size, max_batch, remat, logprob_chunk,
 # changed, plan.total, digest of the plan's as_dict() and table() and the message), or the error.
 AUTO = dict(remat_fallback=True, auto_micro_batch=True, auto_logprob_chunk=True)
 GOLDEN_FITS = {
-    "1.5B auto 16GiB": (("1.5B nvfp4 proj flash", 16 * GIB, AUTO), (4, 128, "proj", 512, (), 11374309136, "cb9c02eb07191b5e")),
-    "1.5B auto 141GiB x2": (("1.5B nvfp4 proj flash", 141 * GIB, dict(AUTO, micro_batch_multiple=2)), (32, 128, "proj", 512, (), 79270063888, "c7ba6afb642bc934")),
-    "0.5B lowered 3GiB": (("0.5B bf16", 3 * GIB, {}), (4, 64, "full", 128, ("rl.micro_batch_size",), 3006621440, "5a300b30c676ff8e")),
+    "1.5B auto 16GiB": (("1.5B nvfp4 proj flash", 16 * GIB, AUTO), (4, 128, "proj", 512, (), 11374309136, "f539af2865a495b1")),
+    "1.5B auto 141GiB x2": (("1.5B nvfp4 proj flash", 141 * GIB, dict(AUTO, micro_batch_multiple=2)), (32, 128, "proj", 512, (), 79270063888, "a453f6a61ad3fc23")),
+    "0.5B lowered 3GiB": (("0.5B bf16", 3 * GIB, {}), (4, 64, "full", 128, ("rl.micro_batch_size",), 3006621440, "00fb2bebabc3b8fc")),
     "7B nf4 20GiB": (("7B nf4 no remat", 20 * GIB, dict(auto_logprob_chunk=True)), "does not fit on a 20.0 GiB device (19.0 GiB usable with a 5% margin): training on even 1 sequence needs 28.3 GiB: set rl.remat=True"),
-    "7B mxfp4 kept": (("7B mxfp4 defaults", None, dict(adjust=False)), (8, 64, "full", 256, (), 15814168336, "a6785185f93b9c82")),
-    "7B bf16 lowered 30GiB": (("7B bf16 mb16", 30 * GIB, {}), (8, 8, "full", 256, ("rl.micro_batch_size", "rollout.max_batch"), 30597123584, "e9b419ca7af56481")),
+    "7B mxfp4 kept": (("7B mxfp4 defaults", None, dict(adjust=False)), (8, 64, "full", 256, (), 15814168336, "40f8dfefb0572250")),
+    "7B bf16 lowered 30GiB": (("7B bf16 mb16", 30 * GIB, {}), (8, 8, "full", 256, ("rl.micro_batch_size", "rollout.max_batch"), 30597123584, "e21a8f6f05f21365")),
     "7B bf16 copies 26GiB": (("7B bf16 mb16", 26 * GIB, {}), "does not fit on a 26.0 GiB device (24.7 GiB usable with a 5% margin): the rollout needs 27.5 GiB before any KV cache (the weights plus their per-layer copies for the decode): set model.quant='nvfp4' (packed weights are read in place), or shard the model over more GPUs"),
     "7B bf16 validate 30GiB": (("7B bf16 mb16", 30 * GIB, dict(adjust=False)), "does not fit on a 30.0 GiB device (28.5 GiB usable with a 5% margin): the rollout phase needs 34.1 GiB: lower rollout.max_batch from 64 to 8; the training phase needs 37.1 GiB: lower rl.micro_batch_size from 16 to 8"),
-    "72B proj fallback 80GiB": (("72B proj", 80 * GIB, dict(remat_fallback=True)), (8, 64, "full", 256, ("rl.remat",), 73111395520, "684dbe671c7cd6a4")),
-    "1.5B long smaller chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True, auto_logprob_chunk=True)), (1, 4, "full", 128, ("rollout.max_batch",), 3311791888, "a4c84577332f728b")),
+    "72B proj fallback 80GiB": (("72B proj", 80 * GIB, dict(remat_fallback=True)), (8, 64, "full", 256, ("rl.remat",), 73111395520, "62c56a80485ff876")),
+    "1.5B long smaller chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True, auto_logprob_chunk=True)), (1, 4, "full", 128, ("rollout.max_batch",), 3311791888, "c270956099622118")),
     "1.5B long no chunk": (("1.5B long", 3_608_880_000, dict(auto_micro_batch=True)), "does not fit on a 3.4 GiB device (3.2 GiB usable with a 5% margin): training on even 1 sequence needs 3.3 GiB: lower rollout.max_new_tokens (now 7936; training sequences are 8192 tokens)"),
 }  # fmt: skip
 

@@ -159,12 +159,12 @@ def test_small_projections_get_dense_copies_by_default_on_pallas(tiny_qwen2_dir,
     ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     auto = generate(config, params, ids, mask, jax.random.key(6), sampling, options=RolloutOptions(backend="pallas"))
-    assert seen[-1] == ("pallas", small, ())  # no wgmma copies off Hopper
+    assert seen[-1] == ("pallas", small, (), None)  # no wgmma copies off Hopper, no FP8 copies by default
     split = real_split(params, "pallas", small)
     assert set(split["packed"]) == set(sizes) - set(small)
     opts = RolloutOptions(backend="pallas", dense_weights=False)
     packed = generate(config, params, ids, mask, jax.random.key(6), sampling, options=opts)
-    assert seen[-1] == (None, None, ())
+    assert seen[-1] == (None, None, (), None)
     np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(packed.tokens))
     np.testing.assert_allclose(np.asarray(auto.logprobs), np.asarray(packed.logprobs), atol=0.05)
 

@@ -323,7 +323,7 @@ class DecoderLayer(nn.Module):
         group = fused_name(names)
         if self.has_variable("base", group):
             fused, rows = self.get_variable("base", group).get("w"), x.size // x.shape[-1]
-            if isinstance(fused, ByRows):  # e.g. the wgmma kernel's copy up to its rows, bf16 copies above
+            while isinstance(fused, ByRows):  # e.g. the wgmma kernel's copy up to its rows, bf16 copies above
                 fused = fused.small if rows <= fused.max_rows else fused.large
             if isinstance(fused, Fused) and rows <= fused.max_rows:
                 # the rollout stores the group's adapters stacked once per call; else stack them here

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qerl_jax import linear
+from qerl_jax import fp8, linear
 from qerl_jax.models.qwen2 import DECODE_ATTENTION_BACKENDS, ForwardOptions, ModelConfig
 from qerl_jax.rollout import budget, programs, scheduler, weights
 from qerl_jax.rollout.batch import RolloutBatch, to_train_batch
@@ -89,6 +89,11 @@ class RolloutOptions:
       and evaluation: `data.max_prompt_len`), so that every call runs the same programs: by
       default the bucket follows each call's longest prompt, and a batch whose prompts all fit a
       smaller bucket compiles a new set of programs mid-run (60-140 s for the 1.5B).
+    fp8_matmul: "auto" | "on" | "off" (`fp8.MODES`): E4M3 copies of the dense layer weights (the
+      bf16 copies of a 4-bit base) made once per call, read by matmuls of at least `fp8.MIN_ROWS`
+      rows (the prefill, the largest decode buckets) on FP8 tensor cores, activations quantized per
+      token (+1 byte per weight while it runs). "auto": for a 4-bit base on a GPU with FP8 tensor
+      cores (`fp8.available`). Off by default: see `qerl_jax.fp8` for what is measured.
     """
 
     backend: str = "xla"
@@ -101,6 +106,7 @@ class RolloutOptions:
     smaller_rows: Sequence[int] | None = None
     decode_attention: str | None = None
     min_prompt_len: int = 0
+    fp8_matmul: str = "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +222,15 @@ def plan_rollout(
     return chosen
 
 
+def fp8_min_rows(options: RolloutOptions, params: dict[str, Any]) -> int | None:
+    """The rows from which the call's matmuls read E4M3 copies (`RolloutOptions.fp8_matmul`); None: no copies.
+    Not for tensor-parallel weights (the copies are made per layer of whole weights)."""
+    quantized = bool(weights.packed_names(params))
+    if linear.model_mesh(params) is not None or not fp8.enabled(options.fp8_matmul, quantized):
+        return None
+    return fp8.MIN_ROWS
+
+
 @dataclasses.dataclass(frozen=True)
 class _Planner:
     """`plan_rollout`'s settings: the plan of any number of sequences decoded at once, and whether it fits."""
@@ -260,7 +275,8 @@ class _Planner:
             params, o.dense_weights, self.wgmma_weights, backend=o.backend, rows=(lay.rows, *lay.smaller), fits=fits
         )
         extra = (
-            weights.dense_copy_bytes(params, dense)
+            (weights.fp8_copy_bytes(params, dense) if fp8_min_rows(o, params) else 0)
+            + weights.dense_copy_bytes(params, dense)
             + weights.wgmma_copy_bytes(params, wgmma)
             + weights.fused_lora_bytes(params, dense, wgmma)
         )
@@ -281,7 +297,7 @@ def _auto_rows(planner: _Planner, num_seqs: int) -> RolloutPlan:
     # memory from one call (training step) to the next would compile new programs each time.
     key = (planner.config, scheduler.rows_bucket(num_seqs), planner.prompt_slots, planner.new_slots,
            planner.group_size, planner.smaller_rows, o.share_prefill, o.backend, jnp.dtype(o.cache_dtype).name,
-           o.dense_weights, planner.wgmma_weights, _row_shards(o.batch_sharding))  # fmt: skip
+           o.dense_weights, planner.wgmma_weights, _row_shards(o.batch_sharding), o.fp8_matmul)  # fmt: skip
     if key in _AUTO_ROWS:
         chosen = planner.plan(*_AUTO_ROWS[key])
         if planner.fits(chosen):
@@ -458,7 +474,9 @@ def generate(
         max_batch=max_batch, options=options,
     )  # fmt: skip
     dense = plan.dense_names
-    run_params = weights.split_layers(params, options.backend if dense else None, dense or None, plan.wgmma_names)
+    run_params = weights.split_layers(
+        params, options.backend if dense else None, dense or None, plan.wgmma_names, fp8_min_rows(options, params)
+    )
     placement = options.batch_sharding or _committed_placement(run_params)
     with linear.kernels_per_model_device(params):
         if placement is None or placement.is_fully_replicated:  # rows split over devices: compiled as they come

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qerl_jax import fp8
 from qerl_jax.linear import ByRows, Fused, LayerOf, stack_loras
 from qerl_jax.models.qwen2 import fused_name
 from qerl_jax.projections import FUSED_GROUPS, PROJECTIONS
@@ -80,6 +81,7 @@ def split_layers(
     dense_backend: str | None = None,
     dense_names: tuple[str, ...] | None = None,
     wgmma_names: tuple[str, ...] = (),
+    fp8_min_rows: int | None = None,
 ) -> dict[str, Any]:
     """{"top": {...}, "packed": {proj: stacked PackedWeight}, "layers": [vars of layer l]}.
 
@@ -90,6 +92,8 @@ def split_layers(
     (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size); those that complete a
     group of FUSED_GROUPS become one `Fused` weight under the group's `fused_name`. A
     projection with both copies reads the repacked one up to the kernel's rows, else the bf16 one.
+    fp8_min_rows: every dense layer weight (bf16 copies, concatenations) also gets an E4M3 copy
+    (`fp8.Fp8Weight`, `add_fp8_copies`) that matmuls of at least this many rows read; None: none.
 
     On GPU a layer `lax.scan` over stacked [L, ...] weights makes XLA copy each layer's slice
     before its matmul, every decode step (3x the weight traffic), and a stacked KV cache
@@ -125,7 +129,50 @@ def split_layers(
         groups = fused_groups(tuple(to_wgmma))
         _add_stacked_loras(layers, groups, {g: layers[0]["base"][fused_name(g)]["w"].sizes for g in groups})
     _fuse_dense_groups(layers, dense_fused_groups(params, tuple(to_dense) if dense_backend is not None else ()))
+    if fp8_min_rows is not None:
+        add_fp8_copies(layers, fp8_min_rows)
     return {"top": top, "packed": packed, "layers": layers}
+
+
+def _fp8_source(w: Any) -> Fused | jax.Array | None:
+    """The dense layout a rollout weight computes with above the kernel's rows (a dense `Fused`
+    or array), which `add_fp8_copies` copies to E4M3; None for a packed or kernel-only one."""
+    large = w.large if isinstance(w, ByRows) else w
+    if isinstance(large, Fused) and isinstance(large.w, jax.Array):
+        return large
+    return large if isinstance(large, jax.Array) and large.ndim == 2 else None
+
+
+def add_fp8_copies(layers: list[dict[str, Any]], min_rows: int) -> None:
+    """In place, per layer: each dense weight (`_fp8_source`) as `ByRows` of itself up to
+    min_rows - 1 rows and its E4M3 copy above (a `Fused` copy of the base rows only: the adapters'
+    A folded below them (`Fused.lora_rows`) stay out of FP8, their matmul runs apart)."""
+    names = [n for n, p in layers[0]["base"].items() if "w" in p and _fp8_source(p["w"]) is not None]
+    for layer in layers:
+        base = layer["base"]
+        sources = {n: _fp8_source(base[n]["w"]) for n in names}
+        dense = {n: (s.w[: sum(s.sizes)] if isinstance(s, Fused) else s) for n, s in sources.items()}
+        copies = _fp8_layer_jit(dense)
+        for n, src in sources.items():
+            large = Fused(copies[n], src.sizes, max_rows=ANY_ROWS) if isinstance(src, Fused) else copies[n]
+            base[n]["w"] = ByRows(base[n]["w"], large, max_rows=min_rows - 1)
+
+
+_fp8_layer_jit = jax.jit(lambda dense: {n: fp8.from_dense(w) for n, w in dense.items()})
+
+
+def fp8_copy_bytes(params: dict[str, Any], dense_names: tuple[str, ...]) -> int:
+    """Bytes of the E4M3 copies `add_fp8_copies` makes: one byte a weight plus a float32 scale per
+    output channel, of the packed projections with bf16 copies (`dense_names`) and the dense ones."""
+    base_layers = params["base"]["layers"]
+    total = 0
+    for name, p in base_layers.items():
+        if is_packed(p["w"]) and name not in dense_names:
+            continue
+        *lead, n, k = device_shape(p["w"].codes) if is_packed(p["w"]) else device_shape(p["w"])
+        k = 2 * k if is_packed(p["w"]) else k
+        total += math.prod(lead) * (n * k + 4 * n)
+    return total
 
 
 def dense_fused_groups(params: dict[str, Any], dense_names: tuple[str, ...] = ()) -> tuple[tuple[str, ...], ...]:
