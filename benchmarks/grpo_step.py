@@ -45,7 +45,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (CPU smoke test)")
     p.add_argument("--model", default="7B")
-    p.add_argument("--formats", default="bf16,nvfp4,peer", help="bf16 | nvfp4 | mxfp4 | nf4 | peer, comma-separated")
+    p.add_argument(
+        "--formats",
+        default="bf16,nvfp4,peer",
+        help="bf16 | nvfp4 | mxfp4 | nf4 | peer, comma-separated; gsm8k: FORMAT:MODE sets model.fp8_matmul "
+        "(auto | on | off; default auto)",
+    )
     p.add_argument("--attention", default="flash", choices=("flash", "xla"))
     p.add_argument("--remat", default="auto", help="auto | full | proj | none (auto: the training loop's choice)")
     p.add_argument("--prompts", type=int, default=None, help="default: 8 (fixed), the recipe's 32 (gsm8k, dapo)")
@@ -60,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--workload", default="fixed", choices=("fixed", "gsm8k", "dapo"), help="see the module doc")
     p.add_argument("--keep-rate", type=float, default=0.5, help="dapo: the share of groups drawn to vary")
     p.add_argument("--refill-rounds", type=int, default=2, help="dapo: rl.max_refill_rounds")
+    p.add_argument("--layouts", default="padded,packed", help="gsm8k: the train layouts timed (padded, packed)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.prompts is None and args.workload == "fixed":
@@ -195,22 +201,25 @@ def run_case(args, fmt: str) -> dict:
     return row
 
 
-def run_gsm8k_case(args, fmt: str) -> dict:
+def run_gsm8k_case(args, case: str) -> dict:
     """The gsm8k workload (module doc) for one base: rollout with EOS at the drawn lengths, reward,
-    then the train phase padded and packed, each timed warm."""
+    then the train phase padded and packed (--layouts), each timed warm. case: a format, or
+    "FORMAT:MODE" with MODE the FP8 matmuls' `model.fp8_matmul` (default auto)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from benchmarks import common
     from benchmarks import rollout as rollout_bench
-    from qerl_jax import lora, optim, reward_pool
+    from qerl_jax import fp8, linear, lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import losses, packing
     from qerl_jax.rl.step import TrainStep, init_train_state
     from qerl_jax.rollout.sampler import RolloutOptions, generate, to_train_batch
     from qerl_jax.rollout.sampling import SamplingConfig
 
+    fmt, _, fp8_mode = case.partition(":")
+    fp8_mode = fp8_mode or "auto"
     run, prompt_ids, lengths = rollout_bench.gsm8k_inputs(args)
     config = ModelConfig(**(rollout_bench.TINY if args.tiny else rollout_bench.QWEN25_7B))
     backend = backend_for(fmt)
@@ -221,12 +230,13 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     state = init_train_state(lora.init_lora(jax.random.key(1), config, lcfg), optimizer)
     n = run["prompts"] * run["group"]
     mb = args.micro_batch_size
-    row = {"format": fmt, "backend": backend, "model": "tiny" if args.tiny else "7B", "sequences": n,
+    row = {"format": case, "backend": backend, "model": "tiny" if args.tiny else "7B", "sequences": n,
            "prompt_len": run["prompt_len"], "max_new_tokens": run["max_new"], "micro_batch_size": mb,
            "mean_completion": float(lengths.mean())}  # fmt: skip
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=run["max_new"], ignore_eos=True)
     kw = dict(group_size=run["group"], lora_scale=scale, max_new_tokens_per_seq=lengths)
-    kw["options"] = RolloutOptions(backend=backend)
+    kw["options"] = RolloutOptions(backend=backend, fp8_matmul=fp8_mode)
+    row["fp8_matmul"] = fp8.enabled(fp8_mode, fmt != "bf16")
     policy = {**frozen, "lora": state.lora}
     mask = np.ones_like(prompt_ids)
     jax.block_until_ready(generate(config, policy, prompt_ids, mask, jax.random.key(2), sampling, **kw).tokens)
@@ -247,15 +257,22 @@ def run_gsm8k_case(args, fmt: str) -> dict:
     padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), run["group"]))
     seq_len = padded["attention_mask"].sum(axis=1)
     layouts = {  # today's cost: one sequence per row at the longest one's width; vs first-fit packing
-        "padded": packing.pack_batch(padded, int(seq_len.max()), rows_multiple=mb, rows=[[i] for i in range(n)]),
-        "packed": packing.pack_batch(padded, run["prompt_len"] + run["max_new"], rows_multiple=mb),
+        "padded": lambda: packing.pack_batch(
+            padded, int(seq_len.max()), rows_multiple=mb, rows=[[i] for i in range(n)]
+        ),
+        "packed": lambda: packing.pack_batch(padded, run["prompt_len"] + run["max_new"], rows_multiple=mb),
     }
+    layouts = {name: layouts[name]() for name in args.layouts.split(",")}
     step = TrainStep(
         config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=scale, backend=backend,
         remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
         micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
     )  # fmt: skip
     f = {"base": frozen["base"], "norms": frozen["norms"]}
+    if row["fp8_matmul"]:  # the train step's FP8 copies, made once (as train.py does)
+        t0 = time.perf_counter()
+        f = jax.block_until_ready(linear.fp8_train_base(f))
+        row["fp8_copies_s"], row["fp8_copy_gib"] = time.perf_counter() - t0, fp8.train_copy_bytes(frozen) / 2**30
     row["cases"] = {}
     for name, train_batch in layouts.items():
         counts = packing.token_counts(train_batch)
@@ -270,9 +287,10 @@ def run_gsm8k_case(args, fmt: str) -> dict:
             "step_s": row["rollout_s"] + row["reward_s"] + train_s,
             "loss": float(m["loss"]),
         }
-    pad, pk = row["cases"]["padded"], row["cases"]["packed"]
-    row["packed_step_over_padded"] = pk["step_s"] / pad["step_s"]
-    row["packed_train_over_padded"] = pk["train_s"] / pad["train_s"]
+    if len(row["cases"]) == 2:
+        pad, pk = row["cases"]["padded"], row["cases"]["packed"]
+        row["packed_step_over_padded"] = pk["step_s"] / pad["step_s"]
+        row["packed_train_over_padded"] = pk["train_s"] / pad["train_s"]
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30 or None
     return row
@@ -448,6 +466,8 @@ def main(argv=None) -> None:
             str(args.keep_rate),
             "--refill-rounds",
             str(args.refill_rounds),
+            "--layouts",
+            args.layouts,
             *(["--tiny"] if args.tiny else []),
         ]
         try:
@@ -502,7 +522,17 @@ def report_gsm8k(rows: list[dict], args) -> None:
                 f"{r['format']:6} {name:7} {c['train_tokens_real']:9d} {c['train_tokens_computed']:9d} "
                 f"{c['computed_over_real']:7.2f} {c['train_s']:8.2f} {c['step_s']:8.2f}"
             )
-        print(f"{r['format']:6} packed step / padded step: {r['packed_step_over_padded']:.3f}")
+        if "packed_step_over_padded" in r:
+            print(f"{r['format']:6} packed step / padded step: {r['packed_step_over_padded']:.3f}")
+    packed = {r["format"]: r["cases"]["packed"] for r in rows if "packed" in r.get("cases", {})}
+    if "bf16" in packed:
+        for name, c in packed.items():
+            bf = packed["bf16"]
+            print(
+                f"{name:12} packed: rollout {next(r['rollout_s'] for r in rows if r['format'] == name):6.2f} s, "
+                f"train {c['train_s']:6.2f} s, step {c['step_s']:6.2f} s; vs bf16: step "
+                f"{bf['step_s'] / c['step_s']:.2f}x, train {bf['train_s'] / c['train_s']:.2f}x"
+            )
     _write(args, rows)
 
 
