@@ -108,7 +108,6 @@ def run_dapo_case(args, fmt: str) -> dict:
 
     from benchmarks import common
     from benchmarks import rollout as rollout_bench
-    from benchmarks.grpo_step import backend_for, time_packed_train
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import dynamic_sampling
@@ -118,7 +117,7 @@ def run_dapo_case(args, fmt: str) -> dict:
 
     run, _, _ = rollout_bench.gsm8k_inputs(args)
     config = ModelConfig(**(rollout_bench.TINY if args.tiny else rollout_bench.QWEN25_7B))
-    backend = backend_for(fmt)
+    backend = common.backend_for(fmt)
     frozen = common.random_params(config, quant=fmt, seed=0)
     lcfg = lora.LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
     optimizer = optim.make_optimizer(1e-5, warmup_steps=0, total_steps=100)
@@ -152,7 +151,7 @@ def run_dapo_case(args, fmt: str) -> dict:
         one = _one_call(sample, pool, ids, lengths, answers, p, g, args.keep_rate)
     kept = np.asarray(one["kept"])
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
-    train_s = time_packed_train(args, config, frozen, state, optimizer, one.pop("batch"), rows, lcfg, backend)
+    train_s = common.time_packed_train(args, config, frozen, state, optimizer, one.pop("batch"), rows, lcfg, backend)
     row.update(train_s=train_s, kept_same=rounds["kept"] == one["kept"], groups_kept=len(kept))
     for name, r in (("rounds", rounds), ("one_call", one)):
         row[name] = {k: v for k, v in r.items() if k != "kept"}
