@@ -112,7 +112,7 @@ def run_dapo_case(args, fmt: str) -> dict:
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import dynamic_sampling
     from qerl_jax.rl.step import init_train_state
-    from qerl_jax.rollout.sampler import RolloutOptions, generate
+    from qerl_jax.rollout.sampler import RolloutOptions, RolloutPart, generate
     from qerl_jax.rollout.sampling import SamplingConfig
 
     run, _, _ = rollout_bench.gsm8k_inputs(args)
@@ -133,8 +133,9 @@ def run_dapo_case(args, fmt: str) -> dict:
     def sample(prompt_ids, limits, streams, monitor):
         batch = generate(
             config, policy, prompt_ids, np.ones_like(prompt_ids), jax.random.key(3), sampling, group_size=g,
-            lora_scale=lora.lora_scale(lcfg), max_new_tokens_per_seq=limits, streams=streams, monitor=monitor,
-            expected_seqs=planned if monitor is not None else None, options=options,
+            lora_scale=lora.lora_scale(lcfg), max_new_tokens_per_seq=limits,
+            part=RolloutPart(streams=streams, monitor=monitor, expected_seqs=planned if monitor is not None else None),
+            options=options,
         )  # fmt: skip
         jax.block_until_ready(batch.tokens)
         return batch

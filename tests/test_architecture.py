@@ -166,6 +166,27 @@ def test_only_tests_import_tools():
     assert not bad, f"import tools/: {bad}"
 
 
+# The rollout engine's entry point takes at most this many parameters; the engine's rarer choices are
+# grouped in small frozen records (`RolloutOptions`, `RolloutPart`).
+MAX_GENERATE_PARAMETERS = 12
+
+
+def _parameter_count(source: str, name: str) -> int:
+    """How many parameters the module-level function `name` of `source` declares (*args, **kw included)."""
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    a = node.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_generate_takes_at_most_twelve_parameters():
+    assert _parameter_count("def f(a, /, b, *c, d=1, **e): pass", "f") == 5
+    count = _parameter_count((ROOT / "qerl_jax" / "rollout" / "sampler.py").read_text(), "generate")
+    assert count <= MAX_GENERATE_PARAMETERS, (
+        f"rollout.sampler.generate takes {count} parameters (at most {MAX_GENERATE_PARAMETERS}): group the "
+        "rarely set ones in RolloutOptions or RolloutPart"
+    )
+
+
 # Functions a reader can hold: a library function over this many lines (its `def` line to its last)
 # says in its docstring why it is long ("long because ...").
 MAX_FUNCTION_LINES = 60
