@@ -34,7 +34,7 @@ from qerl_jax.reward_pool import RewardPool
 from qerl_jax.rl import dynamic_sampling, losses
 from qerl_jax.rollout import batch as rollout_batch
 from qerl_jax.rollout import data_parallel
-from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate
+from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, RolloutPart, generate
 from qerl_jax.run_config import RunConfig, sampling_config
 
 
@@ -251,7 +251,7 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
     if mesh is None:  # one shard: its order is the loader's
         batch = generate(
             policy.config, rollout_params, step.ids, step.mask, key, sampling,
-            streams=streams, monitor=trackers[0], expected_seqs=planned[0] * g, **common,
+            part=RolloutPart(streams=streams, monitor=trackers[0], expected_seqs=planned[0] * g), **common,
         )  # fmt: skip
     else:
         batch = data_parallel.generate_data_parallel(

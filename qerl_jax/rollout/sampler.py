@@ -42,6 +42,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutMonitor",
     "RolloutOptions",
+    "RolloutPart",
     "RolloutPlan",
     "generate",
     "plan_rollout",
@@ -140,6 +141,30 @@ class RolloutMonitor(Protocol):
         needed (`end` never grows; `limit` falls only with it). wait: nothing is decoding or admissible, so block until
         something can change (e.g. a pending score arrives), or return the same bounds when
         nothing can."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RolloutPart:
+    """How a `generate` call fits into a larger rollout (a data shard's rows, DAPO's rounds of prompts);
+    the default: the call is the whole rollout.
+
+    streams: int [B * G] the PRNG stream of each output row (default its row index r): a call
+      that samples some rows of a larger batch (a data shard's, `rollout.data_parallel`, or
+      several rounds of prompts at once) draws the tokens the larger call would for them.
+    monitor: told of each sequence as it stops (`RolloutMonitor.finished`), it bounds which
+      sequences are admitted and which are still needed (`RolloutMonitor.bounds`): DAPO's
+      dynamic sampling decides while the rollout runs. Rows of sequences no longer needed
+      stop decoding (their output rows stay empty: length 0); the decode loop hands back
+      every MONITOR_STEPS steps to ask.
+    expected_seqs: the rows are planned (`plan_rollout`) for at most this many sequences at
+      once (default all B * G): a call whose monitor will likely stop it short (DAPO's
+      over-provisioned prompts) runs the programs of the batch it expects to need, the rest
+      admitted as rows free up.
+    """
+
+    streams: Sequence[int] | np.ndarray | None = None
+    monitor: RolloutMonitor | None = None
+    expected_seqs: int | None = None
 
 
 # With a monitor, the decode loop hands back at least every this many steps (to harvest the
@@ -399,9 +424,7 @@ def generate(
     lora_scale: float = 1.0,
     max_batch: int | None = None,
     max_new_tokens_per_seq: Sequence[int] | np.ndarray | None = None,
-    streams: Sequence[int] | np.ndarray | None = None,
-    monitor: RolloutMonitor | None = None,
-    expected_seqs: int | None = None,
+    part: RolloutPart = RolloutPart(),
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch:
     """Samples group_size responses for each of B left-padded prompts.
@@ -418,18 +441,8 @@ def generate(
         or takes all B * G where the device reports no memory (CPU).
       max_new_tokens_per_seq: int [B * G] each sequence's token limit (<= max_new_tokens); a
         sequence stopped by it is truncated, like one stopped by max_new_tokens.
-      streams: int [B * G] the PRNG stream of each output row (default its row index r): a call
-        that samples some rows of a larger batch (a data shard's, `rollout.data_parallel`, or
-        several rounds of prompts at once) draws the tokens the larger call would for them.
-      monitor: told of each sequence as it stops (`RolloutMonitor.finished`), it bounds which
-        sequences are admitted and which are still needed (`RolloutMonitor.bounds`): DAPO's
-        dynamic sampling decides while the rollout runs. Rows of sequences no longer needed
-        stop decoding (their output rows stay empty: length 0); the decode loop hands back
-        every MONITOR_STEPS steps to ask.
-      expected_seqs: the rows are planned (`plan_rollout`) for at most this many sequences at
-        once (default all B * G): a call whose monitor will likely stop it short (DAPO's
-        over-provisioned prompts) runs the programs of the batch it expects to need, the rest
-        admitted as rows free up.
+      part: how the call fits into a larger rollout (`RolloutPart`: its rows' PRNG streams, the
+        monitor that may stop it short, the sequences it expects to need).
       options: the engine's choices (`RolloutOptions`: backend, cache dtype, memory budget,
         row sharding, weight copies, compaction buckets, decode attention).
 
@@ -450,9 +463,10 @@ def generate(
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
     call = _prepare_call(
-        config, prompt_ids, prompt_mask, sampling, group_size, lora_scale, max_new_tokens_per_seq, streams, options
+        config, prompt_ids, prompt_mask, sampling, group_size, lora_scale, max_new_tokens_per_seq, part.streams, options
     )
-    planned = call.total if expected_seqs is None else max(1, min(call.total, expected_seqs))
+    monitor = part.monitor
+    planned = call.total if part.expected_seqs is None else max(1, min(call.total, part.expected_seqs))
     plan = plan_rollout(
         config, params, planned, call.prompt_slots, call.static.new_slots, group_size=group_size,
         max_batch=max_batch, options=options,
