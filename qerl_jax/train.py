@@ -613,13 +613,19 @@ def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int, model_shards
 
 
 def _rollout_metrics(exp: Experience) -> dict[str, float]:
+    """The trained completions' rewards and lengths; the length quantiles show a bias toward short or long
+    answers that the mean hides."""
     lengths = np.asarray(exp.rollout.lengths, np.float32)
+    p10, p50, p90 = np.percentile(lengths, (10, 50, 90))
     return {
         "reward/mean": float(exp.rewards.mean()),
         "reward/std": float(exp.rewards.std()),
         "reward/accuracy": float(exp.accuracy.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/response_length_max": float(lengths.max()),
+        "rollout/response_length_p10": float(p10),
+        "rollout/response_length_p50": float(p50),
+        "rollout/response_length_p90": float(p90),
         "rollout/truncated_frac": float(np.asarray(exp.rollout.truncated).mean()),
     }
 
