@@ -82,3 +82,89 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
     np.testing.assert_array_equal(partial.tokens_KxM[order], np.asarray(plain.tokens))
     np.testing.assert_allclose(partial.logprobs_KxM[order], np.asarray(plain.logprobs), atol=2e-5)
     np.testing.assert_array_equal(partial.stopped_K[order], ~np.asarray(plain.truncated))
+
+
+# ----------------------------------------------------------------------------- a step's carried groups
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+from conftest import load_config, set_fields  # noqa: E402
+from rollout_helpers import recomputed_logp  # noqa: E402
+
+from qerl_jax import lora, partial_rollouts, reward_pool, rewards, run_config  # noqa: E402
+from qerl_jax.data import PromptLoader, load_math_dataset  # noqa: E402
+from qerl_jax.policy import load_policy  # noqa: E402
+
+STOPS = tuple(range(40, 120))  # stop ids the tiny model draws now and then: completions of scattered lengths
+
+
+def _stopping_sampling(cfg, policy):
+    return dataclasses.replace(run_config.sampling_config(cfg, policy), eos_ids=STOPS)
+
+
+def _tiny_run(workdir, model_dir, **overrides):
+    cfg = load_config("tiny")
+    cfg.workdir, cfg.model.tiny, cfg.model.path, cfg.eval.num_examples = str(workdir), False, model_dir, 0
+    return run_config.from_config_dict(set_fields(cfg, overrides))
+
+
+def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_its_sampler_logp(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """K = 1, three steps on the same weights: the first pauses groups mid-decode (and leaves samples
+    never admitted); each later one finishes every group carried from the step before (counted) before
+    it ends, keeps the first complete groups (carried first), logs their off-policy share and staleness;
+    every kept row's tokens, sampler log-probs and reward belong to its prompt (recomputed); the loader
+    moves past the batches admitted; the carry's JSON round trip continues the run the same."""
+    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    cfg = _tiny_run(tmp_path, tiny_model_dir, **{"rollout.max_staleness": 1, "rollout.max_batch": 6})
+    policy = load_policy(cfg)
+    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
+    carry, key, batches = [], jax.random.key(5), 0
+    with reward_pool.RewardPool(1) as pool:
+        for step in range(3):
+            before = list(carry)
+            exp, stats, carry = partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.fold_in(key, step), carry, step, max_batch=6
+            )
+            batches += int(stats["rollout/prompt_batches"])
+            assert loader.state()["step"] == batches
+            assert exp.groups_kept == stats["rollout/groups_kept"] == 4 and stats["rollout/carried_groups"] == len(carry)
+            assert stats["rollout/forced_groups"] == len(before)  # K = 1: every carried group must finish
+            assert all(c.since == step for c in carry)  # ... and did: none is carried twice
+            assert stats["rollout/staleness_max"] == (1.0 if step else 0.0)
+            if step == 0:
+                assert stats["rollout/offpolicy_tokens_frac"] == 0.0
+                samples = [(len(t), f) for c in carry for t, f in zip(c.tokens, c.finished)]
+                assert any(n > 0 and not f for n, f in samples) and any(n == 0 for n, _ in samples)
+            else:
+                assert 0.0 < stats["rollout/offpolicy_tokens_frac"] < 1.0
+                carried_prompts = {c.prompt for c in before}
+                assert carried_prompts & set(exp.prompts)  # carried groups were kept ...
+                kept = [r for r, p in enumerate(exp.prompts) if p in carried_prompts]
+                assert (np.asarray(exp.rollout.lengths)[kept] > 0).all()  # ... complete
+            lengths = np.asarray(exp.rollout.lengths)
+            assert (lengths > 0).all() and len(exp.completions) == 16
+            for text, answer, reward in zip(exp.completions, exp.answers, exp.rewards):
+                assert rewards.digits_reward(text, answer) == reward
+            recomputed, sampled, mask = recomputed_logp(
+                policy.config, policy.frozen, exp.rollout, cfg.rollout.temperature, lora.lora_scale(cfg.lora)
+            )
+            gap = np.abs(recomputed - sampled)[mask > 0]
+            assert gap.max() < 5e-3, gap.max()  # bf16 cache: ~6e-4; a token or log-prob out of place: ~1
+        state, saved = loader.state(), json.loads(json.dumps(partial_rollouts.to_meta(carry)))
+        runs = []
+        for resumed in (carry, partial_rollouts.from_meta(saved)):
+            loader.restore(state)
+            runs.append(partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.fold_in(key, 3), resumed, 3, max_batch=6
+            ))  # fmt: skip
+    (a, stats_a, carry_a), (b, stats_b, carry_b) = runs
+    np.testing.assert_array_equal(np.asarray(a.rollout.tokens), np.asarray(b.rollout.tokens))
+    np.testing.assert_array_equal(np.asarray(a.rollout.logprobs), np.asarray(b.rollout.logprobs))
+    assert partial_rollouts.to_meta(carry_a) == partial_rollouts.to_meta(carry_b)
+    assert {k: v for k, v in stats_a.items() if not k.startswith("time/") and "per_s" not in k} == {
+        k: v for k, v in stats_b.items() if not k.startswith("time/") and "per_s" not in k
+    }
