@@ -168,3 +168,26 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
     assert {k: v for k, v in stats_a.items() if not k.startswith("time/") and "per_s" not in k} == {
         k: v for k, v in stats_b.items() if not k.startswith("time/") and "per_s" not in k
     }
+
+
+def test_a_killed_and_resumed_partial_run_equals_an_uninterrupted_one(tmp_path, tiny_model_dir, monkeypatch):
+    """K = 1, 4 steps: stopped after step 2 (its checkpoint holds the paused groups) and resumed, the run
+    logs the scalars (off-policy share, staleness, carried groups included) and trains the LoRA of one
+    that ran straight through."""
+    from test_train import DIGIT_REWARD, _assert_same_run, _config, _scalars_without_timing
+
+    from qerl_jax import train
+
+    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    run = {"train.total_steps": 4, "train.checkpoint_every": 2, "rl.reward": DIGIT_REWARD,
+           "rollout.max_staleness": 1, "rollout.max_batch": 6}  # fmt: skip
+    straight = _config(tmp_path / "straight", tiny_model_dir, **run)
+    train.train(straight)
+    train.train(_config(tmp_path / "resumed", tiny_model_dir, **run, **{"train.stop_after_steps": 2}))
+    resumed = _config(tmp_path / "resumed", tiny_model_dir, **run, **{"resume": True})
+    train.train(resumed)
+    _assert_same_run(straight, resumed)
+    scalars = _scalars_without_timing(str(tmp_path / "straight" / "tensorboard"))
+    assert max(v for _, v in scalars["rollout/carried_groups"]) > 0
+    assert max(v for _, v in scalars["rollout/offpolicy_tokens_frac"]) > 0
