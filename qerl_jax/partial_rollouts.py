@@ -96,9 +96,9 @@ class PartialTracker:
         return self.complete() & varied
 
     def bounds(self, wait: bool) -> tuple[int, int]:
-        """Every pending score collected first (so `done` does not depend on the workers' timing); with
-        dynamic sampling, more groups admitted while those admitted are not expected to be enough."""
-        self.results()
+        """With dynamic sampling: every pending score collected first (so `done` does not depend on the
+        workers' timing), and more groups admitted while those admitted are not expected to be enough."""
+        self._collect(block=self.dynamic)
         if self.dynamic:
             complete, usable = self.complete()[: self.limit], self.usable()[: self.limit]
             rate = (usable.sum() + dynamic_sampling.PRIOR_GROUPS * self.keep_rate) / (
@@ -111,17 +111,25 @@ class PartialTracker:
         total = self.num_groups * self.g
         return self.limit * self.g, total
 
-    def done(self) -> bool:
-        return int(self.usable().sum()) >= self.want and not (self.must_G & ~self.complete()).any()
-
-    def results(self) -> tuple[np.ndarray, np.ndarray]:
-        """(shaped_N, each_RxN): NaN / 0 where not scored."""
+    def _collect(self, block: bool) -> None:
+        """Stores the scores that have arrived (with `block`, every pending one)."""
+        still = []
         for seqs, future in self._pending:
+            if not block and not future.done():
+                still.append((seqs, future))
+                continue
             shaped_K, each_RxK = future.result()
             if self.each_RxN is None:
                 self.each_RxN = np.zeros((each_RxK.shape[0], len(self.shaped_N)), np.float32)
             self.shaped_N[seqs], self.each_RxN[:, seqs] = shaped_K, each_RxK
-        self._pending = []
+        self._pending = still
+
+    def done(self) -> bool:
+        return int(self.usable().sum()) >= self.want and not (self.must_G & ~self.complete()).any()
+
+    def results(self) -> tuple[np.ndarray, np.ndarray]:
+        """(shaped_N, each_RxN) once every score is in: NaN / 0 where not scored."""
+        self._collect(block=True)
         each = self.each_RxN if self.each_RxN is not None else np.zeros((0, len(self.shaped_N)), np.float32)
         return self.shaped_N, each
 

@@ -191,3 +191,36 @@ def test_a_killed_and_resumed_partial_run_equals_an_uninterrupted_one(tmp_path, 
     scalars = _scalars_without_timing(str(tmp_path / "straight" / "tensorboard"))
     assert max(v for _, v in scalars["rollout/carried_groups"]) > 0
     assert max(v for _, v in scalars["rollout/offpolicy_tokens_frac"]) > 0
+
+
+def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tmp_path, tiny_model_dir, monkeypatch):
+    """K = 2 with DAPO's dynamic sampling: each step keeps 4 complete groups with varied rewards, carries
+    no complete group of equal rewards, and no group longer than K steps."""
+    from worker_rewards import hashed_reward
+
+    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    cfg = _tiny_run(tmp_path, tiny_model_dir, **{
+        "rollout.max_staleness": 2, "rollout.max_batch": 6, "rl.dynamic_sampling": True,
+        "rl.reward": "worker_rewards:hashed_reward",
+    })  # fmt: skip
+    policy = load_policy(cfg)
+    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
+    carry, keep_rate, carried_ever = [], 1.0, 0
+    with reward_pool.RewardPool(1) as pool:
+        for step in range(3):
+            exp, stats, carry = partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.key(step), carry, step, keep_rate, max_batch=6
+            )
+            keep_rate, carried_ever = stats["rollout/keep_rate"], carried_ever + len(carry)
+            assert exp.groups_kept == 4 and stats["rollout/staleness_max"] <= 2
+            groups = exp.rewards.reshape(4, -1)
+            assert all(len(set(g.tolist())) > 1 for g in groups)
+            for text, answer, reward in zip(exp.completions, exp.answers, exp.rewards):
+                assert hashed_reward(text, answer) == reward
+            for c in carry:  # none past K; a complete one carried (surplus) has varied rewards
+                assert step - c.since < 2
+                if all(c.finished):
+                    texts = policy.tokenizer.batch_decode(c.tokens, skip_special_tokens=True)
+                    assert len({hashed_reward(t, c.answer) for t in texts}) > 1
+    assert carried_ever > 0
