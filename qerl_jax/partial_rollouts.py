@@ -174,7 +174,7 @@ def collect_partial(
     for _ in range(used):
         next(loader)
     stats = experience._stats(cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward)
-    stats.update(_partial_stats(carry, carried_in, batch, kept, g, step, must_G, len(carried_out)))
+    stats.update(_partial_stats(carry, carried_in, batch, kept, g, step, must_G, len(carried_out), t_rollout))
     new_carry = [_carried(prompts, batch, paused, carry, i, g, step) for i in carried_out]
     if not len(kept):
         return None, stats, new_carry
@@ -248,15 +248,20 @@ def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, gro
     return out
 
 
-def _partial_stats(carry, carried_in: Partial, batch, kept, g: int, step: int, must_G, carried_out: int) -> dict[str, float]:
+def _partial_stats(carry, carried_in: Partial, batch, kept, g: int, step: int, must_G, carried_out: int,
+                   t_rollout: float) -> dict[str, float]:  # fmt: skip
     """The off-policy share of the trained tokens (drawn under an earlier step's adapter), the largest
-    staleness among the kept groups, the groups forced to finish and those carried on."""
+    staleness among the kept groups, the groups forced to finish and those carried on; the tokens this
+    call decoded (the carried ones' earlier tokens not counted again) and their rate."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
     before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)
     before_N[carried_in.seqs_K] = carried_in.lengths_K
     trained = float(np.asarray(batch.lengths)[rows].sum())
     ages = [step - carry[i].since for i in kept if i < len(carry)]
+    decoded = float(np.asarray(batch.decoded).sum() - before_N.sum())
     return {
+        "rollout/decoded_tokens": decoded,
+        "rollout/tokens_per_s": decoded / max(t_rollout, 1e-9),
         "rollout/offpolicy_tokens_frac": float(before_N[rows].sum()) / max(trained, 1.0),
         "rollout/staleness_max": float(max(ages, default=0)),
         "rollout/carried_groups": float(carried_out),

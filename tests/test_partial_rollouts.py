@@ -70,6 +70,7 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
         assert monitor.stopped[: int(partial.finished_K.sum())] == partial.seqs_K[partial.finished_K].tolist()
         lengths = np.asarray(batch.lengths)
         assert (lengths[paused.seqs_K] == 0).all() and (paused.lengths_K >= 1).all()
+        np.testing.assert_array_equal(np.asarray(batch.decoded)[paused.seqs_K], paused.lengths_K)
         paused_ever += len(paused.seqs_K)
         if calls == 0:
             never = (lengths == 0) & ~np.isin(np.arange(12), paused.seqs_K)
@@ -130,6 +131,9 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
                 cfg, policy, policy.frozen, loader, pool, jax.random.fold_in(key, step), carry, step, max_batch=6
             )
             batches += int(stats["rollout/prompt_batches"])
+            held = lambda groups: sum(len(t) for c in groups for t in c.tokens)  # noqa: E731
+            decoded = int(np.asarray(exp.rollout.lengths).sum()) + held(carry) - held(before)  # all kept or carried
+            assert stats["rollout/decoded_tokens"] == decoded > 0
             assert loader.state()["step"] == batches
             assert exp.groups_kept == stats["rollout/groups_kept"] == 4 and stats["rollout/carried_groups"] == len(carry)
             assert stats["rollout/forced_groups"] == len(before)  # K = 1: every carried group must finish

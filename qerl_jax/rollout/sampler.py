@@ -819,7 +819,7 @@ class _Outputs:
         rows = np.flatnonzero(sched.row_seq >= 0)
         waiting = np.flatnonzero((resume_of >= 0) & (np.arange(len(resume_of)) >= sched.next_seq))
         carried = resume_of[waiting]
-        self.decoded[sched.row_seq[rows]] = t[rows]
+        self.decoded[sched.row_seq[rows]], self.decoded[waiting] = t[rows], partial.lengths_K[carried]
         self.paused = Partial(
             seqs_K=np.concatenate([sched.row_seq[rows], waiting]),
             tokens_KxM=np.concatenate([tokens[rows, :m], partial.tokens_KxM[carried]]).astype(np.int32),
