@@ -107,7 +107,8 @@ class PartialTracker:
             rate = max(float(rate), dynamic_sampling.MIN_KEEP_RATE)
             missing = self.want - int(usable.sum()) - (~complete).sum() * rate / dynamic_sampling.ADMIT_MARGIN
             if missing > 1e-6:
-                self.limit = min(self.num_groups, self.limit + dynamic_sampling.groups_to_admit(math.ceil(missing - 1e-6), rate))
+                more = dynamic_sampling.groups_to_admit(math.ceil(missing - 1e-6), rate)
+                self.limit = min(self.num_groups, self.limit + more)
         total = self.num_groups * self.g
         return self.limit * self.g, total
 
@@ -140,16 +141,17 @@ def collect_partial(
 ) -> tuple[experience.Experience | None, dict[str, float], list[CarriedGroup]]:  # fmt: skip
     """Rollouts + rewards of step `step` with the groups `carry` brought (module doc): (the experience of
     the kept groups, None if none; the step's metrics; the groups carried to the next step)."""
-    g, want, dynamic, k = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling, cfg.rollout.max_staleness
+    g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
     in_flight = math.ceil((dynamic_sampling.groups_to_admit(want, keep_rate) if dynamic else want) * OVERSAMPLE)
     new_batches = -(-max(in_flight - len(carry), 0) // want)
     before = loader.state()
-    fresh = experience.peek_prompts(cfg, policy, loader, max(new_batches, 1) + (cfg.rl.max_refill_rounds if dynamic else 0))
-    prompts = _joined(cfg, carry, fresh)
+    refills = cfg.rl.max_refill_rounds if dynamic else 0
+    fresh = experience.peek_prompts(cfg, policy, loader, max(new_batches, 1) + refills)
+    prompts = _joined(carry, fresh)
     scorer = experience._Scorer(cfg, policy, pool, prompts, g)
     num_groups = len(prompts.answers)
     must_G = np.zeros((num_groups,), bool)
-    must_G[: len(carry)] = [step - c.since >= k for c in carry]
+    must_G[: len(carry)] = [step - c.since >= cfg.rollout.max_staleness for c in carry]
     tracker = PartialTracker(num_groups, g, want, scorer.for_rows(np.arange(num_groups * g)), dynamic=dynamic,
                              keep_rate=keep_rate, admit=len(carry) + new_batches * want, must_G=must_G)  # fmt: skip
     t0 = time.perf_counter()
@@ -157,8 +159,8 @@ def collect_partial(
     batch, paused = generate(
         policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling_config(cfg, policy), group_size=g,
         lora_scale=lora.lora_scale(cfg.lora), max_batch=max_batch, monitor=tracker,
-        expected_seqs=tracker.limit * g, options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
-        partial=carried_in,
+        expected_seqs=tracker.limit * g, partial=carried_in,
+        options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
     )  # fmt: skip
     jax.block_until_ready(batch.tokens)
     t_rollout, t0 = time.perf_counter() - t0, time.perf_counter()
@@ -167,7 +169,8 @@ def collect_partial(
     kept, complete = np.flatnonzero(tracker.usable())[:want], np.flatnonzero(tracker.complete())
     admitted_G = (np.asarray(batch.lengths) > 0).reshape(-1, g).any(axis=1)
     admitted_G[paused.seqs_K // g] = True
-    carried_out = np.flatnonzero(admitted_G & ~np.isin(np.arange(num_groups), kept) & ~(tracker.complete() & ~tracker.usable()))
+    dropped_G = tracker.complete() & ~tracker.usable()  # dynamic sampling: complete, equal rewards
+    carried_out = np.flatnonzero(admitted_G & ~np.isin(np.arange(num_groups), kept) & ~dropped_G)
     new_batches_admitted = prompts.batch_of[admitted_G & (prompts.batch_of >= 0)]
     used = int(new_batches_admitted.max()) + 1 if new_batches_admitted.size else 0
     loader.restore(before)
@@ -181,7 +184,7 @@ def collect_partial(
     return experience._experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete)), stats, new_carry
 
 
-def _joined(cfg: RunConfig, carry: list[CarriedGroup], fresh: experience.StepPrompts) -> experience.StepPrompts:
+def _joined(carry: list[CarriedGroup], fresh: experience.StepPrompts) -> experience.StepPrompts:
     """The call's prompts: the carried groups' (batch -1), then the fresh ones, left-padded alike."""
     width = fresh.ids.shape[1]
     ids = np.zeros((len(carry), width), np.int32)

@@ -135,7 +135,8 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
             decoded = int(np.asarray(exp.rollout.lengths).sum()) + held(carry) - held(before)  # all kept or carried
             assert stats["rollout/decoded_tokens"] == decoded > 0
             assert loader.state()["step"] == batches
-            assert exp.groups_kept == stats["rollout/groups_kept"] == 4 and stats["rollout/carried_groups"] == len(carry)
+            assert exp.groups_kept == stats["rollout/groups_kept"] == 4
+            assert stats["rollout/carried_groups"] == len(carry)
             assert stats["rollout/forced_groups"] == len(before)  # K = 1: every carried group must finish
             assert all(c.since == step for c in carry)  # ... and did: none is carried twice
             assert stats["rollout/staleness_max"] == (1.0 if step else 0.0)

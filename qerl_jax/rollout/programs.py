@@ -223,7 +223,9 @@ def _admit(
     return cache, rows
 
 
-def _resume(static: Static, params, cache, rows: Rows, ids_KxP, mask_KxP, tokens_KxM, logp_KxM, t_K, dest_K, seq_K, limit_K):
+def _resume(
+    static: Static, params, cache, rows: Rows, ids_KxP, mask_KxP, tokens_KxM, logp_KxM, t_K, dest_K, seq_K, limit_K
+):
     """Re-admits K paused sequences: sequence k (stream seq_K[k]) goes to row dest_K[k] (>= R: none)
     with its prompt and its first t_K[k] >= 1 tokens (tokens_KxM, their log-probs logp_KxM). One
     forward over the prompt and tokens [0, t - 1) writes their slots [0, P + t - 1) (re-prefill: the
