@@ -748,10 +748,13 @@ def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admi
 
 
 def _resume_rows(call: _Call, plan: RolloutPlan, run_params, cache, rows, partial: Partial, carried, dest, bucket, put):
-    """(cache, rows) with the `partial` sequences `carried` (indices into it) resumed into rows `dest`."""
-    for i in range(0, len(carried), plan.admit_rows):
-        args = _resumption(call, partial, carried[i : i + plan.admit_rows], dest[i : i + plan.admit_rows],
-                           rows=bucket, admit_rows=plan.admit_rows)  # fmt: skip
+    """(cache, rows) with the `partial` sequences `carried` (indices into it) resumed into rows `dest`.
+    A resumed row's forward spans all its P + M slots (attention's scores grow with their square, which
+    the memory plan does not count): as many rows per program as an admission prefills prompt tokens."""
+    slots = call.prompt_slots + call.static.new_slots
+    k = max(1, min(plan.admit_rows, plan.admit_prompts * call.prompt_slots // slots))
+    for i in range(0, len(carried), k):
+        args = _resumption(call, partial, carried[i : i + k], dest[i : i + k], rows=bucket, admit_rows=k)
         cache, rows = programs.resume(call.static, run_params, cache, rows, *map(put, args))
     return cache, rows
 
