@@ -249,9 +249,10 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
             state, start = _resume(ckpt, state, loader, cfg)
         except CheckpointMismatchError as e:
             raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
-    carry = []  # partial rollouts: the groups the checkpoint's step paused
-    if start and cfg.rollout.max_staleness:
-        carry = partial_rollouts.from_meta(ckpt.read_meta(start).get("carry"))
+    carry = partial_rollouts.from_meta(ckpt.read_meta(start).get("carry")) if start else []  # groups it paused
+    if carry and not cfg.rollout.max_staleness:
+        tqdm.write(f"resume: rollout.max_staleness=0: the {len(carry)} groups the checkpoint paused are dropped")
+        carry = []
     logdir, purge_step = os.path.join(cfg.workdir, "tensorboard"), start if cfg.resume else None
     writer = MetricWriter(logdir, purge_step=purge_step) if distributed.is_primary() else NullWriter()  # process 0 logs
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={cfg.aqn.enabled}")
