@@ -114,6 +114,13 @@ class RolloutSection:
     max_batch: int = setting(
         0, "sequences decoded at once (refilled as they stop); 0 = sized to the free device memory", integer(0)
     )
+    max_staleness: int = setting(
+        0,
+        "Partial rollouts (APRIL): K >= 1 admits more groups than the step needs, ends the rollout once enough are "
+        "complete and carries the rest, paused with their tokens and sampler log-probs, into the next step's rollout "
+        "(resumed first, under the updated adapter); a group carried K steps finishes in the next one. 0 = on-policy.",
+        integer(0),
+    )
 
 
 @section
