@@ -34,6 +34,9 @@ checkpointing does three forward passes' worth (forward, recompute, input gradie
 weight gradients. Without recomputation (remat "proj"/"none") the work is smaller, but the
 formula stays the same, so TFLOP/s compare the same useful work.
 
+Train steps (`timed_train`, `time_packed_train`): a warm step's seconds, as the GRPO and DAPO
+benchmarks time it.
+
 Where a first call's time goes (`CompileTimeline`): JAX's tracing, lowering and backend-compile
 spans (a persistent-cache load counts as a backend compile), summed and as wall time covered.
 
@@ -331,6 +334,47 @@ def time_peer_train(
         "loss": stats["loss"],
         "peak_bytes_in_use": torch.cuda.max_memory_allocated() if cuda else None,
     }
+
+
+# ----------------------------------------------------------------------------- train steps
+
+
+def backend_for(fmt: str) -> str:
+    """The linear backend a benchmark times `fmt` with: the Pallas kernels for a 4-bit base on a GPU, else XLA."""
+    return "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
+
+
+def timed_train(step, state, frozen, train_batch):
+    """(state, metrics, seconds) of a warm train step: compiled by a first call, then timed once."""
+    state, m = step(state, frozen, train_batch)
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    state, m = step(state, frozen, train_batch)
+    jax.block_until_ready(m)
+    return state, m, time.perf_counter() - t0
+
+
+def time_packed_train(args, config, frozen, state, optimizer, batch, rows, lcfg, backend) -> float:
+    """Seconds of one warm packed train step (`rl.packing`, as the loop) on the given rows of a rollout
+    (args: a benchmark's micro_batch_size, remat, attention, logprob_chunk)."""
+    from qerl_jax import lora  # noqa: PLC0415
+    from qerl_jax.rl import losses, packing  # noqa: PLC0415
+    from qerl_jax.rl.step import TrainStep  # noqa: PLC0415
+    from qerl_jax.rollout.batch import select_rows  # noqa: PLC0415
+    from qerl_jax.rollout.sampler import to_train_batch  # noqa: PLC0415
+
+    kept = select_rows(batch, rows)
+    padded = {k: np.asarray(v) for k, v in to_train_batch(kept).items()}
+    scores = np.random.default_rng(0).uniform(0, 1, len(rows)).astype(np.float32)
+    padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), batch.group_size))
+    mb = args.micro_batch_size
+    train_batch = packing.pack_batch(padded, padded["input_ids"].shape[1], rows_multiple=mb)
+    step = TrainStep(
+        config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=lora.lora_scale(lcfg), backend=backend,
+        remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
+        micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
+    )  # fmt: skip
+    return timed_train(step, state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)[2]
 
 
 # ----------------------------------------------------------------------------- rollout phases

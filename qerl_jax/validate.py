@@ -129,6 +129,16 @@ def _mesh_devices(f):
     return _mesh_device_problems(f)
 
 
+@_rule("rollout.max_staleness", "mesh.data")
+def _partial_rollouts_on_one_data_shard(f):
+    if f["rollout.max_staleness"] and f["mesh.data"] != 1:
+        return [
+            f"rollout.max_staleness = {f['rollout.max_staleness']}: partial rollouts run on one data shard for now; "
+            f"set mesh.data=1 (now {f['mesh.data']}) or rollout.max_staleness=0"
+        ]
+    return []
+
+
 @_rule("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size")
 def _micro_batch_divides_the_batch(f):
     batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]
@@ -226,11 +236,27 @@ def _reward_spec(f):
 
 @_rule("rl.is_correction", "rl.old_logp_source")
 def _is_correction_needs_the_current_logp(f):
-    if f["rl.is_correction"] != "none" and f["rl.old_logp_source"] != "current":
+    source = f["rl.old_logp_source"]
+    if f["rl.is_correction"] != "none" and source == "rollout":
         return [
             f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with "
-            f"{f['rl.old_logp_source']!r} the ratio's denominator already is the sampler's log-prob, so the "
+            f"{source!r} the ratio's denominator already is the sampler's log-prob, so the "
             "PPO ratio is the sampler/trainer importance ratio"
+        ]
+    if f["rl.is_correction"] != "none" and source == "proximal":
+        return [
+            f"rl.is_correction = {f['rl.is_correction']!r}: needs rl.old_logp_source=current; with 'proximal' "
+            "(decoupled PPO) the behaviour weight already corrects for the sampler (its cap: rl.behav_weight_cap)"
+        ]
+    return []
+
+
+@_rule("rl.old_logp_source", "rl.ppo_epochs")
+def _proximal_is_one_update(f):
+    if f["rl.old_logp_source"] == "proximal" and f["rl.ppo_epochs"] > 1:
+        return [
+            f"rl.ppo_epochs = {f['rl.ppo_epochs']}: rl.old_logp_source=proximal recomputes the proximal policy in "
+            "the step's one update; use rl.ppo_epochs=1 (or rl.old_logp_source=rollout)"
         ]
     return []
 

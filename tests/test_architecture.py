@@ -1,5 +1,6 @@
-"""Import structure: no cycles among the library's modules; the kernels stand alone. Also: library
-functions over 60 lines say why they are long.
+"""Import structure: no cycles among the modules of the library, its benchmarks and experiments; the
+kernels stand alone; configs import no experiment. Also: library functions over 60 lines say why
+they are long, and the rollout's entry point takes at most 12 parameters.
 
 Every import counts, at module level or inside a function (a function-level import hides a
 cycle from the interpreter, not from the design). Importing `a.b.c` runs the `__init__` of
@@ -15,6 +16,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("qerl_jax", "pallas_kernels")
+# Everything that imports the library: its benchmarks, experiments and configs (run from the
+# repository root, as `python -m benchmarks.x` or `--config=configs/x.py`).
+OUTER = ("benchmarks", "experiments", "configs")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -22,8 +26,8 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+def _modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> list[str]:
@@ -40,9 +44,9 @@ def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> 
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the modules of qerl_jax and pallas_kernels it imports."""
-    modules = _modules()
+def import_graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """module -> the modules of `packages` (default qerl_jax and pallas_kernels) it imports."""
+    modules = _modules(packages)
     known = set(modules)
     graph = {m: set() for m in known}
     for module, path in modules.items():
@@ -65,11 +69,30 @@ def test_graph_sees_imports():
     assert "qerl_jax.quant" in graph["qerl_jax.linear"]  # the package's __init__ runs first
 
 
-def test_no_import_cycles():
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (its modules in order, the first repeated last), or []."""
     try:
-        tuple(graphlib.TopologicalSorter(import_graph()).static_order())
+        tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as e:
-        raise AssertionError("import cycle: " + " -> ".join(e.args[1])) from None
+        return list(e.args[1])
+    return []
+
+
+def test_cycle_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert set(_cycle({"a": {"b"}, "b": {"a"}, "c": {"a"}})) == {"a", "b"}
+
+
+def test_no_import_cycles():
+    cycle = _cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycles_among_benchmarks_experiments_and_configs():
+    graph = import_graph(PACKAGES + OUTER)
+    assert "benchmarks.common" in graph["benchmarks.grpo_step"] and "qerl_jax" in graph["benchmarks.common"]
+    cycle = _cycle(graph)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
 def test_kernels_never_import_the_library():
@@ -126,12 +149,42 @@ def test_the_library_never_imports_experiments_benchmarks_or_tools():
     assert not bad, f"library modules import experiments/benchmarks/tools: {bad}"
 
 
+def test_configs_import_the_library_only():
+    """A config is a recipe over the library: it imports no experiment or benchmark (an arrow back up)."""
+    files = sorted((ROOT / "configs").glob("*.py"))
+    assert files and "qerl_jax" in _top_level_imports(ROOT / "configs" / "arithmetic_smollm2.py")
+    bad = {str(p.relative_to(ROOT)): sorted(_top_level_imports(p) & {"experiments", "benchmarks"}) for p in files}
+    bad = {path: names for path, names in bad.items() if names}
+    assert not bad, f"configs import experiments/benchmarks: {bad}"
+
+
 def test_only_tests_import_tools():
     """tools/ (GPU machines reached by copying files) is outermost: no experiment, benchmark or config uses it."""
     files = [p for d in ("experiments", "benchmarks", "configs") for p in sorted((ROOT / d).rglob("*.py"))]
     assert files and (ROOT / "tools" / "carry.py").is_file()
     bad = [str(p.relative_to(ROOT)) for p in files if "tools" in _top_level_imports(p)]
     assert not bad, f"import tools/: {bad}"
+
+
+# The rollout engine's entry point takes at most this many parameters; the engine's rarer choices are
+# grouped in small frozen records (`RolloutOptions`, `RolloutPart`).
+MAX_GENERATE_PARAMETERS = 12
+
+
+def _parameter_count(source: str, name: str) -> int:
+    """How many parameters the module-level function `name` of `source` declares (*args, **kw included)."""
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    a = node.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_generate_takes_at_most_twelve_parameters():
+    assert _parameter_count("def f(a, /, b, *c, d=1, **e): pass", "f") == 5
+    count = _parameter_count((ROOT / "qerl_jax" / "rollout" / "sampler.py").read_text(), "generate")
+    assert count <= MAX_GENERATE_PARAMETERS, (
+        f"rollout.sampler.generate takes {count} parameters (at most {MAX_GENERATE_PARAMETERS}): group the "
+        "rarely set ones in RolloutOptions or RolloutPart"
+    )
 
 
 # Functions a reader can hold: a library function over this many lines (its `def` line to its last)

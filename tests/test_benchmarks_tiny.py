@@ -52,6 +52,7 @@ def test_tiny_mode_runs(module, tmp_path):
     if module == "real_run":  # both layouts trained and were timed against the one-device run
         assert [r["layout"] for r in report["rows"]] == ["1", "mesh"] and all(r["steps"] == 3 for r in report["rows"])
         assert report["rows"][1]["throughput_vs_1"] > 0, report["rows"]
+        assert [r["grpc_error_lines"] for r in report["rows"]] == [0, 0], report["rows"]
     if module == "grpo_step:dapo":
         rows = report["results"]
         assert rows, report

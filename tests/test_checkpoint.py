@@ -287,7 +287,7 @@ def test_resume_problems_refuse_unnamed_recipe_changes_and_log_named_ones():
 
     saved = {"rollout": {"group_size": 8}, "train": {"total_steps": 10}, "optim": {"lr": 1e-5},
              "aqn": {"sigma_end": 1e-4}, "lora": {"rank": 8}}  # fmt: skip
-    same = {**saved, "resume_changes": "", "train": {"total_steps": 10}, "lora": {"rank": 16}}  # not recipe
+    same = {**saved, "resume_changes": "", "train": {"total_steps": 10}, "lora": {"rank": 8, "alpha": 16}}  # not recipe
     assert resume_problems(same, saved, 6, "ckpt/6") == ([], [])
     changed = {**same, "rollout": {"group_size": 4}, "aqn": {"sigma_end": [1e-3]}}
     problems, _ = resume_problems(changed, saved, 6, "ckpt/6")
@@ -313,6 +313,28 @@ def test_resume_problems_refuse_unnamed_recipe_changes_and_log_named_ones():
         "train.total_steps"
     ]
     assert resume_problems(changed, None, 6, "ckpt/6")[0] == []  # a checkpoint without its config: nothing to compare
+
+
+def test_resume_problems_name_every_difference_at_once():
+    """A resume that changes a recipe field and the LoRA shapes hears of both in one answer (before, the
+    rank was refused only once the model was loaded and the checkpoint read)."""
+    from qerl_jax.checkpoint import resume_problems
+
+    saved = {"train": {"total_steps": 10}, "lora": {"rank": 8, "targets": ["q_proj", "v_proj"]}}
+    cfg = {"resume_changes": "", "train": {"total_steps": 12}, "lora": {"rank": 16, "targets": ("q_proj",)}}
+    problems, notes = resume_problems(cfg, saved, 6, "ckpt/6")
+    assert problems == [
+        "resume: train.total_steps 12 (checkpoint: 10) differs from the checkpoint of step 6 (ckpt/6); they change "
+        "what the run means (its batch, schedules, loss, rewards or noise): keep the checkpoint's values, or pass "
+        "--config.resume_changes=train.total_steps to change them",
+        "cannot resume: lora.rank 16 differs from the checkpoint's 8; lora.targets q_proj differs from the "
+        "checkpoint's q_proj,v_proj (ckpt/6); the adapter's shapes follow them: keep the checkpoint's values, or "
+        "start a new run in another workdir",
+    ]
+    named = {**cfg, "resume_changes": "train.total_steps"}
+    assert resume_problems(named, saved, 6, "ckpt/6")[0] == problems[1:]  # the shapes cannot be named
+    same_shapes = {**cfg, "lora": {"rank": 8, "targets": ("q_proj", "v_proj")}}
+    assert resume_problems(same_shapes, saved, 6, "ckpt/6")[0] == problems[:1]
 
 
 def test_latest_meta_is_the_newest_readable_checkpoints(tmp_path):

@@ -218,17 +218,24 @@ def test_resume_or_eval_with_another_lora_rank_names_the_field_in_a_short_stderr
 def test_resume_that_changes_the_recipe_is_refused_unless_named(tmp_path, finished_tiny_run):
     """The finished 3-step run resumed with another group size, or with total_steps below its step:
     one line, exit status 2, before the model is loaded (today: accepted silently, "done: steps 3 -> 2
-    of 2", exit 0)."""
+    of 2", exit 0). With another LoRA rank as well: both in one answer (before, the rank was refused
+    only after a first answer was fixed, once the model was loaded)."""
     run, _ = finished_tiny_run
     before = sorted(os.listdir(run))
     base = ["--config=configs/tiny.py", f"--config.workdir={run}", "--config.resume=True"]
-    out = _run(*base, "--config.train.total_steps=4", "--config.rollout.group_size=2", "--config.optim.lr=0.1")
+    recipe = ["--config.train.total_steps=4", "--config.rollout.group_size=2", "--config.optim.lr=0.1"]
+    out = _run(*base, *recipe)
     _assert_one_line_error(
         out, "resume: rollout.group_size 2 (checkpoint: 4), train.total_steps 4 (checkpoint: 3), optim.lr 0.1 "
         f"(checkpoint: 0.01) differ from the checkpoint of step 3 ({run / 'checkpoints' / '3'})",
         "pass --config.resume_changes=rollout.group_size,train.total_steps,optim.lr to change them",
     )  # fmt: skip
     assert "memory plan" not in out.stdout
+    out = _run(*base, *recipe, "--config.lora.rank=16")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "error: 2 problems:" in out.stderr and "memory plan" not in out.stdout, out.stderr[-3000:]
+    assert "  resume: rollout.group_size 2 (checkpoint: 4), train.total_steps 4" in out.stderr, out.stderr[-3000:]
+    assert "  cannot resume: lora.rank 16 differs from the checkpoint's 8 (" in out.stderr, out.stderr[-3000:]
     out = _run(*base, "--config.train.total_steps=2")
     _assert_one_line_error(out, "train.total_steps = 2: below the checkpoint's step 3", "raise train.total_steps")
     out = _run(*base, "--config.train.total_steps=2", "--config.resume_changes=train.total_steps")

@@ -4,7 +4,8 @@ The reference is one process with two forced host devices and mesh.data = 2 (the
 `two_device_tiny_run`, itself equal to one device: the per-shard rollouts draw one call's tokens).
 A two-process run (one device each) of the same command must give the same rewards, losses and
 adapter. One of its processes is killed after the
-first checkpoint: the other stops (no hang), and both resumed finish the run.
+first checkpoint: the other stops (no hang), and both resumed finish the run. A run that succeeds
+ends cleanly: no gRPC error on stderr, process 0 (the coordination service's host) last.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -83,25 +85,48 @@ def _launch_pair(workdir: str, *flags: str, mesh: str = "--config.mesh.data=2", 
     return procs
 
 
-def _finish(procs, timeout=400) -> list[tuple[int, str]]:
+def _finish(procs, timeout=400, ended: list[float] | None = None) -> list[tuple[int, str]]:
     """(exit code, stderr) of each process. Their pipes are drained at once, each by its own thread: read
-    one after the other, a process whose pipe filled meanwhile would stall the run."""
+    one after the other, a process whose pipe filled meanwhile would stall the run. `ended`, if given,
+    gets each process's end (time.monotonic(), in process order)."""
 
-    def finish(p: subprocess.Popen) -> tuple[int, str, bool]:
+    def finish(p: subprocess.Popen) -> tuple[int, str, bool, float]:
         try:
             _, err = p.communicate(timeout=timeout)
-            return p.returncode, err, False
+            return p.returncode, err, False, time.monotonic()
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
-            return p.returncode, err, True
+            return p.returncode, err, True, time.monotonic()
 
     with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
         results = list(pool.map(finish, procs))
-    for _, err, hung in results:
+    for _, err, hung, _ in results:
         if hung:
             pytest.fail(f"a process of the run hung:\n{err[-3000:]}")
-    return [(code, err) for code, err, _ in results]
+    if ended is not None:
+        ended.extend(t for *_, t in results)
+    return [(code, err) for code, err, _, _ in results]
+
+
+# What jax's coordination service and gRPC print when a process polls a service that has gone (seen
+# on GPUs after runs that succeeded: "WatchTasksAsync failed for task 1: UNAVAILABLE: failed to
+# connect to all addresses ... Connection refused"), and absl's C++ error lines ("E1128 15:06:18...").
+GRPC_ERROR = re.compile(r"WatchTasks|UNAVAILABLE|failed to connect|Connection refused|Shutdown barrier|^E\d{4} ")
+
+
+def _grpc_errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if GRPC_ERROR.search(line)]
+
+
+def test_grpc_errors_are_recognised():
+    seen = (
+        "E1127 10:00:01.000000  812 coordination_service_agent.cc:700] WatchTasksAsync failed for task 1: "
+        "UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:12355: Connection refused"
+    )
+    other = "E1127 10:00:02.5 x.cc:1] other"
+    assert _grpc_errors(f"qerl: 100%\n{seen}\n{other}\n") == [seen, other]
+    assert _grpc_errors("I1127 10:00:01.0 client.cc:153] Distributed task shutdown result: OK\nERROR_RATE 0\n") == []
 
 
 def _scalars(workdir: str) -> dict[int, dict]:
@@ -143,8 +168,9 @@ def _distributed_runs(root: str) -> dict:
     killed = _finish(procs, timeout=240)
     survivor_seconds = time.monotonic() - t_kill
 
-    resumed = _finish(_launch_pair(multi, *STEPS, "--config.resume=True"))
-    return dict(multi=multi, killed=killed, survivor_seconds=survivor_seconds, resumed=resumed)
+    ended: list[float] = []
+    resumed = _finish(_launch_pair(multi, *STEPS, "--config.resume=True"), ended=ended)
+    return dict(multi=multi, killed=killed, survivor_seconds=survivor_seconds, resumed=resumed, ended=ended)
 
 
 def test_a_killed_process_stops_the_other_without_a_hang(runs):
@@ -184,6 +210,7 @@ def test_two_hosts_of_two_devices_equal_the_one_process_mesh_run(two_device_tiny
     multi = str(tmp_path / "hosts")
     results = _finish(_launch_pair(multi, *STEPS, mesh="--config.mesh.data=4", devices=2))
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert not _grpc_errors(results[0][1] + results[1][1]), results[0][1][-3000:] + results[1][1][-3000:]
     single, hosts = _scalars(str(two_device_tiny_run[0])), _scalars(multi)
     assert sorted(hosts) == sorted(single) == [0, 1, 2]
     for step in single:
@@ -195,6 +222,23 @@ def test_two_hosts_of_two_devices_equal_the_one_process_mesh_run(two_device_tiny
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-3, err_msg=name)
+
+
+def test_a_run_that_succeeds_ends_cleanly_with_process_0_last(runs):
+    """`distributed.leave`: no gRPC error on either process's stderr, no traceback, and process 0, which
+    hosts the coordination service, ends after the other (by about LEAVE_GRACE_S)."""
+    from qerl_jax.distributed import LEAVE_GRACE_S
+
+    for code, err in runs["resumed"]:
+        assert code == 0 and not _grpc_errors(err) and "Traceback" not in err, err[-3000:]
+    primary_end, other_end = runs["ended"]
+    assert primary_end - other_end > LEAVE_GRACE_S / 2, runs["ended"]
+
+
+def test_leave_returns_in_one_process():
+    from qerl_jax import distributed
+
+    assert distributed.leave() is None  # the interpreter ends as usual (the suite goes on here)
 
 
 def test_only_the_first_process_writes_logs_and_holds_the_lock(runs):

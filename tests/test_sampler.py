@@ -21,7 +21,15 @@ from rollout_helpers import (
 )
 
 import qerl_jax
-from qerl_jax.rollout import RolloutOptions, SamplingConfig, budget, generate, plan_rollout, to_train_batch
+from qerl_jax.rollout import (
+    RolloutOptions,
+    RolloutPart,
+    SamplingConfig,
+    budget,
+    generate,
+    plan_rollout,
+    to_train_batch,
+)
 from qerl_jax.rollout import batch as rollout_batch
 
 F32 = f32_options()  # exact KV cache for the parity tests
@@ -560,8 +568,8 @@ def test_monitor_bounds_admissions_and_drops_sequences_mid_run(f32_model):
     plain = generate(config, params, ids, mask, key, _batching_sampling(), group_size=3, options=f32_options())
     monitor = _Monitor(limit=4, end=6, drop_after=7)
     got = generate(
-        config, params, ids, mask, key, _batching_sampling(), group_size=3, max_batch=4, monitor=monitor,
-        options=f32_options(smaller_rows=(2,)),
+        config, params, ids, mask, key, _batching_sampling(), group_size=3, max_batch=4,
+        part=RolloutPart(monitor=monitor), options=f32_options(smaller_rows=(2,)),
     )  # fmt: skip
     assert sorted(monitor.stopped)[:6] == list(range(6)) and len(monitor.stopped) < 12
     lengths, decoded = np.asarray(got.lengths), np.asarray(got.decoded)
@@ -574,7 +582,7 @@ def test_monitor_bounds_admissions_and_drops_sequences_mid_run(f32_model):
     assert_same_samples(rollout_batch.select_rows(got, first), rollout_batch.select_rows(plain, first), "kept rows")
     rows = np.arange(6, 12)
     part = generate(
-        config, params, ids[2:], mask[2:], key, _batching_sampling(), group_size=3, streams=rows,
+        config, params, ids[2:], mask[2:], key, _batching_sampling(), group_size=3, part=RolloutPart(streams=rows),
         options=f32_options(),
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(part.tokens), np.asarray(plain.tokens)[6:])

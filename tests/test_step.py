@@ -207,12 +207,16 @@ def test_packing_rejects_masks_with_holes(setup):
         pack_batch(holed, 2 * T)
 
 
-@pytest.mark.parametrize("kind", ["grpo", "dapo"])
-def test_one_long_and_many_short_sequences_give_the_padded_update(setup, kind):
+@pytest.mark.parametrize(
+    "kind,source", [("grpo", "rollout"), ("dapo", "rollout"), ("gspo", "rollout"), ("cispo", "proximal")]
+)
+def test_one_long_and_many_short_sequences_give_the_padded_update(setup, kind, source):
     """A long-tailed batch (one full-length sequence, many short ones, empty filler rows) packed into
-    few rows over several micro-steps: loss, LoRA gradients and metrics of the padded computation."""
+    few rows over several micro-steps: loss, LoRA gradients and metrics of the padded computation
+    (gspo: its per-sequence ratio; cispo with the decoupled loss's behaviour weight)."""
     config, params, lora, *_, opt = setup
-    loss_cfg = LossConfig(kind=kind, eps_low=0.2, eps_high=0.28)
+    wide = dict(gspo_eps_low=0.2, gspo_eps_high=0.28)  # the random old_logp is far from the policy
+    loss_cfg = LossConfig(kind=kind, eps_low=0.2, eps_high=0.28, old_logp_source=source, **wide)
     rng = np.random.default_rng(3)
     n, width = 10, 16
     lengths = np.array([16, 4, 3, 5, 4, 3, 6, 4, 0, 0])  # two filler sequences with no tokens

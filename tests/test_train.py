@@ -500,6 +500,26 @@ def test_mismatch_correction_run_logs_its_weights(tmp_path, tiny_model_dir):
     assert metrics["train/is_weight_mean"] != 1.0
 
 
+def test_rollout_metrics_give_the_trained_completions_length_quantiles():
+    from types import SimpleNamespace
+
+    lengths = np.array([3, 40, 7, 12, 100, 5, 9, 20], np.int32)
+    rollout = SimpleNamespace(lengths=lengths, truncated=lengths == 100)
+    exp = SimpleNamespace(rollout=rollout, rewards=np.zeros(8), accuracy=np.zeros(8))
+    m = train._rollout_metrics(exp)
+    ordered = np.sort(lengths).astype(np.float64)
+
+    def quantile(q):  # linear interpolation between the order statistics at rank q * (n - 1)
+        at = q * (len(ordered) - 1)
+        low = int(at)
+        return ordered[low] + (at - low) * (ordered[low + 1] - ordered[low])
+
+    assert (m["rollout/response_length_p50"], m["rollout/response_length_max"]) == ((9 + 12) / 2, 100.0)
+    for q in (0.1, 0.5, 0.9):
+        assert m[f"rollout/response_length_p{round(q * 100)}"] == pytest.approx(quantile(q))
+    assert m["rollout/truncated_frac"] == 1 / 8
+
+
 def test_rollout_norms_are_the_trained_scales_plus_the_steps_aqn_noise():
     from qerl_jax import aqn
 

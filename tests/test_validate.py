@@ -386,6 +386,8 @@ def test_loss_correction_and_reward_fields(tmp_path, tiny_model_dir):
     assert "rl.reward_weights = ('1',): expected a tuple of finite numbers, got ('1',)" in problems
     good = {"rl.loss": "bnpo", "rl.beta": 0.04, "rl.old_logp_source": "current", "rl.is_correction": "sequence_mask"}
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **good)) == []
+    for off_policy in ({"rl.loss": "gspo"}, {"rl.loss": "cispo", "rl.beta": 0.04}, {"rl.old_logp_source": "proximal"}):
+        assert config_problems(_tiny(tmp_path, tiny_model_dir, **off_policy)) == []
     dr = {"rl.loss": "dr_grpo", "rl.scale_rewards": "none", "rl.reward": "accuracy,format"}
     dr["rl.reward_weights"] = (1, 0.1)
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **dr)) == []
@@ -398,6 +400,13 @@ def test_loss_correction_and_reward_fields(tmp_path, tiny_model_dir):
         ({"rl.is_correction": "token_truncate"}, "rl.is_correction = 'token_truncate': needs rl.old_logp_source="),
         ({"rl.loss": "dr_grpo"}, "rl.scale_rewards = 'group': Dr. GRPO (rl.loss=dr_grpo) does not divide"),
         ({"rl.loss": "dapo", "rl.beta": 0.04}, "rl.beta = 0.04: DAPO has no KL term"),
+        (
+            {"rl.old_logp_source": "proximal", "rl.is_correction": "token_truncate"},
+            "rl.is_correction = 'token_truncate': needs rl.old_logp_source=current; with 'proximal' (decoupled PPO)",
+        ),
+        ({"rl.old_logp_source": "proximal", "rl.ppo_epochs": 2}, "rl.ppo_epochs = 2: rl.old_logp_source=proximal"),
+        ({"rl.loss": "cispo", "rl.cispo_eps_max": 0.0}, "rl.cispo_eps_max = 0.0: must be in (0.0, inf]"),
+        ({"rl.old_logp_source": "proximal", "rl.behav_weight_cap": 0.9}, "rl.behav_weight_cap = 0.9: must be in"),
         ({"rl.reward": "accuracy,format", "rl.reward_weights": (1.0,)}, "rl.reward = 'accuracy,format': 1 reward"),
         ({"rl.reward": "accuracy,nope"}, "rl.reward = 'accuracy,nope': unknown reward function 'nope'"),
         ({"rl.reward": "accuracy,,format"}, "rl.reward = 'accuracy,,format': reward spec"),
@@ -473,6 +482,12 @@ def test_mesh_devices_rules(tmp_path, tiny_model_dir, monkeypatch):
         "mesh.data x mesh.model = -1 x 3: the 4 available devices do not split into an axis of 3 and one of the rest"
     ]
     assert config_problems(_tiny(tmp_path, tiny_model_dir, **{"mesh.data": 8}), "eval") == []  # eval uses one
+    partial = {"rollout.max_staleness": 1}
+    assert problems(**partial, **{"mesh.model": -1}) == [] and problems(**partial) == []
+    assert problems(**partial, **{"mesh.data": 2, "mesh.model": 2}) == [
+        "rollout.max_staleness = 1: partial rollouts run on one data shard for now; set mesh.data=1 (now 2) or "
+        "rollout.max_staleness=0"
+    ]
 
 
 def test_an_unsupported_gguf_architecture_is_one_line_before_anything_is_written(tmp_path):

@@ -21,7 +21,14 @@ from qerl_jax.rollout.budget import (
     estimate_rollout_bytes,
     rollout_memory,
 )
-from qerl_jax.rollout.sampler import RolloutOptions, RolloutPlan, decode_attention_backend, generate, plan_rollout
+from qerl_jax.rollout.sampler import (
+    RolloutOptions,
+    RolloutPart,
+    RolloutPlan,
+    decode_attention_backend,
+    generate,
+    plan_rollout,
+)
 from qerl_jax.rollout.sampling import SamplingConfig, processed_logits, sample, top_k_filter, top_p_filter
 from qerl_jax.rollout.scheduler import DEFAULT_SMALLER_ROWS, new_tokens_bucket, prompt_bucket, rows_bucket
 from qerl_jax.rollout.weights import (
@@ -42,6 +49,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutMemory",
     "RolloutOptions",
+    "RolloutPart",
     "RolloutPlan",
     "SamplingConfig",
     "cache_bytes",

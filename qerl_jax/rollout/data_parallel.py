@@ -12,7 +12,7 @@ with its own continuous-batching scheduler and programs, over a zero-copy view o
 parameters on its devices (`on_submesh`): nothing crosses shards while decoding. The blocks'
 results are gathered once on every process (`gather_blocks`) and put back in prompt order.
 
-Each shard samples its rows with their streams in the whole batch (`generate(streams=...)`), so
+Each shard samples its rows with their streams in the whole batch (`RolloutPart.streams`), so
 the tokens equal those of one `generate` call over the whole batch with the same key (up to
 the float error of other row buckets).
 """
@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qerl_jax.rollout.batch import PER_ROW, RolloutBatch, concat, select_rows
-from qerl_jax.rollout.sampler import RolloutOptions, generate
+from qerl_jax.rollout.sampler import RolloutOptions, RolloutPart, generate
 
 
 def prompt_blocks(num_prompts: int, shards: int) -> list[slice]:
@@ -170,13 +170,13 @@ def generate_data_parallel(
         shard_options = options
         if sub.devices.size > 1:  # rows replicated over the shard's tensor-parallel devices
             shard_options = dataclasses.replace(options, batch_sharding=NamedSharding(sub, P()))
+        part = RolloutPart(streams[rows], (monitors or {}).get(d), (expected_seqs or {}).get(d))  # this shard's
         with jax.default_device(sub.devices.flat[0]):
             shard_key = jax.device_put(jax.random.wrap_key_data(key[0], impl=key[1]), NamedSharding(sub, P()))
             batch = generate(
                 config, on_submesh(params, sub), ids[prompts], mask[prompts], shard_key, sampling,
                 group_size=group_size, lora_scale=lora_scale, max_batch=max_batch,
-                max_new_tokens_per_seq=None if limits is None else limits[rows], streams=streams[rows],
-                monitor=(monitors or {}).get(d), expected_seqs=(expected_seqs or {}).get(d), options=shard_options,
+                max_new_tokens_per_seq=None if limits is None else limits[rows], part=part, options=shard_options,
             )  # fmt: skip
             out = _host(batch)
             out["prompt_index"] = prompts[out["prompt_index"]].astype(np.int32)

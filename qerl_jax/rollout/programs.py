@@ -3,6 +3,8 @@
 - `new_rows`: an empty KV cache and row state.
 - `admit`: prefill Bp (left-padded) prompts and copy each one's cache into the rows of its
   sequences (several rows per prompt: a group shares one prefill), sampling their first tokens.
+- `resume`: re-admit sequences paused by an earlier call (partial rollouts): one forward over
+  each one's prompt and the tokens it had, then the decode continues it where it stopped.
 - `decode`: a `lax.while_loop` of decode steps, one token per live row per step, each row at
   its own position (`models.qwen2.DecodeSlots`: it writes one cache slot and attends to its
   own slots only), until few enough rows are live (`exit_live`: refill or compaction time).
@@ -221,6 +223,38 @@ def _admit(
     return cache, rows
 
 
+def _resume(
+    static: Static, params, cache, rows: Rows, ids_KxP, mask_KxP, tokens_KxM, logp_KxM, t_K, dest_K, seq_K, limit_K
+):
+    """Re-admits K paused sequences: sequence k (stream seq_K[k]) goes to row dest_K[k] (>= R: none)
+    with its prompt and its first t_K[k] >= 1 tokens (tokens_KxM, their log-probs logp_KxM). One
+    forward over the prompt and tokens [0, t - 1) writes their slots [0, P + t - 1) (re-prefill: the
+    paused call's cache is not kept); the next decode step feeds token t - 1 and samples token t with
+    the key an uninterrupted decode would use. Returns (cache, rows)."""
+    cfg = static.config
+    k, p = ids_KxP.shape
+    m = static.new_slots
+    ids_KxS = jnp.concatenate([ids_KxP, tokens_KxM], axis=1)
+    valid_KxS = jnp.concatenate([mask_KxP.astype(bool), jnp.arange(m)[None, :] < t_K[:, None] - 1], axis=1)
+    layer_shape = (k, p + m, cfg.num_key_value_heads, cfg.head_dim)
+    fresh = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
+    _, fresh = _hidden(static, params, ids_KxS, positions_from_mask(valid_KxS), valid_KxS, fresh, 0)
+    cache = jax.tree.map(lambda big, small: big.at[dest_K].set(small, mode="drop"), cache, fresh)
+    put = lambda a, v: a.at[dest_K].set(v, mode="drop")  # noqa: E731
+    rows = Rows(
+        seq=put(rows.seq, seq_K),
+        start=put(rows.start, p - jnp.sum(mask_KxP, axis=1, dtype=jnp.int32)),
+        t=put(rows.t, t_K),
+        last=put(rows.last, jnp.take_along_axis(tokens_KxM, (t_K - 1)[:, None], axis=1)[:, 0]),
+        limit=put(rows.limit, limit_K),
+        live=put(rows.live, t_K < limit_K),
+        stopped=put(rows.stopped, jnp.zeros_like(t_K, bool)),
+        tokens=put(rows.tokens, tokens_KxM),
+        logp=put(rows.logp, logp_KxM),
+    )
+    return cache, rows
+
+
 def _decode(static: Static, params, cache, rows: Rows, key, stop_V, exit_live, max_steps):
     """Decode steps while more than `exit_live` rows are live, at most `max_steps` of them.
     Returns (cache, rows, steps run).
@@ -287,6 +321,7 @@ def _stop(rows: Rows, stop_R):
 COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 admit = jax.jit(_admit, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
+resume = jax.jit(_resume, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
 decode = jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS)
 compact = jax.jit(_compact, static_argnums=0)
 stop = jax.jit(_stop, donate_argnums=0)

@@ -41,7 +41,9 @@ from qerl_jax.rollout.sampling import SamplingConfig
 __all__ = [
     "RolloutBatch",
     "RolloutMonitor",
+    "Partial",
     "RolloutOptions",
+    "RolloutPart",
     "RolloutPlan",
     "generate",
     "plan_rollout",
@@ -146,6 +148,54 @@ class RolloutMonitor(Protocol):
         needed (`end` never grows; `limit` falls only with it). wait: nothing is decoding or admissible, so block until
         something can change (e.g. a pending score arrives), or return the same bounds when
         nothing can."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """Sequences of a call already under way (partial rollouts, `rollout.max_staleness`), K of them.
+
+    seqs_K: the call's rows they are. tokens_KxM / logprobs_KxM: their first lengths_K tokens (M =
+    max_new_tokens; >= 1 each) and the sampler's log-probs of them. finished_K: complete (stopped_K:
+    by a stop id), reported to the monitor and not decoded again; the others resume (`programs.resume`)
+    before any new sequence is admitted, each drawing from its row's stream as if it had not stopped.
+    """
+
+    seqs_K: np.ndarray
+    tokens_KxM: np.ndarray
+    logprobs_KxM: np.ndarray
+    lengths_K: np.ndarray
+    finished_K: np.ndarray
+    stopped_K: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RolloutPart:
+    """How a `generate` call fits into a larger rollout (a data shard's rows, DAPO's rounds of prompts);
+    the default: the call is the whole rollout.
+
+    streams: int [B * G] the PRNG stream of each output row (default its row index r): a call
+      that samples some rows of a larger batch (a data shard's, `rollout.data_parallel`, or
+      several rounds of prompts at once) draws the tokens the larger call would for them.
+    monitor: told of each sequence as it stops (`RolloutMonitor.finished`), it bounds which
+      sequences are admitted and which are still needed (`RolloutMonitor.bounds`): DAPO's
+      dynamic sampling decides while the rollout runs. Rows of sequences no longer needed
+      stop decoding (their output rows stay empty: length 0); the decode loop hands back
+      every MONITOR_STEPS steps to ask.
+    expected_seqs: the rows are planned (`plan_rollout`) for at most this many sequences at
+      once (default all B * G): a call whose monitor will likely stop it short (DAPO's
+      over-provisioned prompts) runs the programs of the batch it expects to need, the rest
+      admitted as rows free up.
+    partial: sequences already under way (`Partial`; partial rollouts): the finished ones are
+      reported to the monitor at once, the others resume first. The call then asks the monitor's
+      `done()` whenever it asks its bounds, and ends as soon as it is True: the sequences still
+      decoding (or not resumed yet) are paused, returned as a second `Partial`; those never
+      admitted have no tokens (length 0). The monitor must not drop sequences (`end` stays N).
+    """
+
+    streams: Sequence[int] | np.ndarray | None = None
+    monitor: RolloutMonitor | None = None
+    expected_seqs: int | None = None
+    partial: Partial | None = None
 
 
 # With a monitor, the decode loop hands back at least every this many steps (to harvest the
@@ -415,11 +465,9 @@ def generate(
     lora_scale: float = 1.0,
     max_batch: int | None = None,
     max_new_tokens_per_seq: Sequence[int] | np.ndarray | None = None,
-    streams: Sequence[int] | np.ndarray | None = None,
-    monitor: RolloutMonitor | None = None,
-    expected_seqs: int | None = None,
+    part: RolloutPart = RolloutPart(),
     options: RolloutOptions = RolloutOptions(),
-) -> RolloutBatch:
+) -> RolloutBatch | tuple[RolloutBatch, Partial]:
     """Samples group_size responses for each of B left-padded prompts.
 
     Args:
@@ -434,18 +482,9 @@ def generate(
         or takes all B * G where the device reports no memory (CPU).
       max_new_tokens_per_seq: int [B * G] each sequence's token limit (<= max_new_tokens); a
         sequence stopped by it is truncated, like one stopped by max_new_tokens.
-      streams: int [B * G] the PRNG stream of each output row (default its row index r): a call
-        that samples some rows of a larger batch (a data shard's, `rollout.data_parallel`, or
-        several rounds of prompts at once) draws the tokens the larger call would for them.
-      monitor: told of each sequence as it stops (`RolloutMonitor.finished`), it bounds which
-        sequences are admitted and which are still needed (`RolloutMonitor.bounds`): DAPO's
-        dynamic sampling decides while the rollout runs. Rows of sequences no longer needed
-        stop decoding (their output rows stay empty: length 0); the decode loop hands back
-        every MONITOR_STEPS steps to ask.
-      expected_seqs: the rows are planned (`plan_rollout`) for at most this many sequences at
-        once (default all B * G): a call whose monitor will likely stop it short (DAPO's
-        over-provisioned prompts) runs the programs of the batch it expects to need, the rest
-        admitted as rows free up.
+      part: how the call fits into a larger rollout (`RolloutPart`: its rows' PRNG streams, the
+        monitor that may stop it short, the sequences it expects to need, the sequences under way
+        it resumes).
       options: the engine's choices (`RolloutOptions`: backend, cache dtype, memory budget,
         row sharding, weight copies, compaction buckets, decode attention).
 
@@ -456,7 +495,8 @@ def generate(
     front, COMPILE_THREADS at once (not with batch_sharding).
 
     Returns:
-      A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns.
+      A `RolloutBatch` with N = B * G rows and M = max_new_tokens response columns; with
+      `part.partial`, (that batch, the paused `Partial`), the paused rows empty in the batch.
 
     Long because its docstring documents every argument of the engine's entry point; the body reads
     as its steps: check the input, plan the rows, prepare the weights and programs, decode, assemble.
@@ -466,9 +506,10 @@ def generate(
     if max_batch is not None and max_batch < 1:
         raise ValueError(f"max_batch must be >= 1 or None; got {max_batch}")
     call = _prepare_call(
-        config, prompt_ids, prompt_mask, sampling, group_size, lora_scale, max_new_tokens_per_seq, streams, options
+        config, prompt_ids, prompt_mask, sampling, group_size, lora_scale, max_new_tokens_per_seq, part.streams, options
     )
-    planned = call.total if expected_seqs is None else max(1, min(call.total, expected_seqs))
+    monitor, partial = part.monitor, part.partial
+    planned = call.total if part.expected_seqs is None else max(1, min(call.total, part.expected_seqs))
     plan = plan_rollout(
         config, params, planned, call.prompt_slots, call.static.new_slots, group_size=group_size,
         max_batch=max_batch, options=options,
@@ -486,8 +527,9 @@ def generate(
             admit_smaller = limit < min(end, call.total)
             host_placed = options.batch_sharding is not None
             _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller)
-        out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement)
-    return _rollout_batch(call, out, segments)
+        out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement, partial)
+    batch = _rollout_batch(call, out, segments)
+    return batch if partial is None else (batch, out.paused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,17 +608,19 @@ def _stop_and_pad(config: ModelConfig, sampling: SamplingConfig) -> tuple[np.nda
 
 def _decode_all(
     call: _Call, plan: RolloutPlan, run_params, key: jax.Array, monitor: RolloutMonitor | None, options: RolloutOptions,
-    placement: jax.sharding.Sharding | None,
+    placement: jax.sharding.Sharding | None, partial: Partial | None = None,
 ) -> tuple[_Outputs, list[int]]:  # fmt: skip
     """Runs the scheduler over the device programs until no sequence is left to decode: admit into
     free rows, decode, harvest the rows that stopped (telling the monitor), compact the tail. The
-    outputs and the decode steps of each segment. placement: of the cache and rows (`_committed_placement`)."""
+    outputs and the decode steps of each segment. placement: of the cache and rows (`_committed_placement`).
+    partial: sequences under way (`generate`); the outputs' `paused` then holds those paused."""
     batch_sharding, total = options.batch_sharding, call.total
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
-    sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller)
+    out = _Outputs(total, call.max_new, call.pad_id)
+    skip, resume_of = out.take_partial(partial, monitor)
+    sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller, skip=skip)
     cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, placement)
     prompt_of_seq = np.arange(total) // call.group_size
-    out = _Outputs(total, call.max_new, call.pad_id)
     max_steps = np.int32(MONITOR_STEPS if monitor is not None else call.static.new_slots)
     segments = []
     while True:
@@ -585,9 +629,17 @@ def _decode_all(
             if dropped.size:
                 out.decoded[dropped_seqs] = np.asarray(jax.device_get(rows.t))[dropped]
                 rows = programs.stop(rows, put(np.isin(np.arange(sched.rows), dropped)))
+            if partial is not None and monitor.done():
+                out.pause(partial, resume_of, sched, jax.device_get((rows.t, rows.tokens, rows.logp)))
+                break
         if sched.idle:
             break
         seqs, dest = sched.admissions()
+        if resume_of is not None:  # carried sequences come first in the queue: resumed, not prefilled anew
+            again = resume_of[seqs] >= 0
+            cache, rows = _resume_rows(call, plan, run_params, cache, rows, partial, resume_of[seqs[again]],
+                                       dest[again], sched.rows, put)  # fmt: skip
+            seqs, dest = seqs[~again], dest[~again]
         for i in range(0, len(seqs), plan.admit_rows):
             args = _admission(
                 call.ids_np, call.mask_np, prompt_of_seq, call.limits, seqs[i : i + plan.admit_rows],
@@ -728,6 +780,41 @@ def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admi
     return ids, mask, src, dest_k, seq_k, limit_k
 
 
+def _resume_rows(call: _Call, plan: RolloutPlan, run_params, cache, rows, partial: Partial, carried, dest, bucket, put):
+    """(cache, rows) with the `partial` sequences `carried` (indices into it) resumed into rows `dest`.
+    A resumed row's forward spans all its P + M slots (attention's scores grow with their square, which
+    the memory plan does not count): as many rows per program as an admission prefills prompt tokens."""
+    slots = call.prompt_slots + call.static.new_slots
+    k = max(1, min(plan.admit_rows, plan.admit_prompts * call.prompt_slots // slots))
+    for i in range(0, len(carried), k):
+        args = _resumption(call, partial, carried[i : i + k], dest[i : i + k], rows=bucket, admit_rows=k)
+        cache, rows = programs.resume(call.static, run_params, cache, rows, *map(put, args))
+    return cache, rows
+
+
+def _resumption(call: _Call, partial: Partial, carried, dest, *, rows: int, admit_rows: int):
+    """The host arrays of one `programs.resume` call: (ids, mask, tokens, logp, t, dest, seq, limit)
+    of the `partial` sequences `carried` (indices into it) going to rows `dest`, padded to
+    admit_rows (fillers: one real prompt token, dest = rows: dropped)."""
+    seqs, count, m = partial.seqs_K[carried], len(carried), call.static.new_slots
+    prompts = seqs // call.group_size
+    ids = np.zeros((admit_rows, call.prompt_slots), np.int32)
+    mask = np.zeros((admit_rows, call.prompt_slots), np.int32)
+    mask[:, -1] = 1
+    ids[:count], mask[:count] = call.ids_np[prompts], call.mask_np[prompts]
+    tokens = np.full((admit_rows, m), call.pad_id, np.int32)
+    logp = np.zeros((admit_rows, m), np.float32)
+    tokens[:count, : call.max_new] = partial.tokens_KxM[carried]
+    logp[:count, : call.max_new] = partial.logprobs_KxM[carried]
+    t, limit = np.ones((admit_rows,), np.int32), np.ones((admit_rows,), np.int32)
+    t[:count], limit[:count] = partial.lengths_K[carried], call.limits[seqs]
+    dest_k = np.full((admit_rows,), rows, np.int32)
+    dest_k[:count] = dest
+    seq_k = np.zeros((admit_rows,), np.uint32)
+    seq_k[:count] = call.streams_N[seqs]
+    return ids, mask, tokens, logp, t, dest_k, seq_k, limit
+
+
 class _Outputs:
     """The [N, M] outputs, filled in as sequences retire."""
 
@@ -737,6 +824,46 @@ class _Outputs:
         self.lengths = np.zeros((num_seqs,), np.int32)
         self.decoded = np.zeros((num_seqs,), np.int32)  # lengths, and the dropped rows' partial counts
         self.stopped = np.zeros((num_seqs,), bool)
+        self.paused: Partial | None = None
+
+    def take_partial(self, partial: Partial | None, monitor) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The finished sequences of `partial` filled in (and reported to the monitor); (bool [N]
+        those the queue skips, int [N] each resumed sequence's index in `partial`, else -1)."""
+        if partial is None:
+            return None, None
+        m, none = self.tokens.shape[1], np.zeros((0,), bool)
+        self.paused = Partial(none.astype(np.int64), np.zeros((0, m), np.int32), np.zeros((0, m), np.float32),
+                              none.astype(np.int32), none, none)  # fmt: skip
+        done, seqs = np.asarray(partial.finished_K, bool), np.asarray(partial.seqs_K)
+        finished = seqs[done]
+        self.tokens[finished], self.logprobs[finished] = partial.tokens_KxM[done], partial.logprobs_KxM[done]
+        self.lengths[finished] = self.decoded[finished] = partial.lengths_K[done]
+        self.stopped[finished] = partial.stopped_K[done]
+        if monitor is not None and finished.size:
+            monitor.finished(finished, self.tokens[finished], self.lengths[finished])
+        skip = np.zeros((len(self.lengths),), bool)
+        skip[finished] = True
+        resume_of = np.full((len(self.lengths),), -1, np.int64)
+        resume_of[seqs[~done]] = np.flatnonzero(~done)
+        return skip, resume_of
+
+    def pause(self, partial: Partial, resume_of: np.ndarray, sched: scheduler.Scheduler, state) -> None:
+        """`paused`: the sequences decoding in rows (state: their (t, tokens, logp)) and the resumed
+        ones not admitted yet, as they stand."""
+        t, tokens, logp = (np.asarray(a) for a in state)
+        m = self.tokens.shape[1]
+        rows = np.flatnonzero(sched.row_seq >= 0)
+        waiting = np.flatnonzero((resume_of >= 0) & (np.arange(len(resume_of)) >= sched.next_seq))
+        carried = resume_of[waiting]
+        self.decoded[sched.row_seq[rows]], self.decoded[waiting] = t[rows], partial.lengths_K[carried]
+        self.paused = Partial(
+            seqs_K=np.concatenate([sched.row_seq[rows], waiting]),
+            tokens_KxM=np.concatenate([tokens[rows, :m], partial.tokens_KxM[carried]]).astype(np.int32),
+            logprobs_KxM=np.concatenate([logp[rows, :m], partial.logprobs_KxM[carried]]).astype(np.float32),
+            lengths_K=np.concatenate([t[rows], partial.lengths_K[carried]]).astype(np.int32),
+            finished_K=np.zeros((len(rows) + len(waiting),), bool),
+            stopped_K=np.zeros((len(rows) + len(waiting),), bool),
+        )
 
     def harvest(self, state, rows: np.ndarray, seqs: np.ndarray) -> None:
         t, stopped, tokens, logp = state

@@ -111,6 +111,7 @@ class Scheduler:
         max_batch: int,
         smaller: tuple[int, ...] = (),
         refill: int | None = None,
+        skip: np.ndarray | None = None,
     ):
         if not 1 <= max_batch <= rows:
             raise ValueError(f"max_batch must be in [1, rows={rows}]; got {max_batch}")
@@ -123,10 +124,17 @@ class Scheduler:
         self.next_seq = 0
         self.limit = num_seqs  # sequences [next_seq, min(limit, end)) may be admitted now
         self.end = num_seqs  # sequences at or past it are not needed
+        # bool [N]: sequences never admitted (a resumed call's finished ones, `sampler.Partial`)
+        self.skip = np.zeros((num_seqs,), bool) if skip is None else np.asarray(skip, bool)
+
+    def _admissible(self) -> np.ndarray:
+        """The sequences that may be admitted now, in queue order."""
+        bound = min(self.limit, self.end)
+        return self.next_seq + np.flatnonzero(~self.skip[self.next_seq : max(bound, self.next_seq)])
 
     @property
     def queued(self) -> int:
-        return max(0, min(self.limit, self.end) - self.next_seq)
+        return len(self._admissible())
 
     @property
     def idle(self) -> bool:
@@ -147,9 +155,10 @@ class Scheduler:
     def admissions(self) -> tuple[np.ndarray, np.ndarray]:
         """The (sequences, rows) to admit now, in queue order into ascending free rows."""
         free = np.flatnonzero(self.row_seq[: self.max_batch] < 0)
-        rows = free[: min(len(free), self.queued)]
-        seqs = np.arange(self.next_seq, self.next_seq + len(rows))
-        self.next_seq += len(rows)
+        seqs = self._admissible()[: len(free)]
+        rows = free[: len(seqs)]
+        if len(seqs):
+            self.next_seq = int(seqs[-1]) + 1
         self.row_seq[rows] = seqs
         return seqs, rows
 

@@ -1,0 +1,272 @@
+"""Partial rollouts (`rollout.max_staleness` = K >= 1, as APRIL): the tail of a step's rollout carried over.
+
+    exp, stats, carry = collect_partial(cfg, policy, rollout_params, loader, pool, key, carry, step, keep_rate,
+                                        max_batch=...)
+
+A step's rollout call admits more groups than the step needs: the groups carried from the last step
+first (their finished samples as they are, the others resumed where they were paused), then new
+prompts, whole loader batches, up to about OVERSAMPLE times the groups needed. The call ends as soon
+as `prompts_per_step` groups are complete (with DAPO's dynamic sampling: complete and with varied
+rewards) and every group carried K steps already is complete too: those are counted, never dropped
+(dropping the long ones would bias training toward short answers). The step trains on the first
+complete groups in queue order (carried first); the other admitted groups are carried to the next
+step with their tokens and the sampler log-probs they were drawn with, so every trained token keeps
+its own behaviour log-prob (`rl.old_logp_source`). The call's key is the step's and each sequence
+draws from the stream of its row in the call: a resumed sequence draws fresh tokens under the new
+adapter, as sampling it anew would.
+
+The decision to end the call waits for the scores of the complete groups (dynamic sampling), so the
+kept set is the same whatever the reward workers' timing: deterministic per seed and row layout.
+The carried groups are JSON in the checkpoint's metadata (`to_meta`, `from_meta`): resume is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from qerl_jax import experience, lora
+from qerl_jax.data import PromptLoader
+from qerl_jax.policy import Policy
+from qerl_jax.reward_pool import RewardPool
+from qerl_jax.rl import dynamic_sampling
+from qerl_jax.rollout.sampler import Partial, RolloutPart, generate
+from qerl_jax.run_config import RunConfig, rollout_options, sampling_config
+
+# Groups a call keeps in flight per group the step needs (carried ones included): the surplus is
+# what lets the call end before its slowest groups do.
+OVERSAMPLE = 1.5
+
+
+@dataclasses.dataclass
+class CarriedGroup:
+    """A group paused at the end of a step's rollout: its prompt, the step that first admitted it, and per
+    sample its tokens so far (none: never admitted), their sampler log-probs and whether it finished."""
+
+    prompt: str
+    answer: str
+    fields: dict[str, Any]
+    prompt_ids: list[int]  # the prompt's real tokens
+    since: int
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+    stopped: list[bool]
+
+
+def to_meta(carry: list[CarriedGroup]) -> list[dict[str, Any]]:
+    """The carried groups as JSON (float32 log-probs round-trip exactly through JSON's doubles)."""
+    return [dataclasses.asdict(c) for c in carry]
+
+
+def from_meta(meta: list[dict[str, Any]] | None) -> list[CarriedGroup]:
+    return [CarriedGroup(**c) for c in meta or []]
+
+
+class PartialTracker:
+    """The call's `RolloutMonitor` (with `done`): scores stopped sequences, paces admissions, says when
+    the step has its groups. Groups are the call's prompts in order; must_G: those that must complete."""
+
+    def __init__(self, num_groups: int, group_size: int, want: int, submit, *, dynamic: bool, keep_rate: float,
+                 admit: int, must_G: np.ndarray):  # fmt: skip
+        self.g, self.want, self.dynamic, self.keep_rate = group_size, want, dynamic, keep_rate
+        self.num_groups, self.must_G, self._submit = num_groups, must_G, submit
+        self.limit = min(num_groups, admit)
+        self.finished_N = np.zeros((num_groups * group_size,), bool)
+        self.shaped_N = np.full((num_groups * group_size,), np.nan, np.float32)
+        self.each_RxN: np.ndarray | None = None
+        self._pending: list = []
+
+    def finished(self, seqs_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> None:
+        self.finished_N[seqs_K] = True
+        self._pending.append((np.asarray(seqs_K), self._submit(seqs_K, tokens_KxM, lengths_K)))
+
+    def complete(self) -> np.ndarray:
+        """bool [groups]: every sample finished."""
+        return self.finished_N.reshape(-1, self.g).all(axis=1)
+
+    def usable(self) -> np.ndarray:
+        """bool [groups]: complete (and, with dynamic sampling, with varied rewards)."""
+        varied = dynamic_sampling.varied_groups(self.shaped_N, self.g) if self.dynamic else True
+        return self.complete() & varied
+
+    def bounds(self, wait: bool) -> tuple[int, int]:
+        """With dynamic sampling: every pending score collected first (so `done` does not depend on the
+        workers' timing), and more groups admitted while those admitted are not expected to be enough."""
+        self._collect(block=self.dynamic)
+        if self.dynamic:
+            complete, usable = self.complete()[: self.limit], self.usable()[: self.limit]
+            rate = (usable.sum() + dynamic_sampling.PRIOR_GROUPS * self.keep_rate) / (
+                complete.sum() + dynamic_sampling.PRIOR_GROUPS
+            )
+            rate = max(float(rate), dynamic_sampling.MIN_KEEP_RATE)
+            missing = self.want - int(usable.sum()) - (~complete).sum() * rate / dynamic_sampling.ADMIT_MARGIN
+            if missing > 1e-6:
+                more = dynamic_sampling.groups_to_admit(math.ceil(missing - 1e-6), rate)
+                self.limit = min(self.num_groups, self.limit + more)
+        total = self.num_groups * self.g
+        return self.limit * self.g, total
+
+    def _collect(self, block: bool) -> None:
+        """Stores the scores that have arrived (with `block`, every pending one)."""
+        still = []
+        for seqs, future in self._pending:
+            if not block and not future.done():
+                still.append((seqs, future))
+                continue
+            shaped_K, each_RxK = future.result()
+            if self.each_RxN is None:
+                self.each_RxN = np.zeros((each_RxK.shape[0], len(self.shaped_N)), np.float32)
+            self.shaped_N[seqs], self.each_RxN[:, seqs] = shaped_K, each_RxK
+        self._pending = still
+
+    def done(self) -> bool:
+        return int(self.usable().sum()) >= self.want and not (self.must_G & ~self.complete()).any()
+
+    def results(self) -> tuple[np.ndarray, np.ndarray]:
+        """(shaped_N, each_RxN) once every score is in: NaN / 0 where not scored."""
+        self._collect(block=True)
+        each = self.each_RxN if self.each_RxN is not None else np.zeros((0, len(self.shaped_N)), np.float32)
+        return self.shaped_N, each
+
+
+def collect_partial(
+    cfg: RunConfig, policy: Policy, rollout_params, loader: PromptLoader, pool: RewardPool, key,
+    carry: list[CarriedGroup], step: int, keep_rate: float = 1.0, *, max_batch: int | None,
+) -> tuple[experience.Experience | None, dict[str, float], list[CarriedGroup]]:  # fmt: skip
+    """Rollouts + rewards of step `step` with the groups `carry` brought (module doc): (the experience of
+    the kept groups, None if none; the step's metrics; the groups carried to the next step)."""
+    g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
+    in_flight = math.ceil((dynamic_sampling.groups_to_admit(want, keep_rate) if dynamic else want) * OVERSAMPLE)
+    new_batches = -(-max(in_flight - len(carry), 0) // want)
+    before = loader.state()
+    refills = cfg.rl.max_refill_rounds if dynamic else 0
+    fresh = experience.peek_prompts(cfg, policy, loader, max(new_batches, 1) + refills)
+    prompts = _joined(carry, fresh)
+    scorer = experience._Scorer(cfg, policy, pool, prompts, g)
+    num_groups = len(prompts.answers)
+    must_G = np.zeros((num_groups,), bool)
+    must_G[: len(carry)] = [step - c.since >= cfg.rollout.max_staleness for c in carry]
+    tracker = PartialTracker(num_groups, g, want, scorer.for_rows(np.arange(num_groups * g)), dynamic=dynamic,
+                             keep_rate=keep_rate, admit=len(carry) + new_batches * want, must_G=must_G)  # fmt: skip
+    t0 = time.perf_counter()
+    carried_in = _partial_of(carry, g, cfg.rollout.max_new_tokens)
+    batch, paused = generate(
+        policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling_config(cfg, policy), group_size=g,
+        lora_scale=lora.lora_scale(cfg.lora), max_batch=max_batch,
+        part=RolloutPart(monitor=tracker, expected_seqs=tracker.limit * g, partial=carried_in),
+        options=rollout_options(cfg, policy),
+    )  # fmt: skip
+    jax.block_until_ready(batch.tokens)
+    t_rollout, t0 = time.perf_counter() - t0, time.perf_counter()
+    shaped_N, each_RxN = tracker.results()
+    t_reward = time.perf_counter() - t0
+    kept, complete = np.flatnonzero(tracker.usable())[:want], np.flatnonzero(tracker.complete())
+    admitted_G = (np.asarray(batch.lengths) > 0).reshape(-1, g).any(axis=1)
+    admitted_G[paused.seqs_K // g] = True
+    dropped_G = tracker.complete() & ~tracker.usable()  # dynamic sampling: complete, equal rewards
+    carried_out = np.flatnonzero(admitted_G & ~np.isin(np.arange(num_groups), kept) & ~dropped_G)
+    new_batches_admitted = prompts.batch_of[admitted_G & (prompts.batch_of >= 0)]
+    used = int(new_batches_admitted.max()) + 1 if new_batches_admitted.size else 0
+    loader.restore(before)
+    for _ in range(used):
+        next(loader)
+    stats = experience._stats(cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward)
+    stats.update(_partial_stats(carry, carried_in, batch, kept, g, step, must_G, len(carried_out), t_rollout))
+    new_carry = [_carried(prompts, batch, paused, carry, i, g, step) for i in carried_out]
+    if not len(kept):
+        return None, stats, new_carry
+    return experience._experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete)), stats, new_carry
+
+
+def _joined(carry: list[CarriedGroup], fresh: experience.StepPrompts) -> experience.StepPrompts:
+    """The call's prompts: the carried groups' (batch -1), then the fresh ones, left-padded alike."""
+    width = fresh.ids.shape[1]
+    ids = np.zeros((len(carry), width), np.int32)
+    mask = np.zeros((len(carry), width), np.int32)
+    for i, c in enumerate(carry):
+        n = len(c.prompt_ids)
+        ids[i, width - n :], mask[i, width - n :] = c.prompt_ids, 1
+    return experience.StepPrompts(
+        ids=np.concatenate([ids, fresh.ids]),
+        mask=np.concatenate([mask, fresh.mask]),
+        prompts=[c.prompt for c in carry] + fresh.prompts,
+        answers=[c.answer for c in carry] + fresh.answers,
+        fields=[c.fields for c in carry] + fresh.fields,
+        batch_of=np.concatenate([np.full((len(carry),), -1), fresh.batch_of]),
+        position=np.concatenate([np.full((len(carry),), -1), fresh.position]),
+    )
+
+
+def _partial_of(carry: list[CarriedGroup], g: int, max_new: int) -> Partial:
+    """The carried samples that have tokens, as the call's `Partial` (the carried groups are its first rows)."""
+    seqs, tokens, logp, lengths, finished, stopped = [], [], [], [], [], []
+    for i, c in enumerate(carry):
+        for j in range(g):
+            if c.tokens[j]:
+                n = len(c.tokens[j])
+                seqs.append(i * g + j)
+                tokens.append(np.pad(np.asarray(c.tokens[j], np.int32), (0, max_new - n)))
+                logp.append(np.pad(np.asarray(c.logprobs[j], np.float32), (0, max_new - n)))
+                lengths.append(n)
+                finished.append(c.finished[j])
+                stopped.append(c.stopped[j])
+    k = len(seqs)
+    return Partial(
+        seqs_K=np.asarray(seqs, np.int64),
+        tokens_KxM=np.asarray(tokens, np.int32).reshape(k, max_new),
+        logprobs_KxM=np.asarray(logp, np.float32).reshape(k, max_new),
+        lengths_K=np.asarray(lengths, np.int32),
+        finished_K=np.asarray(finished, bool),
+        stopped_K=np.asarray(stopped, bool),
+    )
+
+
+def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, group: int, g: int, step: int):
+    """Group `group` of the call as it stands, to carry: finished samples from the batch, paused ones as paused."""
+    lengths, tokens, logp = np.asarray(batch.lengths), np.asarray(batch.tokens), np.asarray(batch.logprobs)
+    truncated = np.asarray(batch.truncated)
+    at = {int(s): i for i, s in enumerate(paused.seqs_K)}
+    out = CarriedGroup(
+        prompt=prompts.prompts[group], answer=prompts.answers[group], fields=prompts.fields[group],
+        prompt_ids=prompts.ids[group][prompts.mask[group] == 1].tolist(),
+        since=carry[group].since if group < len(carry) else step, tokens=[], logprobs=[], finished=[], stopped=[],
+    )  # fmt: skip
+    for r in range(group * g, group * g + g):
+        if r in at:
+            n = int(paused.lengths_K[at[r]])
+            sample = (paused.tokens_KxM[at[r], :n], paused.logprobs_KxM[at[r], :n], False, False)
+        else:
+            n = int(lengths[r])  # 0: never admitted
+            sample = (tokens[r, :n], logp[r, :n], n > 0, n > 0 and not truncated[r])
+        out.tokens.append(sample[0].tolist())
+        out.logprobs.append(sample[1].tolist())
+        out.finished.append(bool(sample[2]))
+        out.stopped.append(bool(sample[3]))
+    return out
+
+
+def _partial_stats(carry, carried_in: Partial, batch, kept, g: int, step: int, must_G, carried_out: int,
+                   t_rollout: float) -> dict[str, float]:  # fmt: skip
+    """The off-policy share of the trained tokens (drawn under an earlier step's adapter), the largest
+    staleness among the kept groups, the groups forced to finish and those carried on; the tokens this
+    call decoded (the carried ones' earlier tokens not counted again) and their rate."""
+    rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
+    before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)
+    before_N[carried_in.seqs_K] = carried_in.lengths_K
+    trained = float(np.asarray(batch.lengths)[rows].sum())
+    ages = [step - carry[i].since for i in kept if i < len(carry)]
+    decoded = float(np.asarray(batch.decoded).sum() - before_N.sum())
+    return {
+        "rollout/decoded_tokens": decoded,
+        "rollout/tokens_per_s": decoded / max(t_rollout, 1e-9),
+        "rollout/offpolicy_tokens_frac": float(before_N[rows].sum()) / max(trained, 1.0),
+        "rollout/staleness_max": float(max(ages, default=0)),
+        "rollout/carried_groups": float(carried_out),
+        "rollout/forced_groups": float(must_G.sum()),
+    }

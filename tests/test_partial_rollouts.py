@@ -1,0 +1,231 @@
+"""Partial rollouts (`rollout.max_staleness`): a call paused mid-decode and resumed by later calls draws
+what one uninterrupted call draws; the step's carried groups, their forced finish, their metrics and
+their round trip through a checkpoint."""
+
+import jax
+import numpy as np
+from rollout_helpers import f32_options, prompts
+
+from qerl_jax.rollout import SamplingConfig, generate, sampler
+
+BATCHING_STOPS = tuple(range(10, 25))  # test_sampler's: rows stop at scattered steps, some run to the limit
+
+
+def _sampling():
+    return SamplingConfig(temperature=0.8, top_p=0.95, top_k=40, max_new_tokens=24, eos_ids=BATCHING_STOPS)
+
+
+class _PauseAfter:
+    """Says `done` at its `checks`-th question: the call pauses there."""
+
+    def __init__(self, checks):
+        self.checks, self.stopped = checks, []
+
+    def finished(self, seqs, tokens, lengths):
+        assert (lengths > 0).all()
+        self.stopped += seqs.tolist()
+
+    def bounds(self, wait):
+        return 12, 12
+
+    def done(self):
+        self.checks -= 1
+        return self.checks <= 0
+
+
+def _next_partial(batch, paused):
+    """The sequences the next call carries: the finished ones of `batch` and the `paused` ones."""
+    lengths = np.asarray(batch.lengths)
+    done = np.flatnonzero(lengths > 0)
+    return sampler.Partial(
+        seqs_K=np.concatenate([done, paused.seqs_K]),
+        tokens_KxM=np.concatenate([np.asarray(batch.tokens)[done], paused.tokens_KxM]),
+        logprobs_KxM=np.concatenate([np.asarray(batch.logprobs)[done], paused.logprobs_KxM]),
+        lengths_K=np.concatenate([lengths[done], paused.lengths_K]),
+        finished_K=np.concatenate([np.ones(len(done), bool), paused.finished_K]),
+        stopped_K=np.concatenate([~np.asarray(batch.truncated)[done], paused.stopped_K]),
+    )
+
+
+def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatch):
+    """Calls paused every few decode steps (rows decoding, rows never admitted), each resuming the last
+    one's sequences (re-prefilled) under the same weights and key: the tokens of one uninterrupted call,
+    their log-probs to float32 rounding; the finished ones reported to the monitor at once."""
+    config, params, _ = f32_model
+    ids, mask = prompts(config.vocab_size, pads=(0, 3, 5, 1))
+    key = jax.random.key(7)
+    plain = generate(config, params, ids, mask, key, _sampling(), group_size=3, options=f32_options())
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    none = np.zeros((0,), bool)
+    partial = sampler.Partial(none.astype(int), np.zeros((0, 24), np.int32), np.zeros((0, 24), np.float32),
+                              none.astype(np.int32), none, none)  # fmt: skip
+    calls, paused_ever = 0, 0
+    while len(partial.seqs_K) < 12 or not partial.finished_K.all():
+        monitor = _PauseAfter(checks=3)
+        batch, paused = generate(
+            config, params, ids, mask, key, _sampling(), group_size=3, max_batch=4,
+            part=sampler.RolloutPart(monitor=monitor, partial=partial), options=f32_options(smaller_rows=(2,)),
+        )  # fmt: skip
+        # the finished carried ones were reported first
+        assert monitor.stopped[: int(partial.finished_K.sum())] == partial.seqs_K[partial.finished_K].tolist()
+        lengths = np.asarray(batch.lengths)
+        assert (lengths[paused.seqs_K] == 0).all() and (paused.lengths_K >= 1).all()
+        np.testing.assert_array_equal(np.asarray(batch.decoded)[paused.seqs_K], paused.lengths_K)
+        paused_ever += len(paused.seqs_K)
+        if calls == 0:
+            never = (lengths == 0) & ~np.isin(np.arange(12), paused.seqs_K)
+            assert never.any(), "the first call must leave sequences it never admitted"
+        partial, calls = _next_partial(batch, paused), calls + 1
+        assert calls < 12
+    assert calls >= 3 and paused_ever >= 4
+    order = np.argsort(partial.seqs_K)
+    np.testing.assert_array_equal(partial.lengths_K[order], np.asarray(plain.lengths))
+    np.testing.assert_array_equal(partial.tokens_KxM[order], np.asarray(plain.tokens))
+    np.testing.assert_allclose(partial.logprobs_KxM[order], np.asarray(plain.logprobs), atol=2e-5)
+    np.testing.assert_array_equal(partial.stopped_K[order], ~np.asarray(plain.truncated))
+
+
+# ----------------------------------------------------------------------------- a step's carried groups
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+from conftest import load_config, set_fields  # noqa: E402
+from rollout_helpers import recomputed_logp  # noqa: E402
+
+from qerl_jax import lora, partial_rollouts, reward_pool, rewards, run_config  # noqa: E402
+from qerl_jax.data import PromptLoader, load_math_dataset  # noqa: E402
+from qerl_jax.policy import load_policy  # noqa: E402
+
+STOPS = tuple(range(40, 120))  # stop ids the tiny model draws now and then: completions of scattered lengths
+
+
+def _stopping_sampling(cfg, policy):
+    return dataclasses.replace(run_config.sampling_config(cfg, policy), eos_ids=STOPS)
+
+
+def _tiny_run(workdir, model_dir, **overrides):
+    cfg = load_config("tiny")
+    cfg.workdir, cfg.model.tiny, cfg.model.path, cfg.eval.num_examples = str(workdir), False, model_dir, 0
+    return run_config.from_config_dict(set_fields(cfg, overrides))
+
+
+def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_its_sampler_logp(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """K = 1, three steps on the same weights: the first pauses groups mid-decode (and leaves samples
+    never admitted); each later one finishes every group carried from the step before (counted) before
+    it ends, keeps the first complete groups (carried first), logs their off-policy share and staleness;
+    every kept row's tokens, sampler log-probs and reward belong to its prompt (recomputed); the loader
+    moves past the batches admitted; the carry's JSON round trip continues the run the same."""
+    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    cfg = _tiny_run(tmp_path, tiny_model_dir, **{"rollout.max_staleness": 1, "rollout.max_batch": 6})
+    policy = load_policy(cfg)
+    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
+    carry, key, batches = [], jax.random.key(5), 0
+    with reward_pool.RewardPool(1) as pool:
+        for step in range(3):
+            before = list(carry)
+            exp, stats, carry = partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.fold_in(key, step), carry, step, max_batch=6
+            )
+            batches += int(stats["rollout/prompt_batches"])
+            held = lambda groups: sum(len(t) for c in groups for t in c.tokens)  # noqa: E731
+            decoded = int(np.asarray(exp.rollout.lengths).sum()) + held(carry) - held(before)  # all kept or carried
+            assert stats["rollout/decoded_tokens"] == decoded > 0
+            assert loader.state()["step"] == batches
+            assert exp.groups_kept == stats["rollout/groups_kept"] == 4
+            assert stats["rollout/carried_groups"] == len(carry)
+            assert stats["rollout/forced_groups"] == len(before)  # K = 1: every carried group must finish
+            assert all(c.since == step for c in carry)  # ... and did: none is carried twice
+            assert stats["rollout/staleness_max"] == (1.0 if step else 0.0)
+            if step == 0:
+                assert stats["rollout/offpolicy_tokens_frac"] == 0.0
+                samples = [(len(t), f) for c in carry for t, f in zip(c.tokens, c.finished)]
+                assert any(n > 0 and not f for n, f in samples) and any(n == 0 for n, _ in samples)
+            else:
+                assert 0.0 < stats["rollout/offpolicy_tokens_frac"] < 1.0
+                carried_prompts = {c.prompt for c in before}
+                assert carried_prompts & set(exp.prompts)  # carried groups were kept ...
+                kept = [r for r, p in enumerate(exp.prompts) if p in carried_prompts]
+                assert (np.asarray(exp.rollout.lengths)[kept] > 0).all()  # ... complete
+            lengths = np.asarray(exp.rollout.lengths)
+            assert (lengths > 0).all() and len(exp.completions) == 16
+            for text, answer, reward in zip(exp.completions, exp.answers, exp.rewards):
+                assert rewards.digits_reward(text, answer) == reward
+            recomputed, sampled, mask = recomputed_logp(
+                policy.config, policy.frozen, exp.rollout, cfg.rollout.temperature, lora.lora_scale(cfg.lora)
+            )
+            gap = np.abs(recomputed - sampled)[mask > 0]
+            assert gap.max() < 5e-3, gap.max()  # bf16 cache: ~6e-4; a token or log-prob out of place: ~1
+        state, saved = loader.state(), json.loads(json.dumps(partial_rollouts.to_meta(carry)))
+        runs = []
+        for resumed in (carry, partial_rollouts.from_meta(saved)):
+            loader.restore(state)
+            runs.append(partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.fold_in(key, 3), resumed, 3, max_batch=6
+            ))  # fmt: skip
+    (a, stats_a, carry_a), (b, stats_b, carry_b) = runs
+    np.testing.assert_array_equal(np.asarray(a.rollout.tokens), np.asarray(b.rollout.tokens))
+    np.testing.assert_array_equal(np.asarray(a.rollout.logprobs), np.asarray(b.rollout.logprobs))
+    assert partial_rollouts.to_meta(carry_a) == partial_rollouts.to_meta(carry_b)
+    assert {k: v for k, v in stats_a.items() if not k.startswith("time/") and "per_s" not in k} == {
+        k: v for k, v in stats_b.items() if not k.startswith("time/") and "per_s" not in k
+    }
+
+
+def test_a_killed_and_resumed_partial_run_equals_an_uninterrupted_one(tmp_path, tiny_model_dir, monkeypatch):
+    """K = 1, 4 steps: stopped after step 2 (its checkpoint holds the paused groups) and resumed, the run
+    logs the scalars (off-policy share, staleness, carried groups included) and trains the LoRA of one
+    that ran straight through."""
+    from test_train import DIGIT_REWARD, _assert_same_run, _config, _scalars_without_timing
+
+    from qerl_jax import train
+
+    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    run = {"train.total_steps": 4, "train.checkpoint_every": 2, "rl.reward": DIGIT_REWARD,
+           "rollout.max_staleness": 1, "rollout.max_batch": 6}  # fmt: skip
+    straight = _config(tmp_path / "straight", tiny_model_dir, **run)
+    train.train(straight)
+    train.train(_config(tmp_path / "resumed", tiny_model_dir, **run, **{"train.stop_after_steps": 2}))
+    resumed = _config(tmp_path / "resumed", tiny_model_dir, **run, **{"resume": True})
+    train.train(resumed)
+    _assert_same_run(straight, resumed)
+    scalars = _scalars_without_timing(str(tmp_path / "straight" / "tensorboard"))
+    assert max(v for _, v in scalars["rollout/carried_groups"]) > 0
+    assert max(v for _, v in scalars["rollout/offpolicy_tokens_frac"]) > 0
+
+
+def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tmp_path, tiny_model_dir, monkeypatch):
+    """K = 2 with DAPO's dynamic sampling: each step keeps 4 complete groups with varied rewards, carries
+    no complete group of equal rewards, and no group longer than K steps."""
+    from worker_rewards import hashed_reward
+
+    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    cfg = _tiny_run(tmp_path, tiny_model_dir, **{
+        "rollout.max_staleness": 2, "rollout.max_batch": 6, "rl.dynamic_sampling": True,
+        "rl.reward": "worker_rewards:hashed_reward",
+    })  # fmt: skip
+    policy = load_policy(cfg)
+    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
+    carry, keep_rate, carried_ever = [], 1.0, 0
+    with reward_pool.RewardPool(1) as pool:
+        for step in range(3):
+            exp, stats, carry = partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.key(step), carry, step, keep_rate, max_batch=6
+            )
+            keep_rate, carried_ever = stats["rollout/keep_rate"], carried_ever + len(carry)
+            assert exp.groups_kept == 4 and stats["rollout/staleness_max"] <= 2
+            groups = exp.rewards.reshape(4, -1)
+            assert all(len(set(g.tolist())) > 1 for g in groups)
+            for text, answer, reward in zip(exp.completions, exp.answers, exp.rewards):
+                assert hashed_reward(text, answer) == reward
+            for c in carry:  # none past K; a complete one carried (surplus) has varied rewards
+                assert step - c.since < 2
+                if all(c.finished):
+                    texts = policy.tokenizer.batch_decode(c.tokens, skip_special_tokens=True)
+                    assert len({hashed_reward(t, c.answer) for t in texts}) > 1
+    assert carried_ever > 0
