@@ -101,14 +101,8 @@ class PartialTracker:
         self._collect(block=self.dynamic)
         if self.dynamic:
             complete, usable = self.complete()[: self.limit], self.usable()[: self.limit]
-            rate = (usable.sum() + dynamic_sampling.PRIOR_GROUPS * self.keep_rate) / (
-                complete.sum() + dynamic_sampling.PRIOR_GROUPS
-            )
-            rate = max(float(rate), dynamic_sampling.MIN_KEEP_RATE)
-            missing = self.want - int(usable.sum()) - (~complete).sum() * rate / dynamic_sampling.ADMIT_MARGIN
-            if missing > 1e-6:
-                more = dynamic_sampling.groups_to_admit(math.ceil(missing - 1e-6), rate)
-                self.limit = min(self.num_groups, self.limit + more)
+            more = dynamic_sampling.groups_to_add(self.want, usable, complete, self.keep_rate)
+            self.limit = min(self.num_groups, self.limit + more)
         total = self.num_groups * self.g
         return self.limit * self.g, total
 

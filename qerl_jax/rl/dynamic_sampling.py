@@ -38,6 +38,17 @@ def groups_to_admit(want: int, keep_rate: float) -> int:
     return math.ceil(want / max(keep_rate, MIN_KEEP_RATE) * ADMIT_MARGIN - 1e-9)
 
 
+def groups_to_add(want: int, varied_G: np.ndarray, decided_G: np.ndarray, keep_rate: float) -> int:
+    """More groups to admit (0: none) while the groups admitted are not expected to give `want` with
+    varied rewards. varied_G / decided_G: bool [admitted groups], those known to have varied rewards
+    (a subset of) those whose outcome is known; the keep rate is estimated from the decided ones
+    (with PRIOR_GROUPS at `keep_rate`), the undecided ones counted at it (over ADMIT_MARGIN)."""
+    rate = (varied_G.sum() + PRIOR_GROUPS * keep_rate) / (decided_G.sum() + PRIOR_GROUPS)
+    rate = max(float(rate), MIN_KEEP_RATE)
+    missing = want - int(varied_G.sum()) - (~decided_G).sum() * rate / ADMIT_MARGIN
+    return groups_to_admit(math.ceil(missing - 1e-6), rate) if missing > 1e-6 else 0
+
+
 def groups_to_plan(want: int, keep_rate: float) -> int:
     """`groups_to_admit` rounded up to a multiple of half of `want`: the rollout's rows, sized for
     it, take few distinct shapes as the keep rate moves (each new one compiles its programs)."""
@@ -157,9 +168,4 @@ class GroupTracker:
         r_GxN = self.shaped_N.reshape(-1, self.group_size)[: self._limit]
         varied = varied_groups(self.shaped_N, self.group_size)[: self._limit]
         decided = varied | ~np.isnan(r_GxN).any(axis=1)
-        rate = (varied[decided].sum() + PRIOR_GROUPS * self.keep_rate) / (decided.sum() + PRIOR_GROUPS)
-        rate = max(float(rate), MIN_KEEP_RATE)
-        missing = self.want - int(varied.sum()) - (~decided).sum() * rate / ADMIT_MARGIN
-        if missing > 1e-6:
-            self._limit = min(self._end, self._limit + groups_to_admit(math.ceil(missing - 1e-6), rate))
-        self._limit = min(self._limit, self._end)
+        self._limit = min(self._end, self._limit + groups_to_add(self.want, varied, decided, self.keep_rate))
