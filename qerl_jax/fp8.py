@@ -35,6 +35,7 @@ whole case takes ~105 s without FP8; so `model.fp8_matmul` is "off" by default.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -106,11 +107,7 @@ from_packed_jit = jax.jit(from_packed, static_argnums=1)
 def copy_bytes(shape: tuple[int, ...], transposed: bool = False) -> int:
     """Bytes of the FP8 copy of a weight of logical shape [..., N, K] (codes + scales)."""
     *lead, n, k = shape
-    layers = 1
-    for d in lead:
-        layers *= d
-    one = n * k + 4 * n + ((n * k + 4 * k) if transposed else 0)
-    return layers * one
+    return math.prod(lead) * (n * k + 4 * n + ((n * k + 4 * k) if transposed else 0))
 
 
 def _dot_nt(a_MxK: jax.Array, b_NxK: jax.Array) -> jax.Array:

@@ -170,8 +170,7 @@ def fp8_copy_bytes(params: dict[str, Any], dense_names: tuple[str, ...]) -> int:
         if is_packed(p["w"]) and name not in dense_names:
             continue
         *lead, n, k = device_shape(p["w"].codes) if is_packed(p["w"]) else device_shape(p["w"])
-        k = 2 * k if is_packed(p["w"]) else k
-        total += math.prod(lead) * (n * k + 4 * n)
+        total += fp8.copy_bytes((*lead, n, 2 * k if is_packed(p["w"]) else k))
     return total
 
 
