@@ -56,9 +56,7 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
     key = jax.random.key(7)
     plain = generate(config, params, ids, mask, key, _sampling(), group_size=3, options=f32_options())
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
-    none = np.zeros((0,), bool)
-    partial = sampler.Partial(none.astype(int), np.zeros((0, 24), np.int32), np.zeros((0, 24), np.float32),
-                              none.astype(np.int32), none, none)  # fmt: skip
+    partial = sampler.Partial.empty(24)
     calls, paused_ever = 0, 0
     while len(partial.seqs_K) < 12 or not partial.finished_K.all():
         monitor = _PauseAfter(checks=3)

@@ -167,6 +167,13 @@ class Partial:
     finished_K: np.ndarray
     stopped_K: np.ndarray
 
+    @classmethod
+    def empty(cls, max_new_tokens: int) -> Partial:
+        """No sequence under way (K = 0)."""
+        none = np.zeros((0,), bool)
+        return cls(none.astype(np.int64), np.zeros((0, max_new_tokens), np.int32),
+                   np.zeros((0, max_new_tokens), np.float32), none.astype(np.int32), none, none)  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutPart:
@@ -831,9 +838,7 @@ class _Outputs:
         those the queue skips, int [N] each resumed sequence's index in `partial`, else -1)."""
         if partial is None:
             return None, None
-        m, none = self.tokens.shape[1], np.zeros((0,), bool)
-        self.paused = Partial(none.astype(np.int64), np.zeros((0, m), np.int32), np.zeros((0, m), np.float32),
-                              none.astype(np.int32), none, none)  # fmt: skip
+        self.paused = Partial.empty(self.tokens.shape[1])
         done, seqs = np.asarray(partial.finished_K, bool), np.asarray(partial.seqs_K)
         finished = seqs[done]
         self.tokens[finished], self.logprobs[finished] = partial.tokens_KxM[done], partial.logprobs_KxM[done]
