@@ -84,6 +84,7 @@ def print_help(argv: list[str]) -> NoReturn:
 def config_help(cfg: ml_collections.ConfigDict, source: str = "qerl_jax.config.default_config()") -> str:
     """Every field of `cfg`: a `--config.<path>=<value>` line, then its help (`config.field_docs`)."""
     from qerl_jax.config import field_docs  # noqa: PLC0415 (only for --help)
+    from qerl_jax.schema import flag_value  # noqa: PLC0415
 
     docs = field_docs()
 
@@ -94,20 +95,11 @@ def config_help(cfg: ml_collections.ConfigDict, source: str = "qerl_jax.config.d
                 out += lines(value, f"{prefix}{key}.")
             else:
                 doc = docs.get(prefix + key, "(not a field of qerl_jax.config.default_config())")
-                out += [f"  --{CONFIG_FLAG}.{prefix}{key}={_flag_value(value)}", f"      {doc}"]
+                out += [f"  --{CONFIG_FLAG}.{prefix}{key}={flag_value(value)}", f"      {doc}"]
         return out
 
     header = f"\nConfig fields (the values of {source}), each settable as --{CONFIG_FLAG}.<section>.<field>=value:"
     return "\n".join([header, *lines(cfg, "")])
-
-
-def _flag_value(value: Any) -> str:
-    """A default as it is written on the command line."""
-    if isinstance(value, str):
-        return value if value and not any(c.isspace() for c in value) else repr(value)
-    if isinstance(value, tuple):
-        return "(" + ", ".join(repr(v) for v in value) + ("," if len(value) == 1 else "") + ")"
-    return str(value)
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

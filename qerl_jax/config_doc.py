@@ -34,10 +34,7 @@ def _default_text(value: Any) -> str:
         data_dir = os.path.normpath(config.DATA_DIR)
         if value.startswith(data_dir + os.sep):
             return "$QERL_DATA_DIR/" + os.path.relpath(value, data_dir).replace(os.sep, "/")
-        return repr(value) if not value or any(c.isspace() for c in value) else value
-    if isinstance(value, tuple):
-        return "(" + ", ".join(repr(v) for v in value) + ("," if len(value) == 1 else "") + ")"
-    return str(value)
+    return schema.flag_value(value)
 
 
 def _cell(text: str) -> str:

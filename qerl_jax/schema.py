@@ -65,6 +65,15 @@ def leaves(root: type) -> tuple[Leaf, ...]:
     return tuple(out)
 
 
+def flag_value(value: Any) -> str:
+    """A field's value as it is written on the command line (`--config.<path>=<this>`)."""
+    if isinstance(value, str):
+        return value if value and not any(c.isspace() for c in value) else repr(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(repr(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
+
+
 def config_dict(root: type) -> ml_collections.ConfigDict:
     """The ConfigDict of the section `root`'s defaults (sections nested; a None default typed by field_type)."""
     c = ml_collections.ConfigDict()
