@@ -28,13 +28,20 @@ This page is generated: `python -m qerl_jax.config_doc > docs/configuration.md` 
 """
 
 
-def _default_text(value: Any) -> str:
-    """A default as written on the command line; paths under the data directory as $QERL_DATA_DIR/..."""
+def _portable(value: Any) -> Any:
+    """Paths under the data directory as $QERL_DATA_DIR/..., inside tuples too, so the page is the same in any checkout."""
+    if isinstance(value, tuple):
+        return tuple(_portable(item) for item in value)
     if isinstance(value, str):
         data_dir = os.path.normpath(config.DATA_DIR)
         if value.startswith(data_dir + os.sep):
             return "$QERL_DATA_DIR/" + os.path.relpath(value, data_dir).replace(os.sep, "/")
-    return schema.flag_value(value)
+    return value
+
+
+def _default_text(value: Any) -> str:
+    """A default as written on the command line, its data paths portable."""
+    return schema.flag_value(_portable(value))
 
 
 def _cell(text: str) -> str:

@@ -34,6 +34,11 @@ def test_default_text_names_the_data_directory_not_this_machine():
     assert config_doc._default_text(inside) == "$QERL_DATA_DIR/gsm8k/train.jsonl"
     assert config_doc._default_text("a b") == "'a b'"
     assert config_doc._default_text(("q_proj",)) == "('q_proj',)"
+    assert config_doc._default_text((inside,)) == "('$QERL_DATA_DIR/gsm8k/train.jsonl',)"
+
+
+def test_configuration_page_is_the_same_in_any_checkout():
+    assert os.path.normpath(config.DATA_DIR) not in config_doc.page()
 
 
 def _relative_links(path: str) -> list[str]:
