@@ -142,7 +142,7 @@ def collect_partial(
     refills = cfg.rl.max_refill_rounds if dynamic else 0
     fresh = experience.peek_prompts(cfg, policy, loader, max(new_batches, 1) + refills)
     prompts = _joined(carry, fresh)
-    scorer = experience._Scorer(cfg, policy, pool, prompts, g)
+    scorer = experience.Scorer(cfg, policy, pool, prompts, g)
     num_groups = len(prompts.answers)
     must_G = np.zeros((num_groups,), bool)
     must_G[: len(carry)] = [step - c.since >= cfg.rollout.max_staleness for c in carry]
@@ -170,12 +170,12 @@ def collect_partial(
     loader.restore(before)
     for _ in range(used):
         next(loader)
-    stats = experience._stats(cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward)
+    stats = experience.rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward)
     stats.update(_partial_stats(carry, carried_in, batch, kept, g, step, must_G, len(carried_out), t_rollout))
     new_carry = [_carried(prompts, batch, paused, carry, i, g, step) for i in carried_out]
     if not len(kept):
         return None, stats, new_carry
-    return experience._experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete)), stats, new_carry
+    return experience.kept_experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete)), stats, new_carry
 
 
 def _joined(carry: list[CarriedGroup], fresh: experience.StepPrompts) -> experience.StepPrompts:
