@@ -144,6 +144,9 @@ def collect_partial(
     g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
     shards = mesh.shape["data"] if mesh is not None else 1
     wants = [b.stop - b.start for b in data_parallel.prompt_blocks(want, shards)]
+    if any(not 0 <= c.shard < shards for c in carry):
+        raise ValueError(f"carried groups of data shards {sorted({c.shard for c in carry})} on a mesh of {shards}: "
+                         "deal them first (`deal`)")  # fmt: skip
     mine = [[i for i, c in enumerate(carry) if c.shard == d] for d in range(shards)]
     new_batches = [_new_batches(w, len(m), keep_rate, dynamic) for w, m in zip(wants, mine)]
     before = loader.state()
