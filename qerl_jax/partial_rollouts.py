@@ -18,6 +18,18 @@ adapter, as sampling it anew would.
 The decision to end the call waits for the scores of the complete groups (dynamic sampling), so the
 kept set is the same whatever the reward workers' timing: deterministic per seed and row layout.
 The carried groups are JSON in the checkpoint's metadata (`to_meta`, `from_meta`): resume is exact.
+
+With a mesh (`mesh.data` = D > 1) each data shard does all of the above for itself, in its own call
+(`data_parallel.generate_data_parallel`, one thread per shard, nothing shared while decoding): its
+carried groups (those it paused: `CarriedGroup.shard`) first, then its block of each loader batch
+(`shard_calls`), its own tracker ending its call once its share of the groups
+(`data_parallel.prompt_blocks(prompts_per_step, D)`) is complete and its own forced groups are. A
+shard that is done pauses its rows and returns at once, whatever the others decode; what waits is
+the end of the step's rollout: the shards' threads are joined and their rows gathered (across
+processes, one `process_allgather`), so the step goes on when the last shard has its share, the
+done shards' devices idle until then. The kept set is each shard's first complete groups in its
+order, sorted; the same for a seed and layout. A checkpoint written on D shards and resumed on
+another number deals its groups round-robin (`deal`).
 """
 
 from __future__ import annotations

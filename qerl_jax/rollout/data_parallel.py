@@ -15,6 +15,10 @@ results are gathered once on every process (`gather_blocks`) and put back in pro
 Each shard samples its rows with their streams in the whole batch (`RolloutPart.streams`), so
 the tokens equal those of one `generate` call over the whole batch with the same key (up to
 the float error of other row buckets).
+
+With partial rollouts (`partials`), each shard's call resumes its own sequences under way and
+ends when its own monitor is done, pausing its rows; the call returns once every shard has
+ended, with the paused sequences of all shards.
 """
 
 from __future__ import annotations
