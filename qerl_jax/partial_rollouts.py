@@ -183,15 +183,7 @@ def collect_partial(
     t_rollout, t0 = time.perf_counter() - t0, time.perf_counter()
     shaped_N, each_RxN = experience.shared_scores(trackers, rows_of, num_groups * g, len(scorer.spec))
     t_reward = time.perf_counter() - t0
-    lengths_G = np.asarray(batch.lengths).reshape(-1, g)
-    complete_G = (lengths_G > 0).all(axis=1)  # every sample finished (paused ones are empty in the batch)
-    usable_G = complete_G & (dynamic_sampling.varied_groups(shaped_N, g) if dynamic else True)
-    kept = np.sort(np.concatenate([o[usable_G[o]][:w] for o, w in zip(order, wants)])).astype(np.int64)
-    admitted_G = (lengths_G > 0).any(axis=1)
-    admitted_G[paused.seqs_K // g] = True
-    carried_G = admitted_G & ~np.isin(np.arange(num_groups), kept) & ~(complete_G & ~usable_G)  # not the dropped
-    new_batches_admitted = prompts.batch_of[admitted_G & (prompts.batch_of >= 0)]
-    used = int(new_batches_admitted.max()) + 1 if new_batches_admitted.size else 0
+    kept, complete_G, carried_G, used = _selection(batch, paused, shaped_N, order, wants, prompts.batch_of, g, dynamic)
     loader.restore(before)
     for _ in range(used):
         next(loader)
@@ -207,6 +199,22 @@ def collect_partial(
         return None, stats, new_carry
     exp = experience.kept_experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete))
     return exp, stats, new_carry
+
+
+def _selection(batch, paused: Partial, shaped_N, order, wants, batch_of, g: int, dynamic: bool):
+    """(kept: each shard's first wants[d] usable groups in its order, sorted; complete_G; carried_G: the
+    groups admitted, neither kept nor dropped (dynamic sampling: complete, equal rewards); the loader
+    batches used: up to the last one a group was admitted from). Usable: complete (every sample
+    finished; paused ones are empty in the batch), and with dynamic sampling with varied rewards."""
+    lengths_G = np.asarray(batch.lengths).reshape(-1, g)
+    complete_G = (lengths_G > 0).all(axis=1)
+    usable_G = complete_G & (dynamic_sampling.varied_groups(shaped_N, g) if dynamic else True)
+    kept = np.sort(np.concatenate([o[usable_G[o]][:w] for o, w in zip(order, wants)])).astype(np.int64)
+    admitted_G = (lengths_G > 0).any(axis=1)
+    admitted_G[paused.seqs_K // g] = True
+    carried_G = admitted_G & ~np.isin(np.arange(len(complete_G)), kept) & ~(complete_G & ~usable_G)
+    fresh = batch_of[admitted_G & (batch_of >= 0)]
+    return kept, complete_G, carried_G, int(fresh.max()) + 1 if fresh.size else 0
 
 
 def _new_batches(want: int, carried: int, keep_rate: float, dynamic: bool) -> int:
