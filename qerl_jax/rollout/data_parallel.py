@@ -162,6 +162,9 @@ def generate_data_parallel(
     process's shards (partial rollouts; seqs_K its call's rows, the shard's prompts' samples in its
     order): each shard ends when its own monitor is `done` and pauses its own rows, whatever the others
     do; the call returns (the batch, every shard's paused sequences as one `Partial` of batch rows).
+
+    Long because its signature and docstring carry each of `generate`'s arguments and each shard's; the
+    body reads as its steps: each shard's rows, one thread per local shard, the gather.
     """
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
     shards = mesh.shape["data"]
@@ -190,10 +193,7 @@ def generate_data_parallel(
             batch, paused = batch if partial is not None else (batch, None)
             out = _host(batch)
             out["prompt_index"] = prompts[out["prompt_index"]].astype(np.int32)
-            if paused is not None:  # its rows in the whole batch's
-                paused = dataclasses.replace(paused, seqs_K=rows[paused.seqs_K].astype(np.int64))
-                out.update({PAUSED + f.name: getattr(paused, f.name) for f in dataclasses.fields(Partial)})
-            return out
+            return out if paused is None else {**out, **_paused_arrays(paused, rows)}
 
     local = local_shards(mesh)
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(local), thread_name_prefix="rollout-shard") as pool:
@@ -201,15 +201,23 @@ def generate_data_parallel(
         done = {d: f.result() for d, f in futures.items()}
     parts = gather_blocks(done, shards)
     batch = in_prompt_order(parts, group_size)
-    if partials is None:
-        return batch
-    fields = [f.name for f in dataclasses.fields(Partial)]
-    paused = Partial(**{f: np.concatenate([p[PAUSED + f] for p in parts]) for f in fields})
-    return batch, paused
+    return batch if partials is None else (batch, _paused_of(parts))
 
 
 # The paused sequences' arrays among a shard's host arrays (`generate_data_parallel` with partials).
 PAUSED = "paused."
+
+
+def _paused_arrays(paused: Partial, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """A shard's paused sequences as host arrays, their rows (`rows`: the shard call's rows in the whole
+    batch) the whole batch's."""
+    paused = dataclasses.replace(paused, seqs_K=rows[paused.seqs_K].astype(np.int64))
+    return {PAUSED + f.name: getattr(paused, f.name) for f in dataclasses.fields(Partial)}
+
+
+def _paused_of(parts: list[dict[str, np.ndarray]]) -> Partial:
+    """Every shard's paused sequences (`_paused_arrays`), gathered, as one `Partial`."""
+    return Partial(**{f.name: np.concatenate([p[PAUSED + f.name] for p in parts]) for f in dataclasses.fields(Partial)})
 
 
 def _check_prompt_count(ids: np.ndarray, shards: int) -> None:
