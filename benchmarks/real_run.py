@@ -3,6 +3,7 @@
     python -m benchmarks.real_run --model q15.gguf --gpus 4 --out $OUT/real_run.json      # GPU
     python -m benchmarks.real_run --tiny --gpus 2 --layouts 1 mesh --out /tmp/rr.json     # CPU smoke
     python -m benchmarks.real_run --compare REF_WORKDIR NEW_WORKDIR                       # finished runs
+    python -m benchmarks.real_run --model q15.gguf --gpus 4 --set rollout.max_staleness=1 # partial rollouts
 
 Runs the recipe (--config, default configs/gsm8k.py, its model at --model) for --steps steps in
 each layout, one after another, each alone on the machine:
@@ -17,7 +18,8 @@ Each process's output goes to <workdir>/<layout>.<i>.log; a row counts the gRPC 
 (`grpc_error_lines`: 0 for a run that succeeds). Each run's `tensorboard/scalars.jsonl` gives its
 per-step `time/rollout_s`, `time/train_s`, `time/step_s` and kept groups. Reported over steps 1..
 (step 0, which compiles, apart): their mean and median, completions per second (kept groups x group
-size x steps over the summed step time) and the ratios to the baseline. This is what RESULTS.md's
+size x steps over the summed step time), with partial rollouts (`--set rollout.max_staleness=K`) the
+trained tokens' off-policy share and the largest staleness, and the ratios to the baseline. This is what RESULTS.md's
 real-run rows are; the random-weight benchmarks (`data_parallel`, `grpo_step`) are checked against it.
 --tiny: configs/tiny.py on N forced CPU devices.
 """
@@ -79,6 +81,7 @@ def commands(layout: str, args, workdir: str) -> list[tuple[dict[str, str], list
             f"--config.train.checkpoint_every={args.steps + 1}", f"--config.seed={args.seed}"]  # fmt: skip
     if args.model:
         main.append(f"--config.model.path={args.model}")
+    main += [f"--config.{o}" for o in getattr(args, "overrides", ())]  # e.g. rollout.max_staleness=1, every layout
     if layout == "1":
         return [(_devices_env([0], args.tiny), main)]
     if layout == "procs":
@@ -169,6 +172,10 @@ def summarize(workdir: str, group_size: int) -> dict:
     )
     unused = [r["rollout/unused_tokens_frac"] for r in later if "rollout/unused_tokens_frac" in r]
     out["unused_tokens_frac"] = statistics.mean(unused) if unused else float("nan")
+    # Partial rollouts (rollout.max_staleness >= 1): the trained tokens' off-policy share, the oldest kept group.
+    offpolicy = [r["rollout/offpolicy_tokens_frac"] for r in later if "rollout/offpolicy_tokens_frac" in r]
+    out["offpolicy_tokens_frac"] = statistics.mean(offpolicy) if offpolicy else float("nan")
+    out["staleness_max"] = max((r["rollout/staleness_max"] for r in later if "rollout/staleness_max" in r), default=0.0)
     return out
 
 
@@ -222,7 +229,7 @@ def table(report: dict) -> str:
     lines = [
         f"{report['config']} ({report['model'] or 'its own model'}), {report['steps']} steps, N = {report['gpus']}",
         f"{'layout':7} {'step 0 s':>8} {'rollout s':>9} {'train s':>8} {'step s (mean/median)':>21} "
-        f"{'longest':>7} {'compl/s':>8} {'step x 1':>13} {'compl/s x 1':>11}",
+        f"{'longest':>7} {'compl/s':>8} {'step x 1':>13} {'compl/s x 1':>11} {'off-policy':>10} {'stale':>5}",
     ]
     for r in report["rows"]:
         if "step_s" not in r:
@@ -232,7 +239,8 @@ def table(report: dict) -> str:
         lines.append(
             f"{r['layout']:7} {r['step0_s']:8.1f} {r['rollout_s']:9.2f} {r['train_s']:8.2f} "
             f"{r['step_s']:10.2f}/{r['step_median_s']:<10.2f} {r['longest_mean']:7.0f} {r['completions_per_s']:8.1f} "
-            f"{vs:>13} {r.get('throughput_vs_1', float('nan')):10.2f}x"
+            f"{vs:>13} {r.get('throughput_vs_1', float('nan')):10.2f}x {r['offpolicy_tokens_frac']:10.3f} "
+            f"{r['staleness_max']:5.0f}"
         )
     return "\n".join(lines)
 
@@ -245,6 +253,10 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=["1", "mesh", "procs", "weak"], choices=LAYOUTS)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--set", dest="overrides", nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
+        help="config fields for every layout's run, e.g. rollout.max_staleness=1 (as --config.FIELD=VALUE)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds each layout's run may take")
     p.add_argument("--workdir", default="/tmp/real_run", help="one workdir per layout under it")
     p.add_argument("--tiny", action="store_true", help="configs/tiny.py on forced CPU devices (smoke test)")

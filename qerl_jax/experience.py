@@ -105,8 +105,10 @@ def shard_order(batch_of: np.ndarray, shards: int) -> list[np.ndarray]:
     return [np.concatenate(o) if o else np.zeros((0,), np.int64) for o in order]
 
 
-class _Scorer:
-    """Decodes stopped sequences and submits them to the reward pool; keeps their texts."""
+class Scorer:
+    """Decodes stopped sequences and submits them to the reward pool; keeps their texts. A step's rows
+    are prompt-major over `step`'s prompts (row r: prompt r // group_size); one per step, shared by its
+    shards' monitors (`for_rows`)."""
 
     def __init__(self, cfg: RunConfig, policy: Policy, pool: RewardPool, step: StepPrompts, group_size: int):
         self.cfg, self.tokenizer, self.pool, self.step, self.g = cfg, policy.tokenizer, pool, step, group_size
@@ -191,7 +193,7 @@ def collect_experience(
     shards = mesh.shape["data"] if mesh is not None else 1
     order = shard_order(step.batch_of, shards)
     wants = [b.stop - b.start for b in data_parallel.prompt_blocks(want, shards)]
-    scorer = _Scorer(cfg, policy, pool, step, g)
+    scorer = Scorer(cfg, policy, pool, step, g)
     local = [d for d, _ in data_parallel.local_shards(mesh)] if mesh is not None else [0]
     rows_of = [(o[:, None] * g + np.arange(g)).reshape(-1) for o in order]
     trackers = {
@@ -205,16 +207,16 @@ def collect_experience(
     batch = _rollout(cfg, policy, rollout_params, step, key, mesh, order, trackers, planned, max_batch)
     t_rollout = time.perf_counter() - t0
     t0 = time.perf_counter()
-    shaped_N, each_RxN = _scores(trackers, rows_of, len(step.answers) * g, len(scorer.spec))
+    shaped_N, each_RxN = shared_scores(trackers, rows_of, len(step.answers) * g, len(scorer.spec))
     t_reward = time.perf_counter() - t0
     kept, sampled, used = select_groups(shaped_N, order, wants, g, dynamic, step.batch_of)
     loader.restore(before)
     for _ in range(used):
         next(loader)
-    stats = _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, len(kept), used, t_rollout, t_reward)
+    stats = rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, len(kept), used, t_rollout, t_reward)
     if not len(kept):
         return None, stats
-    return _experience(batch, scorer, step, shaped_N, each_RxN, kept, g, len(sampled)), stats
+    return kept_experience(batch, scorer, step, shaped_N, each_RxN, kept, g, len(sampled)), stats
 
 
 def select_groups(
@@ -263,7 +265,7 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
     return batch
 
 
-def _scores(trackers, rows_of, num_rows: int, num_rewards: int) -> tuple[np.ndarray, np.ndarray]:
+def shared_scores(trackers, rows_of, num_rows: int, num_rewards: int) -> tuple[np.ndarray, np.ndarray]:
     """(shaped_N, each_RxN) over the step's rows (NaN / 0 where not scored), on every process."""
     shaped_N = np.zeros((num_rows,), np.float32)
     known_N = np.zeros((num_rows,), bool)
@@ -282,9 +284,10 @@ def _scores(trackers, rows_of, num_rows: int, num_rewards: int) -> tuple[np.ndar
     return np.where(known_N, shaped_N, np.nan).astype(np.float32), each_RxN
 
 
-def _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t_rollout, t_reward) -> dict[str, float]:
-    """The step's rollout metrics; reward statistics over the groups sampled (those up to each
-    shard's last needed one, every reward known)."""
+def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t_rollout, t_reward) -> dict[str, float]:
+    """The step's rollout metrics; reward statistics over the groups `sampled` (prompt indices: those up
+    to each shard's last needed one, every reward known); kept: the groups trained on, used: the loader
+    batches the step took."""
     g = cfg.rollout.group_size
     lengths, decoded = np.asarray(batch.lengths), np.asarray(batch.decoded)
     rows = (np.sort(sampled)[:, None] * g + np.arange(g)).reshape(-1)
@@ -317,7 +320,9 @@ def _stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t_rollou
     return stats
 
 
-def _experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampled: int) -> Experience:
+def kept_experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampled: int) -> Experience:
+    """The `Experience` of the groups `kept` (prompt indices of `step`, in the order trained) out of the
+    step's rollout `batch` and its scores; sampled: how many groups the step sampled."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
     raw = scorer.weights @ each_RxN[:, rows]
     selected = rollout_batch.select_rows(batch, rows)

@@ -18,6 +18,18 @@ adapter, as sampling it anew would.
 The decision to end the call waits for the scores of the complete groups (dynamic sampling), so the
 kept set is the same whatever the reward workers' timing: deterministic per seed and row layout.
 The carried groups are JSON in the checkpoint's metadata (`to_meta`, `from_meta`): resume is exact.
+
+With a mesh (`mesh.data` = D > 1) each data shard does all of the above for itself, in its own call
+(`data_parallel.generate_data_parallel`, one thread per shard, nothing shared while decoding): its
+carried groups (those it paused: `CarriedGroup.shard`) first, then its block of each loader batch
+(`shard_calls`), its own tracker ending its call once its share of the groups
+(`data_parallel.prompt_blocks(prompts_per_step, D)`) is complete and its own forced groups are. A
+shard that is done pauses its rows and returns at once, whatever the others decode; what waits is
+the end of the step's rollout: the shards' threads are joined and their rows gathered (across
+processes, one `process_allgather`), so the step goes on when the last shard has its share, the
+done shards' devices idle until then. The kept set is each shard's first complete groups in its
+order, sorted; the same for a seed and layout. A checkpoint written on D shards and resumed on
+another number deals its groups round-robin (`deal`).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from qerl_jax.data import PromptLoader
 from qerl_jax.policy import Policy
 from qerl_jax.reward_pool import RewardPool
 from qerl_jax.rl import dynamic_sampling
+from qerl_jax.rollout import data_parallel
 from qerl_jax.rollout.sampler import Partial, RolloutPart, generate
 from qerl_jax.run_config import RunConfig, rollout_options, sampling_config
 
@@ -45,8 +58,9 @@ OVERSAMPLE = 1.5
 
 @dataclasses.dataclass
 class CarriedGroup:
-    """A group paused at the end of a step's rollout: its prompt, the step that first admitted it, and per
-    sample its tokens so far (none: never admitted), their sampler log-probs and whether it finished."""
+    """A group paused at the end of a step's rollout: its prompt, the step that first admitted it, per
+    sample its tokens so far (none: never admitted), their sampler log-probs and whether it finished,
+    and its data shard."""
 
     prompt: str
     answer: str
@@ -57,6 +71,7 @@ class CarriedGroup:
     logprobs: list[list[float]]
     finished: list[bool]
     stopped: list[bool]
+    shard: int = 0  # the data shard that paused it, and resumes it (`deal`)
 
 
 def to_meta(carry: list[CarriedGroup]) -> list[dict[str, Any]]:
@@ -131,51 +146,121 @@ class PartialTracker:
 
 def collect_partial(
     cfg: RunConfig, policy: Policy, rollout_params, loader: PromptLoader, pool: RewardPool, key,
-    carry: list[CarriedGroup], step: int, keep_rate: float = 1.0, *, max_batch: int | None,
+    carry: list[CarriedGroup], step: int, keep_rate: float = 1.0, mesh: jax.sharding.Mesh | None = None, *,
+    max_batch: int | None,
 ) -> tuple[experience.Experience | None, dict[str, float], list[CarriedGroup]]:  # fmt: skip
     """Rollouts + rewards of step `step` with the groups `carry` brought (module doc): (the experience of
-    the kept groups, None if none; the step's metrics; the groups carried to the next step)."""
+    the kept groups, None if none; the step's metrics; the groups carried to the next step). With a mesh,
+    each data shard runs its own call over its carried groups and its block of each loader batch
+    (`shard_calls`); a carried group's `shard` must be one of the mesh's (`deal`)."""
     g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
-    in_flight = math.ceil((dynamic_sampling.groups_to_admit(want, keep_rate) if dynamic else want) * OVERSAMPLE)
-    new_batches = -(-max(in_flight - len(carry), 0) // want)
+    shards = mesh.shape["data"] if mesh is not None else 1
+    wants = [b.stop - b.start for b in data_parallel.prompt_blocks(want, shards)]
+    if any(not 0 <= c.shard < shards for c in carry):
+        raise ValueError(f"carried groups of data shards {sorted({c.shard for c in carry})} on a mesh of {shards}: "
+                         "deal them first (`deal`)")  # fmt: skip
+    mine = [[i for i, c in enumerate(carry) if c.shard == d] for d in range(shards)]
+    new_batches = [_new_batches(w, len(m), keep_rate, dynamic) for w, m in zip(wants, mine)]
     before = loader.state()
     refills = cfg.rl.max_refill_rounds if dynamic else 0
-    fresh = experience.peek_prompts(cfg, policy, loader, max(new_batches, 1) + refills)
+    fresh = experience.peek_prompts(cfg, policy, loader, max(*new_batches, 1) + refills)
     prompts = _joined(carry, fresh)
-    scorer = experience._Scorer(cfg, policy, pool, prompts, g)
+    order = shard_calls(mine, fresh.batch_of, len(carry))
+    rows_of = [(o[:, None] * g + np.arange(g)).reshape(-1) for o in order]
+    scorer = experience.Scorer(cfg, policy, pool, prompts, g)
     num_groups = len(prompts.answers)
     must_G = np.zeros((num_groups,), bool)
     must_G[: len(carry)] = [step - c.since >= cfg.rollout.max_staleness for c in carry]
-    tracker = PartialTracker(num_groups, g, want, scorer.for_rows(np.arange(num_groups * g)), dynamic=dynamic,
-                             keep_rate=keep_rate, admit=len(carry) + new_batches * want, must_G=must_G)  # fmt: skip
+    local = [d for d, _ in data_parallel.local_shards(mesh)] if mesh is not None else [0]
+    trackers = {
+        d: PartialTracker(len(order[d]), g, wants[d], scorer.for_rows(rows_of[d]), dynamic=dynamic, keep_rate=keep_rate,
+                          admit=len(mine[d]) + new_batches[d] * wants[d], must_G=must_G[order[d]])
+        for d in local
+    }  # fmt: skip
     t0 = time.perf_counter()
-    carried_in = _partial_of(carry, g, cfg.rollout.max_new_tokens)
-    batch, paused = generate(
-        policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling_config(cfg, policy), group_size=g,
-        lora_scale=lora.lora_scale(cfg.lora), max_batch=max_batch,
-        part=RolloutPart(monitor=tracker, expected_seqs=tracker.limit * g, partial=carried_in),
-        options=rollout_options(cfg, policy),
-    )  # fmt: skip
-    jax.block_until_ready(batch.tokens)
+    carried_in = {d: _partial_of([carry[i] for i in mine[d]], g, cfg.rollout.max_new_tokens) for d in local}
+    batch, paused = _rollout(cfg, policy, rollout_params, prompts, key, mesh, order, trackers, carried_in, max_batch)
     t_rollout, t0 = time.perf_counter() - t0, time.perf_counter()
-    shaped_N, each_RxN = tracker.results()
+    shaped_N, each_RxN = experience.shared_scores(trackers, rows_of, num_groups * g, len(scorer.spec))
     t_reward = time.perf_counter() - t0
-    kept, complete = np.flatnonzero(tracker.usable())[:want], np.flatnonzero(tracker.complete())
-    admitted_G = (np.asarray(batch.lengths) > 0).reshape(-1, g).any(axis=1)
-    admitted_G[paused.seqs_K // g] = True
-    dropped_G = tracker.complete() & ~tracker.usable()  # dynamic sampling: complete, equal rewards
-    carried_out = np.flatnonzero(admitted_G & ~np.isin(np.arange(num_groups), kept) & ~dropped_G)
-    new_batches_admitted = prompts.batch_of[admitted_G & (prompts.batch_of >= 0)]
-    used = int(new_batches_admitted.max()) + 1 if new_batches_admitted.size else 0
+    kept, complete_G, carried_G, used = _selection(batch, paused, shaped_N, order, wants, prompts.batch_of, g, dynamic)
     loader.restore(before)
     for _ in range(used):
         next(loader)
-    stats = experience._stats(cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward)
-    stats.update(_partial_stats(carry, carried_in, batch, kept, g, step, must_G, len(carried_out), t_rollout))
-    new_carry = [_carried(prompts, batch, paused, carry, i, g, step) for i in carried_out]
+    complete = np.flatnonzero(complete_G)
+    stats = experience.rollout_stats(
+        cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward
+    )
+    new_carry = [  # by shard, each in its call's order
+        _carried(prompts, batch, paused, carry, i, g, step, d) for d, o in enumerate(order) for i in o if carried_G[i]
+    ]
+    stats.update(_partial_stats(carry, batch, kept, g, step, must_G, len(new_carry), t_rollout))
     if not len(kept):
         return None, stats, new_carry
-    return experience._experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete)), stats, new_carry
+    exp = experience.kept_experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete))
+    return exp, stats, new_carry
+
+
+def _selection(batch, paused: Partial, shaped_N, order, wants, batch_of, g: int, dynamic: bool):
+    """(kept: each shard's first wants[d] usable groups in its order, sorted; complete_G; carried_G: the
+    groups admitted, neither kept nor dropped (dynamic sampling: complete, equal rewards); the loader
+    batches used: up to the last one a group was admitted from). Usable: complete (every sample
+    finished; paused ones are empty in the batch), and with dynamic sampling with varied rewards."""
+    lengths_G = np.asarray(batch.lengths).reshape(-1, g)
+    complete_G = (lengths_G > 0).all(axis=1)
+    usable_G = complete_G & (dynamic_sampling.varied_groups(shaped_N, g) if dynamic else True)
+    kept = np.sort(np.concatenate([o[usable_G[o]][:w] for o, w in zip(order, wants)])).astype(np.int64)
+    admitted_G = (lengths_G > 0).any(axis=1)
+    admitted_G[paused.seqs_K // g] = True
+    carried_G = admitted_G & ~np.isin(np.arange(len(complete_G)), kept) & ~(complete_G & ~usable_G)
+    fresh = batch_of[admitted_G & (batch_of >= 0)]
+    return kept, complete_G, carried_G, int(fresh.max()) + 1 if fresh.size else 0
+
+
+def _new_batches(want: int, carried: int, keep_rate: float, dynamic: bool) -> int:
+    """The loader batches a shard wanting `want` groups admits at first beside its `carried` ones (about
+    OVERSAMPLE times the groups it expects to need in flight); its block of each."""
+    if not want:
+        return 0
+    in_flight = math.ceil((dynamic_sampling.groups_to_admit(want, keep_rate) if dynamic else want) * OVERSAMPLE)
+    return -(-max(in_flight - carried, 0) // want)
+
+
+def shard_calls(mine: list[list[int]], batch_of: np.ndarray, carried: int) -> list[np.ndarray]:
+    """Per data shard, the call's groups in the order it samples them: its carried groups (mine[d], indices
+    into the carry, the call's first `carried` groups) first, then its block of each fresh loader batch
+    (`experience.shard_order`; batch_of: the fresh prompts' batches)."""
+    fresh = experience.shard_order(batch_of, len(mine))
+    return [np.concatenate([np.asarray(m, np.int64), carried + f]).astype(np.int64) for m, f in zip(mine, fresh)]
+
+
+def _rollout(cfg, policy, rollout_params, prompts, key, mesh, order, trackers, carried_in, max_batch):
+    """(batch, paused): one call over the step's prompts (row r on stream r), one per data shard with a
+    mesh, each shard pausing its own rows when its own tracker is done."""
+    g = cfg.rollout.group_size
+    common = dict(group_size=g, lora_scale=lora.lora_scale(cfg.lora), max_batch=max_batch,
+                  options=rollout_options(cfg, policy))  # fmt: skip
+    sampling = sampling_config(cfg, policy)
+    if mesh is None:  # one shard: its order is the call's
+        part = RolloutPart(monitor=trackers[0], expected_seqs=trackers[0].limit * g, partial=carried_in[0])
+        out = generate(policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, part=part, **common)
+    else:
+        out = data_parallel.generate_data_parallel(
+            policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, mesh=mesh, shard_prompts=order,
+            monitors=trackers, expected_seqs={d: t.limit * g for d, t in trackers.items()}, partials=carried_in,
+            **common,
+        )  # fmt: skip
+    jax.block_until_ready(out[0].tokens)
+    return out
+
+
+def deal(carry: list[CarriedGroup], saved_shards: int, shards: int) -> list[CarriedGroup]:
+    """The carry of a checkpoint written on `saved_shards` data shards, for a run on `shards`: as it is on
+    the same layout (each group resumes on its shard); on another, dealt round-robin in carry order
+    (group i to shard i % shards), the same on every process."""
+    if saved_shards == shards:
+        return carry
+    return [dataclasses.replace(c, shard=i % shards) for i, c in enumerate(carry)]
 
 
 def _joined(carry: list[CarriedGroup], fresh: experience.StepPrompts) -> experience.StepPrompts:
@@ -221,8 +306,9 @@ def _partial_of(carry: list[CarriedGroup], g: int, max_new: int) -> Partial:
     )
 
 
-def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, group: int, g: int, step: int):
-    """Group `group` of the call as it stands, to carry: finished samples from the batch, paused ones as paused."""
+def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, group: int, g: int, step: int, shard: int):
+    """Group `group` of the call as it stands, to carry (by `shard`): finished samples from the batch, paused
+    ones as paused."""
     lengths, tokens, logp = np.asarray(batch.lengths), np.asarray(batch.tokens), np.asarray(batch.logprobs)
     truncated = np.asarray(batch.truncated)
     at = {int(s): i for i, s in enumerate(paused.seqs_K)}
@@ -230,6 +316,7 @@ def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, gro
         prompt=prompts.prompts[group], answer=prompts.answers[group], fields=prompts.fields[group],
         prompt_ids=prompts.ids[group][prompts.mask[group] == 1].tolist(),
         since=carry[group].since if group < len(carry) else step, tokens=[], logprobs=[], finished=[], stopped=[],
+        shard=shard,
     )  # fmt: skip
     for r in range(group * g, group * g + g):
         if r in at:
@@ -245,14 +332,15 @@ def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, gro
     return out
 
 
-def _partial_stats(carry, carried_in: Partial, batch, kept, g: int, step: int, must_G, carried_out: int,
-                   t_rollout: float) -> dict[str, float]:  # fmt: skip
+def _partial_stats(
+    carry, batch, kept, g: int, step: int, must_G, carried_out: int, t_rollout: float
+) -> dict[str, float]:
     """The off-policy share of the trained tokens (drawn under an earlier step's adapter), the largest
     staleness among the kept groups, the groups forced to finish and those carried on; the tokens this
     call decoded (the carried ones' earlier tokens not counted again) and their rate."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
-    before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)
-    before_N[carried_in.seqs_K] = carried_in.lengths_K
+    before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)  # tokens each row had when the call began
+    before_N[: len(carry) * g] = [len(t) for c in carry for t in c.tokens]
     trained = float(np.asarray(batch.lengths)[rows].sum())
     ages = [step - carry[i].since for i in kept if i < len(carry)]
     decoded = float(np.asarray(batch.decoded).sum() - before_N.sum())

@@ -151,11 +151,16 @@ def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn, sizes: memory.Re
     )
 
 
-def _checkpoint_meta(cfg: RunConfig, step: int, loader: PromptLoader, carry=()) -> dict[str, Any]:
+def _checkpoint_meta(cfg: RunConfig, step: int, loader: PromptLoader, carry=(), mesh=None) -> dict[str, Any]:
     meta = {"step": step, "loader": loader.state(), "config": run_config.to_dict(cfg)}
-    if carry:  # partial rollouts: the groups the next step resumes
+    if carry:  # partial rollouts: the groups the next step resumes, each on its data shard of this layout
         meta["carry"] = partial_rollouts.to_meta(carry)
+        meta["carry_shards"] = _data_shards(mesh)
     return meta
+
+
+def _data_shards(mesh: jax.sharding.Mesh | None) -> int:
+    return mesh.shape["data"] if mesh is not None else 1
 
 
 def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -257,10 +262,7 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
             state, start = _resume(ckpt, state, loader, cfg)
         except CheckpointMismatchError as e:
             raise validate.ConfigError([f"cannot resume: {mismatch_message(e, run_config.to_dict(cfg))}"]) from None
-    carry = partial_rollouts.from_meta(ckpt.read_meta(start).get("carry")) if start else []  # groups it paused
-    if carry and not cfg.rollout.max_staleness:
-        tqdm.write(f"resume: rollout.max_staleness=0: the {len(carry)} groups the checkpoint paused are dropped")
-        carry = []
+    carry = _resumed_carry(ckpt.read_meta(start) if start else {}, cfg, mesh)
     logdir, purge_step = os.path.join(cfg.workdir, "tensorboard"), start if cfg.resume else None
     writer = MetricWriter(logdir, purge_step=purge_step) if distributed.is_primary() else NullWriter()  # process 0 logs
     tqdm.write(f"policy {policy.model_dir}: quant={policy.quant}, backend={policy.backend}, AQN={cfg.aqn.enabled}")
@@ -271,6 +273,20 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
         lr_fn=lr_fn, noisy_norms=noisy_norms, rollout_key=rollout_key, loader=loader, ckpt=ckpt, writer=writer,
         start=start, end=end, carry=carry, train_base=_fp8_train_base(cfg, policy, mesh),
     )  # fmt: skip
+
+
+def _resumed_carry(meta: dict[str, Any], cfg: RunConfig, mesh) -> list:
+    """The groups the checkpoint paused (partial rollouts), each on the data shard that paused it; dealt
+    anew over the shards when mesh.data changed (`partial_rollouts.deal`); none with max_staleness=0."""
+    carry = partial_rollouts.from_meta(meta.get("carry"))
+    if carry and not cfg.rollout.max_staleness:
+        tqdm.write(f"resume: rollout.max_staleness=0: the {len(carry)} groups the checkpoint paused are dropped")
+        return []
+    saved, shards = int(meta.get("carry_shards", 1)), _data_shards(mesh)
+    if carry and saved != shards:
+        tqdm.write(f"resume: the {len(carry)} groups the checkpoint paused on {saved} data shards are dealt "
+                   f"round-robin over {shards}")  # fmt: skip
+    return partial_rollouts.deal(carry, saved, shards)
 
 
 def _uses_fp8(cfg: RunConfig, policy: Policy, model_shards: int) -> bool:
@@ -387,7 +403,7 @@ def _collect(
         if run.cfg.rollout.max_staleness:  # partial rollouts: groups paused here resume in the next step
             exp, metrics, run.carry = partial_rollouts.collect_partial(
                 run.cfg, run.policy, rollout_params, run.loader, pool, jax.random.fold_in(run.rollout_key, step),
-                run.carry, step, run.keep_rate, max_batch=run.sizes.max_batch or None,
+                run.carry, step, run.keep_rate, run.mesh, max_batch=run.sizes.max_batch or None,
             )  # fmt: skip
         else:
             exp, metrics = collect_experience(
@@ -449,11 +465,11 @@ def _after_step(run: _Run, done: int) -> bool:
         rl_step.check_nonfinite(run.state, cfg.train.max_nonfinite)
     except rl_step.NonFiniteError as e:
         # Skipped steps leave the LoRA and optimizer state as the last good step made them.
-        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader, run.carry))
+        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader, run.carry, run.mesh))
         raise UserFacingError(f"{e} The last good LoRA state is saved in {ckpt.directory}/{done}.") from None
     out_of_time = 0 < cfg.train.stop_after_minutes < (time.perf_counter() - run.t_start) / 60
     if done % cfg.train.checkpoint_every == 0 or done == run.end or out_of_time:
-        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader, run.carry))
+        _save(ckpt, done, run.state, _checkpoint_meta(cfg, done, run.loader, run.carry, run.mesh))
     if out_of_time and done < run.end:
         tqdm.write(
             f"stopping after step {done}: train.stop_after_minutes={cfg.train.stop_after_minutes} reached; "

@@ -129,16 +129,6 @@ def _mesh_devices(f):
     return _mesh_device_problems(f)
 
 
-@_rule("rollout.max_staleness", "mesh.data")
-def _partial_rollouts_on_one_data_shard(f):
-    if f["rollout.max_staleness"] and f["mesh.data"] != 1:
-        return [
-            f"rollout.max_staleness = {f['rollout.max_staleness']}: partial rollouts run on one data shard for now; "
-            f"set mesh.data=1 (now {f['mesh.data']}) or rollout.max_staleness=0"
-        ]
-    return []
-
-
 @_rule("rollout.prompts_per_step", "rollout.group_size", "rl.micro_batch_size")
 def _micro_batch_divides_the_batch(f):
     batch = f["rollout.prompts_per_step"] * f["rollout.group_size"]

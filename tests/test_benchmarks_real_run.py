@@ -37,6 +37,9 @@ def test_each_layout_runs_the_recipe_on_its_devices(monkeypatch):
     assert len({env["JAX_COORDINATOR_ADDRESS"] for env, _ in procs}) == 1
     cpu = real_run.commands("mesh", _args(tiny=True, gpus=2), "/w/c")[0][0]
     assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2" and cpu["JAX_PLATFORMS"] == "cpu"
+    partial = _args(overrides=["rollout.max_staleness=1"])
+    for layout in ("1", "weak", "procs"):  # every process of every layout
+        assert all("--config.rollout.max_staleness=1" in argv for _, argv in real_run.commands(layout, partial, "/w"))
 
 
 def test_tiny_layouts_keep_the_environment_s_other_xla_flags(monkeypatch):
@@ -64,6 +67,7 @@ def test_summary_sets_step_zero_apart_and_counts_kept_completions(tmp_path):
     assert s["step_s"] == pytest.approx(3.0) and s["rollout_median_s"] == pytest.approx(2.25)
     assert s["completions_per_s"] == pytest.approx((4 + 2) * 4 / 6.0)
     assert s["longest_mean"] == pytest.approx(20.0)
+    assert math.isnan(s["offpolicy_tokens_frac"]) and s["staleness_max"] == 0.0  # on-policy: not logged
     assert real_run.summarize(str(tmp_path / "none"), group_size=4) == {"steps": 0}
 
 
@@ -77,12 +81,14 @@ def _write_run(workdir, rollout_s, reward_s, step_s, **more):
 def test_compare_gives_finished_runs_as_ratios_of_the_first(tmp_path, capsys):
     _write_run(tmp_path / "ref", [9.0, 6.0, 7.0, 8.0], [0.0, 1.0, 0.0, 0.5], [20.0, 10.0, 10.0, 12.0])
     _write_run(tmp_path / "new", [9.0, 4.0, 3.0, 5.0], [0.0, 0.0, 0.0, 0.0], [20.0, 8.0, 7.0, 9.0],
-               **{"rollout/tokens_per_s": 100.0, "rollout/unused_tokens_frac": 0.25})  # fmt: skip
+               **{"rollout/tokens_per_s": 100.0, "rollout/unused_tokens_frac": 0.25,
+                  "rollout/offpolicy_tokens_frac": 0.3, "rollout/staleness_max": 1.0})  # fmt: skip
     s = real_run.summarize(str(tmp_path / "ref"), group_size=4)
     assert s["rollout_reward_s"] == pytest.approx(7.5) and s["rollout_reward_median_s"] == pytest.approx(7.0)
     assert s["finished_tokens"] == 0.0 and math.isnan(s["unused_tokens_frac"])
     new = real_run.summarize(str(tmp_path / "new"), group_size=4)
     assert new["finished_tokens"] == pytest.approx(400.0) and new["unused_tokens_frac"] == pytest.approx(0.25)
+    assert new["offpolicy_tokens_frac"] == pytest.approx(0.3) and new["staleness_max"] == 1.0
     assert real_run.main(["--compare", str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert last[-2:] == [f"{4.0 / 7.5:.2f}/{4.0 / 7.0:.2f}", f"{8.0 / (32 / 3):.2f}/{8.0 / 10.0:.2f}"]

@@ -4,6 +4,7 @@ their round trip through a checkpoint."""
 
 import jax
 import numpy as np
+import pytest
 from rollout_helpers import f32_options, prompts
 
 from qerl_jax.rollout import SamplingConfig, generate, sampler
@@ -227,3 +228,124 @@ def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tm
                     texts = policy.tokenizer.batch_decode(c.tokens, skip_special_tokens=True)
                     assert len({hashed_reward(t, c.answer) for t in texts}) > 1
     assert carried_ever > 0
+
+
+# ----------------------------------------------------------------------------- on a data-parallel mesh
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from conftest import REPO, two_device_env  # noqa: E402
+
+
+def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2) -> dict:
+    """K = 1, `steps` steps on a ("data", "model") = (2, 1) mesh (run in a process of 2 CPU devices, below):
+    straight through, then again, stopped after step `cut` and continued from its carry's JSON and loader
+    state. Asserts as it goes; returns what the test checks of it."""
+    from qerl_jax import sharding
+    from qerl_jax.rollout import data_parallel
+
+    partial_rollouts.sampling_config, sampler.MONITOR_STEPS = _stopping_sampling, 4
+    cfg = _tiny_run(workdir, model_dir, **{"rollout.max_staleness": 1, "rollout.max_batch": 6})
+    policy, mesh = load_policy(cfg), sharding.make_mesh(2, 1)
+    calls, generate_dp = [], data_parallel.generate_data_parallel
+
+    def recorded(*args, **kw):  # each call's per-shard prompts, carried samples and trackers
+        calls.append(kw)
+        return generate_dp(*args, **kw)
+
+    data_parallel.generate_data_parallel = recorded
+    fresh_loader = lambda: PromptLoader(load_math_dataset(cfg.data.train), 4, seed=0)  # noqa: E731
+
+    def run(pool, resume_at=None):
+        loader, carry, out = fresh_loader(), [], []
+        for step in range(steps):
+            if step == resume_at:  # a checkpoint's loader state and carry, on the same layout
+                state, meta = loader.state(), json.loads(json.dumps(partial_rollouts.to_meta(carry)))
+                loader, carry = fresh_loader(), partial_rollouts.deal(partial_rollouts.from_meta(meta), 2, 2)
+                loader.restore(state)
+            before = carry
+            exp, stats, carry = partial_rollouts.collect_partial(
+                cfg, policy, policy.frozen, loader, pool, jax.random.key(10 + step), carry, step, mesh=mesh,
+                max_batch=6,
+            )  # fmt: skip
+            call = calls[-1]
+            for d in (0, 1):  # a shard's carried groups resume first in its own call, with their samples
+                mine = [i for i, c in enumerate(before) if c.shard == d]
+                assert call["shard_prompts"][d][: len(mine)].tolist() == mine
+                held = [(j * 4 + s, t) for j, i in enumerate(mine) for s, t in enumerate(before[i].tokens) if t]
+                partial = call["partials"][d]
+                assert partial.seqs_K.tolist() == [r for r, _ in held]
+                assert all((partial.tokens_KxM[k, : len(t)] == t).all() for k, (_, t) in enumerate(held))
+                tracker = call["monitors"][d]  # each shard ended on its own share: 2 complete groups of its own
+                assert tracker.want == 2 and tracker.done() and tracker.complete().sum() >= 2
+            assert exp.groups_kept == 4 and stats["rollout/forced_groups"] == len(before)
+            assert all(c.since == step for c in carry)  # K = 1: every carried group finished in the next step
+            for c in before:  # ... and was trained with the tokens and sampler log-probs it was carried with
+                rows = [r for r, p in enumerate(exp.prompts) if p == c.prompt]
+                assert len(rows) == 4
+                for r, t, lp in zip(rows, c.tokens, c.logprobs):
+                    np.testing.assert_array_equal(np.asarray(exp.rollout.tokens)[r, : len(t)], t)
+                    np.testing.assert_array_equal(np.asarray(exp.rollout.logprobs)[r, : len(t)], np.float32(lp))
+            scalars = {k: v for k, v in stats.items() if not k.startswith("time/") and "per_s" not in k}
+            out.append((np.asarray(exp.rollout.tokens), np.asarray(exp.rollout.logprobs), scalars,
+                        partial_rollouts.to_meta(carry)))  # fmt: skip
+        return out, exp
+
+    with reward_pool.RewardPool(1) as pool:
+        straight, exp = run(pool)
+        resumed, _ = run(pool, resume_at=cut)  # its first steps: the straight run's again
+    for (tokens, logp, scalars, carry), (tokens_b, logp_b, scalars_b, carry_b) in zip(straight, resumed):
+        np.testing.assert_array_equal(tokens, tokens_b)
+        np.testing.assert_array_equal(logp, logp_b)
+        assert scalars == scalars_b and carry == carry_b
+    recomputed, sampled, mask = recomputed_logp(
+        policy.config, policy.frozen, exp.rollout, cfg.rollout.temperature, lora.lora_scale(cfg.lora)
+    )
+    return {
+        "logp_gap": float(np.abs(recomputed - sampled)[mask > 0].max()),
+        "carried_shards": sorted({c["shard"] for _, _, _, carry in straight for c in carry}),
+        "carried": [len(carry) for _, _, _, carry in straight],
+        "offpolicy": [s["rollout/offpolicy_tokens_frac"] for _, _, s, _ in straight],
+    }
+
+
+def test_two_data_shards_each_carry_their_own_groups_deterministically_and_resume_exactly(tmp_path, tiny_model_dir):
+    """K = 1 on 2 (CPU) data shards, 4 steps: each shard resumes the groups it paused, first in its own
+    call, admits its block of each batch and ends on its own 2 complete groups; every carried group's
+    tokens and sampler log-probs are trained as carried (and belong to its prompt: recomputed); run again
+    and continued from a JSON carry after step 2, the run is the same (kept rows, scalars, carry)."""
+    script = (
+        "import json, sys, test_partial_rollouts as t; "
+        "print('RESULT', json.dumps(t._two_shard_steps(sys.argv[1], sys.argv[2])))"
+    )
+    env = two_device_env(PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path), tiny_model_dir], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert result["carried_shards"] == [0, 1], result  # both shards paused groups
+    assert all(n > 0 for n in result["carried"][:-1]), result
+    assert max(result["offpolicy"][1:]) > 0.0, result
+    assert result["logp_gap"] < 5e-3, result  # a token or log-prob put in another row: ~1
+
+
+def test_a_carry_resumed_on_another_number_of_data_shards_is_dealt_round_robin(capsys):
+    """Same layout: each group stays on its shard; another: group i goes to shard i % shards, and the run
+    says so; collect_partial refuses a group of a shard the mesh lacks (before any work)."""
+    from qerl_jax import train
+
+    groups = [partial_rollouts.CarriedGroup("p", "a", {}, [1], 0, [[]], [[]], [False], [False], shard=d)
+              for d in (1, 0, 1, 1, 0)]  # fmt: skip
+    assert partial_rollouts.deal(groups, 2, 2) == groups
+    assert [c.shard for c in partial_rollouts.deal(groups, 2, 3)] == [0, 1, 2, 0, 1]
+    assert [c.shard for c in partial_rollouts.deal(groups, 2, 1)] == [0] * 5
+    cfg = run_config.from_config_dict(set_fields(load_config("tiny"), {"rollout.max_staleness": 1}))
+    meta = {"carry": partial_rollouts.to_meta(groups), "carry_shards": 2}
+    assert [c.shard for c in train._resumed_carry(meta, cfg, None)] == [0] * 5
+    assert "the 5 groups the checkpoint paused on 2 data shards are dealt round-robin over 1" in capsys.readouterr().out
+    old = [{k: v for k, v in c.items() if k != "shard"} for c in meta["carry"]]  # written before carries had shards
+    assert train._resumed_carry({"carry": old}, cfg, None) == partial_rollouts.deal(groups, 2, 1)
+    with pytest.raises(ValueError, match=r"carried groups of data shards \[0, 1\] on a mesh of 1"):
+        partial_rollouts.collect_partial(cfg, None, None, None, None, None, groups, 1, max_batch=None)

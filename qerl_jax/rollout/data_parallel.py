@@ -15,6 +15,10 @@ results are gathered once on every process (`gather_blocks`) and put back in pro
 Each shard samples its rows with their streams in the whole batch (`RolloutPart.streams`), so
 the tokens equal those of one `generate` call over the whole batch with the same key (up to
 the float error of other row buckets).
+
+With partial rollouts (`partials`), each shard's call resumes its own sequences under way and
+ends when its own monitor is done, pausing its rows; the call returns once every shard has
+ended, with the paused sequences of all shards.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qerl_jax.rollout.batch import PER_ROW, RolloutBatch, concat, select_rows
-from qerl_jax.rollout.sampler import RolloutOptions, RolloutPart, generate
+from qerl_jax.rollout.sampler import Partial, RolloutOptions, RolloutPart, generate
 
 
 def prompt_blocks(num_prompts: int, shards: int) -> list[slice]:
@@ -145,15 +149,22 @@ def generate_data_parallel(
     shard_prompts: list[np.ndarray] | None = None,
     monitors: dict[int, Any] | None = None,
     expected_seqs: dict[int, int] | None = None,
+    partials: dict[int, Partial] | None = None,
     options: RolloutOptions = RolloutOptions(),
-) -> RolloutBatch:
+) -> RolloutBatch | tuple[RolloutBatch, Partial]:
     """`generate` over the mesh's data shards (module doc); the same arguments, and the same
     RolloutBatch on every process. max_batch and the memory budget are per shard.
 
     shard_prompts: the prompts (indices, in the order it samples them) of each shard; default
     contiguous blocks (`prompt_blocks`). monitors: {data index: `RolloutMonitor`} for this
     process's shards, each over its shard's sequences (its call's rows); expected_seqs: {data
-    index: `generate`'s expected_seqs}.
+    index: `generate`'s expected_seqs}. partials: {data index: `RolloutPart.partial`} for each of this
+    process's shards (partial rollouts; seqs_K its call's rows, the shard's prompts' samples in its
+    order): each shard ends when its own monitor is `done` and pauses its own rows, whatever the others
+    do; the call returns (the batch, every shard's paused sequences as one `Partial` of batch rows).
+
+    Long because its signature and docstring carry each of `generate`'s arguments and each shard's; the
+    body reads as its steps: each shard's rows, one thread per local shard, the gather.
     """
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
     shards = mesh.shape["data"]
@@ -170,7 +181,8 @@ def generate_data_parallel(
         shard_options = options
         if sub.devices.size > 1:  # rows replicated over the shard's tensor-parallel devices
             shard_options = dataclasses.replace(options, batch_sharding=NamedSharding(sub, P()))
-        part = RolloutPart(streams[rows], (monitors or {}).get(d), (expected_seqs or {}).get(d))  # this shard's
+        partial = None if partials is None else partials[d]
+        part = RolloutPart(streams[rows], (monitors or {}).get(d), (expected_seqs or {}).get(d), partial)
         with jax.default_device(sub.devices.flat[0]):
             shard_key = jax.device_put(jax.random.wrap_key_data(key[0], impl=key[1]), NamedSharding(sub, P()))
             batch = generate(
@@ -178,15 +190,34 @@ def generate_data_parallel(
                 group_size=group_size, lora_scale=lora_scale, max_batch=max_batch,
                 max_new_tokens_per_seq=None if limits is None else limits[rows], part=part, options=shard_options,
             )  # fmt: skip
+            batch, paused = batch if partial is not None else (batch, None)
             out = _host(batch)
             out["prompt_index"] = prompts[out["prompt_index"]].astype(np.int32)
-            return out
+            return out if paused is None else {**out, **_paused_arrays(paused, rows)}
 
     local = local_shards(mesh)
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(local), thread_name_prefix="rollout-shard") as pool:
         futures = {d: pool.submit(run, d, sub) for d, sub in local}
         done = {d: f.result() for d, f in futures.items()}
-    return in_prompt_order(gather_blocks(done, shards), group_size)
+    parts = gather_blocks(done, shards)
+    batch = in_prompt_order(parts, group_size)
+    return batch if partials is None else (batch, _paused_of(parts))
+
+
+# The paused sequences' arrays among a shard's host arrays (`generate_data_parallel` with partials).
+PAUSED = "paused."
+
+
+def _paused_arrays(paused: Partial, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """A shard's paused sequences as host arrays, their rows (`rows`: the shard call's rows in the whole
+    batch) the whole batch's."""
+    paused = dataclasses.replace(paused, seqs_K=rows[paused.seqs_K].astype(np.int64))
+    return {PAUSED + f.name: getattr(paused, f.name) for f in dataclasses.fields(Partial)}
+
+
+def _paused_of(parts: list[dict[str, np.ndarray]]) -> Partial:
+    """Every shard's paused sequences (`_paused_arrays`), gathered, as one `Partial`."""
+    return Partial(**{f.name: np.concatenate([p[PAUSED + f.name] for p in parts]) for f in dataclasses.fields(Partial)})
 
 
 def _check_prompt_count(ids: np.ndarray, shards: int) -> None:
