@@ -51,7 +51,7 @@ from qerl_jax.rl import packing
 from qerl_jax.rl import step as rl_step
 from qerl_jax.rl.losses import LossConfig
 from qerl_jax.rollout import RolloutOptions, SamplingConfig, generate, to_train_batch
-from qerl_jax.rollout.data_parallel import generate_data_parallel
+from qerl_jax.rollout.data_parallel import ShardPlan, generate_data_parallel
 
 
 def _timed(fn):
@@ -86,15 +86,17 @@ def measure(config, params, lora, n: int, prompts: int, path: str, args, model: 
     ids, mask, lengths = _inputs(config, prompts, args)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new, ignore_eos=True)
     backend = "xla" if jax.default_backend() == "cpu" else "pallas"
-    kw = dict(group_size=args.group, lora_scale=lora_scale(args.lcfg), max_new_tokens_per_seq=lengths)
+    kw = dict(group_size=args.group, lora_scale=lora_scale(args.lcfg))
     if path in ("shards", "tp"):
         run = lambda: generate_data_parallel(  # noqa: E731
             config, policy, ids, mask, jax.random.key(3), sampling, mesh=mesh, options=RolloutOptions(backend=backend),
-            **kw,
+            plan=ShardPlan(max_new_tokens_per_seq=lengths), **kw,
         )  # fmt: skip
     else:
         opts = RolloutOptions(backend=backend, batch_sharding=sharding.data_sharding(mesh))
-        run = lambda: generate(config, policy, ids, mask, jax.random.key(3), sampling, options=opts, **kw)  # noqa: E731
+        run = lambda: generate(  # noqa: E731
+            config, policy, ids, mask, jax.random.key(3), sampling, options=opts, max_new_tokens_per_seq=lengths, **kw
+        )
     out, roll_s = _timed(run)
     optimizer = make_optimizer(1e-5, warmup_steps=0, total_steps=100)
     step = rl_step.TrainStep(

@@ -258,8 +258,9 @@ def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, t
     else:
         batch = data_parallel.generate_data_parallel(
             policy.config, rollout_params, step.ids, step.mask, key, sampling, mesh=mesh,
-            streams=streams, shard_prompts=order, monitors=trackers,
-            expected_seqs={d: n * g for d, n in enumerate(planned)}, **common,
+            plan=data_parallel.ShardPlan(prompts=order, streams=streams, parts={
+                d: RolloutPart(monitor=t, expected_seqs=planned[d] * g) for d, t in trackers.items()
+            }), **common,
         )  # fmt: skip
     jax.block_until_ready(batch.tokens)
     return batch

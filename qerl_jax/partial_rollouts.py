@@ -246,9 +246,10 @@ def _rollout(cfg, policy, rollout_params, prompts, key, mesh, order, trackers, c
         out = generate(policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, part=part, **common)
     else:
         out = data_parallel.generate_data_parallel(
-            policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, mesh=mesh, shard_prompts=order,
-            monitors=trackers, expected_seqs={d: t.limit * g for d, t in trackers.items()}, partials=carried_in,
-            **common,
+            policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, mesh=mesh,
+            plan=data_parallel.ShardPlan(prompts=order, parts={
+                d: RolloutPart(monitor=t, expected_seqs=t.limit * g, partial=carried_in[d]) for d, t in trackers.items()
+            }), **common,
         )  # fmt: skip
     jax.block_until_ready(out[0].tokens)
     return out

@@ -1,6 +1,6 @@
 """Import structure: no cycles among the modules of the library, its benchmarks and experiments; the
 kernels stand alone; configs import no experiment. Also: library functions over 60 lines say why
-they are long, and the rollout's entry point takes at most 12 parameters.
+they are long, and the rollout's entry points (`generate`, `generate_data_parallel`) take at most 12 parameters.
 
 Every import counts, at module level or inside a function (a function-level import hides a
 cycle from the interpreter, not from the design). Importing `a.b.c` runs the `__init__` of
@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import graphlib
 import pathlib
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("qerl_jax", "pallas_kernels")
@@ -167,7 +169,7 @@ def test_only_tests_import_tools():
 
 
 # The rollout engine's entry point takes at most this many parameters; the engine's rarer choices are
-# grouped in small frozen records (`RolloutOptions`, `RolloutPart`).
+# grouped in small frozen records (`RolloutOptions`, `RolloutPart`, `ShardPlan`).
 MAX_GENERATE_PARAMETERS = 12
 
 
@@ -178,12 +180,13 @@ def _parameter_count(source: str, name: str) -> int:
     return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
 
 
-def test_generate_takes_at_most_twelve_parameters():
+@pytest.mark.parametrize("module, name", [("sampler", "generate"), ("data_parallel", "generate_data_parallel")])
+def test_the_rollout_entry_points_take_at_most_twelve_parameters(module, name):
     assert _parameter_count("def f(a, /, b, *c, d=1, **e): pass", "f") == 5
-    count = _parameter_count((ROOT / "qerl_jax" / "rollout" / "sampler.py").read_text(), "generate")
+    count = _parameter_count((ROOT / "qerl_jax" / "rollout" / f"{module}.py").read_text(), name)
     assert count <= MAX_GENERATE_PARAMETERS, (
-        f"rollout.sampler.generate takes {count} parameters (at most {MAX_GENERATE_PARAMETERS}): group the "
-        "rarely set ones in RolloutOptions or RolloutPart"
+        f"rollout.{module}.{name} takes {count} parameters (at most {MAX_GENERATE_PARAMETERS}): group the "
+        "rarely set ones in RolloutOptions, RolloutPart or ShardPlan"
     )
 
 

@@ -273,12 +273,12 @@ def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2)
             call = calls[-1]
             for d in (0, 1):  # a shard's carried groups resume first in its own call, with their samples
                 mine = [i for i, c in enumerate(before) if c.shard == d]
-                assert call["shard_prompts"][d][: len(mine)].tolist() == mine
+                assert call["plan"].prompts[d][: len(mine)].tolist() == mine
                 held = [(j * 4 + s, t) for j, i in enumerate(mine) for s, t in enumerate(before[i].tokens) if t]
-                partial = call["partials"][d]
+                partial = call["plan"].parts[d].partial
                 assert partial.seqs_K.tolist() == [r for r, _ in held]
                 assert all((partial.tokens_KxM[k, : len(t)] == t).all() for k, (_, t) in enumerate(held))
-                tracker = call["monitors"][d]  # each shard ended on its own share: 2 complete groups of its own
+                tracker = call["plan"].parts[d].monitor  # each shard ended on its own share: 2 complete groups of its own
                 assert tracker.want == 2 and tracker.done() and tracker.complete().sum() >= 2
             assert exp.groups_kept == 4 and stats["rollout/forced_groups"] == len(before)
             assert all(c.since == step for c in carry)  # K = 1: every carried group finished in the next step

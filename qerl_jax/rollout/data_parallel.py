@@ -4,7 +4,7 @@
                                    mesh=mesh, group_size=8)
 
 The B prompts are cut into `mesh.shape["data"]` contiguous blocks (`prompt_blocks`; or any
-split the caller gives, `shard_prompts`), so a prompt's group never spans two shards and its
+split the caller gives, `ShardPlan.prompts`), so a prompt's group never spans two shards and its
 advantages need no communication. A shard is one
 row of the mesh: its `model` devices (tensor parallel within the shard, or one device). Each
 shard this process holds (`local_shards`) runs `generate` on its own devices in its own thread,
@@ -16,7 +16,7 @@ Each shard samples its rows with their streams in the whole batch (`RolloutPart.
 the tokens equal those of one `generate` call over the whole batch with the same key (up to
 the float error of other row buckets).
 
-With partial rollouts (`partials`), each shard's call resumes its own sequences under way and
+With partial rollouts (`ShardPlan.parts` with partials), each shard's call resumes its own sequences under way and
 ends when its own monitor is done, pausing its rows; the call returns once every shard has
 ended, with the paused sequences of all shards.
 """
@@ -132,6 +132,30 @@ def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
     return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardPlan:
+    """How a `generate_data_parallel` call's rows are dealt and watched, shard by shard.
+
+    prompts: each data shard's prompts (indices, in the order it samples them); default: contiguous
+      blocks (`prompt_blocks`).
+    streams: int [B * G] each output row's PRNG stream in the whole batch (default its row index).
+    max_new_tokens_per_seq: int [B * G] each row's token limit, as `generate`'s (default none).
+    parts: {data index: `RolloutPart`} for this process's shards: the shard's monitor (over its call's
+      rows), expected_seqs and partial (seqs_K its call's rows, its prompts' samples in its order);
+      their `streams` are ignored (taken from `streams`). With partials (partial rollouts), each shard
+      ends when its own monitor is `done` and pauses its own rows, whatever the others do.
+    """
+
+    prompts: list[np.ndarray] | None = None
+    streams: np.ndarray | None = None
+    max_new_tokens_per_seq: np.ndarray | None = None
+    parts: dict[int, RolloutPart] = dataclasses.field(default_factory=dict)
+
+    def resumable(self) -> bool:
+        """Whether the shards' calls carry partial rollouts (then they return paused sequences too)."""
+        return any(part.partial is not None for part in self.parts.values())
+
+
 def generate_data_parallel(
     config,
     params: dict[str, Any],
@@ -144,36 +168,25 @@ def generate_data_parallel(
     group_size: int = 1,
     lora_scale: float = 1.0,
     max_batch: int | None = None,
-    max_new_tokens_per_seq=None,
-    streams=None,
-    shard_prompts: list[np.ndarray] | None = None,
-    monitors: dict[int, Any] | None = None,
-    expected_seqs: dict[int, int] | None = None,
-    partials: dict[int, Partial] | None = None,
+    plan: ShardPlan = ShardPlan(),
     options: RolloutOptions = RolloutOptions(),
 ) -> RolloutBatch | tuple[RolloutBatch, Partial]:
     """`generate` over the mesh's data shards (module doc); the same arguments, and the same
-    RolloutBatch on every process. max_batch and the memory budget are per shard.
-
-    shard_prompts: the prompts (indices, in the order it samples them) of each shard; default
-    contiguous blocks (`prompt_blocks`). monitors: {data index: `RolloutMonitor`} for this
-    process's shards, each over its shard's sequences (its call's rows); expected_seqs: {data
-    index: `generate`'s expected_seqs}. partials: {data index: `RolloutPart.partial`} for each of this
-    process's shards (partial rollouts; seqs_K its call's rows, the shard's prompts' samples in its
-    order): each shard ends when its own monitor is `done` and pauses its own rows, whatever the others
-    do; the call returns (the batch, every shard's paused sequences as one `Partial` of batch rows).
-
-    Long because its signature and docstring carry each of `generate`'s arguments and each shard's; the
-    body reads as its steps: each shard's rows, one thread per local shard, the gather.
+    RolloutBatch on every process. max_batch and the memory budget are per shard; plan: which rows
+    each shard samples, on which streams, under which monitor (`ShardPlan`). With partial rollouts
+    (the plan's parts carry partials) the call returns (the batch, every shard's paused sequences as
+    one `Partial` of batch rows), as `generate` does.
     """
     ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
     shards = mesh.shape["data"]
     _check_prompt_count(ids, shards)
+    shard_prompts = plan.prompts
     if shard_prompts is None:
         shard_prompts = [np.arange(b.start, b.stop) for b in prompt_blocks(ids.shape[0], shards)]
     rows_of = [(p[:, None] * group_size + np.arange(group_size)).reshape(-1) for p in shard_prompts]
-    limits = None if max_new_tokens_per_seq is None else np.asarray(max_new_tokens_per_seq)
-    streams = np.arange(ids.shape[0] * group_size) if streams is None else np.asarray(streams)
+    limits = None if plan.max_new_tokens_per_seq is None else np.asarray(plan.max_new_tokens_per_seq)
+    streams = np.arange(ids.shape[0] * group_size) if plan.streams is None else np.asarray(plan.streams)
+    resumable = plan.resumable()
     key = np.asarray(jax.random.key_data(key)), jax.random.key_impl(key)
 
     def run(d: int, sub: Mesh) -> dict[str, np.ndarray]:
@@ -181,8 +194,7 @@ def generate_data_parallel(
         shard_options = options
         if sub.devices.size > 1:  # rows replicated over the shard's tensor-parallel devices
             shard_options = dataclasses.replace(options, batch_sharding=NamedSharding(sub, P()))
-        partial = None if partials is None else partials[d]
-        part = RolloutPart(streams[rows], (monitors or {}).get(d), (expected_seqs or {}).get(d), partial)
+        part = dataclasses.replace(plan.parts.get(d, RolloutPart()), streams=streams[rows])
         with jax.default_device(sub.devices.flat[0]):
             shard_key = jax.device_put(jax.random.wrap_key_data(key[0], impl=key[1]), NamedSharding(sub, P()))
             batch = generate(
@@ -190,7 +202,7 @@ def generate_data_parallel(
                 group_size=group_size, lora_scale=lora_scale, max_batch=max_batch,
                 max_new_tokens_per_seq=None if limits is None else limits[rows], part=part, options=shard_options,
             )  # fmt: skip
-            batch, paused = batch if partial is not None else (batch, None)
+            batch, paused = batch if resumable else (batch, None)
             out = _host(batch)
             out["prompt_index"] = prompts[out["prompt_index"]].astype(np.int32)
             return out if paused is None else {**out, **_paused_arrays(paused, rows)}
@@ -201,7 +213,7 @@ def generate_data_parallel(
         done = {d: f.result() for d, f in futures.items()}
     parts = gather_blocks(done, shards)
     batch = in_prompt_order(parts, group_size)
-    return batch if partials is None else (batch, _paused_of(parts))
+    return (batch, _paused_of(parts)) if resumable else batch
 
 
 # The paused sequences' arrays among a shard's host arrays (`generate_data_parallel` with partials).
