@@ -51,12 +51,30 @@ def _next_partial(batch, paused):
 def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatch):
     """Calls paused every few decode steps (rows decoding, rows never admitted), each resuming the last
     one's sequences (re-prefilled) under the same weights and key: the tokens of one uninterrupted call,
-    their log-probs to float32 rounding; the finished ones reported to the monitor at once."""
+    their log-probs to float32 rounding; the finished ones reported to the monitor at once. The
+    re-admission program is compiled ahead with the others, never inside the decode loop."""
     config, params, _ = f32_model
     ids, mask = prompts(config.vocab_size, pads=(0, 3, 5, 1))
     key = jax.random.key(7)
     plain = generate(config, params, ids, mask, key, _sampling(), group_size=3, options=f32_options())
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
+    resume_traced = {"ahead": 0, "in_loop": 0}
+    in_loop = [False]
+    decode_all = sampler._decode_all
+
+    def watched_decode_all(*args, **kwargs):
+        in_loop[0] = True
+        try:
+            return decode_all(*args, **kwargs)
+        finally:
+            in_loop[0] = False
+
+    def record(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and "_resume" in str(kw.get("fun_name")):
+            resume_traced["in_loop" if in_loop[0] else "ahead"] += 1
+
+    monkeypatch.setattr(sampler, "_decode_all", watched_decode_all)
+    jax.monitoring.register_event_duration_secs_listener(record)
     partial = sampler.Partial.empty(24)
     calls, paused_ever = 0, 0
     while len(partial.seqs_K) < 12 or not partial.finished_K.all():
@@ -76,6 +94,8 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
             assert never.any(), "the first call must leave sequences it never admitted"
         partial, calls = _next_partial(batch, paused), calls + 1
         assert calls < 12
+    jax.monitoring.unregister_event_duration_listener(record)
+    assert resume_traced == {"ahead": 1, "in_loop": 0}, resume_traced
     assert calls >= 3 and paused_ever >= 4
     order = np.argsort(partial.seqs_K)
     np.testing.assert_array_equal(partial.lengths_K[order], np.asarray(plain.lengths))

@@ -533,7 +533,9 @@ def generate(
             # Only a queue held below its end admits sequences after a compaction.
             admit_smaller = limit < min(end, call.total)
             host_placed = options.batch_sharding is not None
-            _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller)
+            resumes = partial is not None and not np.asarray(partial.finished_K, bool).all()
+            _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller,
+                        resumes=resumes)  # fmt: skip
         out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement, partial)
     batch = _rollout_batch(call, out, segments)
     return batch if partial is None else (batch, out.paused)
@@ -714,15 +716,19 @@ def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 
 def _precompile(
-    call: _Call, run_params, plan: RolloutPlan, key, placement, host_inputs_placed: bool, *, admit_smaller: bool
-) -> None:
+    call: _Call, run_params, plan: RolloutPlan, key, placement, host_inputs_placed: bool, *, admit_smaller: bool,
+    resumes: bool = False,
+) -> None:  # fmt: skip
     """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
     compiles; tracing stays serial, each program compiling while the next is traced): `jax.jit`'s
     cache then serves the calls. Programs compiled before (an earlier call, or the persistent
     compilation cache) come back at once. placement: the sharding of the call's cache, rows and
     key, as the calls will pass them. admit_smaller: admissions into the compacted buckets too (a
-    monitor may let sequences in after a compaction)."""
+    monitor may let sequences in after a compaction). resumes: the call resumes paused sequences
+    (partial rollouts): their re-admission (`programs.resume`, into the first bucket, where they go first)."""
     jobs = _program_specs(call, run_params, plan, key, placement, host_inputs_placed, admit_smaller)
+    if resumes:
+        jobs.append(_resume_spec(call, run_params, plan, placement, host_inputs_placed))
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
         # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
         # the persistent cache, as soon as it is lowered, while the next ones are traced.
@@ -738,17 +744,11 @@ def _program_specs(
     with admit_smaller, else the first), the decode of every row bucket, the compactions."""
     static, prompt_slots = call.static, call.prompt_slots
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)  # noqa: E731
     host = placement if host_inputs_placed else None
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
     key_spec = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_whole(placement) if placement else None)
     stop_spec = jax.ShapeDtypeStruct(call.stop_V.shape, call.stop_V.dtype)
-    cache_sharding = programs.cache_sharding(static, placement)
-    in_cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sharding)  # noqa: E731
-    buckets = {}
-    for b in plan.buckets:
-        cache, rows = jax.eval_shape(lambda b=b: programs._empty(static, b, prompt_slots, 0))
-        buckets[b] = (jax.tree.map(in_cache, cache), jax.tree.map(placed, rows))
+    buckets = {b: _state_specs(call, b, placement) for b in plan.buckets}
     k, bp = plan.admit_rows, plan.admit_prompts
     admission = (
         spec((bp, prompt_slots), jnp.int32), spec((bp, prompt_slots), jnp.int32), spec((k,), jnp.int32),
@@ -762,6 +762,27 @@ def _program_specs(
     for big, small in zip(plan.buckets, plan.buckets[1:]):
         jobs.append((programs.compact, (static, *buckets[big], spec((small,), jnp.int32), spec((small,), bool))))
     return jobs
+
+
+def _state_specs(call: _Call, rows: int, placement) -> tuple:
+    """The (cache, rows) specs of a bucket of `rows` rows, placed as the calls pass them."""
+    cache_sharding = programs.cache_sharding(call.static, placement)
+    in_cache = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_sharding)  # noqa: E731
+    placed = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)  # noqa: E731
+    cache, state = jax.eval_shape(lambda: programs._empty(call.static, rows, call.prompt_slots, 0))
+    return jax.tree.map(in_cache, cache), jax.tree.map(placed, state)
+
+
+def _resume_spec(call: _Call, run_params, plan: RolloutPlan, placement, host_inputs_placed) -> tuple:
+    """(programs.resume, argument specs) of `_resume_rows`' calls into the first bucket."""
+    static, k, m = call.static, _resume_rows_per_call(call, plan), call.static.new_slots
+    host = placement if host_inputs_placed else None
+    spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
+    resumption = (
+        spec(k, call.prompt_slots), spec(k, call.prompt_slots), spec(k, m), spec(k, m, dtype=jnp.float32), spec(k),
+        spec(k), spec(k, dtype=jnp.uint32), spec(k),
+    )  # fmt: skip
+    return programs.resume, (static, run_params, *_state_specs(call, plan.rows, placement), *resumption)
 
 
 def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share, streams):
@@ -791,12 +812,16 @@ def _resume_rows(call: _Call, plan: RolloutPlan, run_params, cache, rows, partia
     """(cache, rows) with the `partial` sequences `carried` (indices into it) resumed into rows `dest`.
     A resumed row's forward spans all its P + M slots (attention's scores grow with their square, which
     the memory plan does not count): as many rows per program as an admission prefills prompt tokens."""
-    slots = call.prompt_slots + call.static.new_slots
-    k = max(1, min(plan.admit_rows, plan.admit_prompts * call.prompt_slots // slots))
+    k = _resume_rows_per_call(call, plan)
     for i in range(0, len(carried), k):
         args = _resumption(call, partial, carried[i : i + k], dest[i : i + k], rows=bucket, admit_rows=k)
         cache, rows = programs.resume(call.static, run_params, cache, rows, *map(put, args))
     return cache, rows
+
+
+def _resume_rows_per_call(call: _Call, plan: RolloutPlan) -> int:
+    slots = call.prompt_slots + call.static.new_slots
+    return max(1, min(plan.admit_rows, plan.admit_prompts * call.prompt_slots // slots))
 
 
 def _resumption(call: _Call, partial: Partial, carried, dest, *, rows: int, admit_rows: int):
