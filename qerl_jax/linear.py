@@ -285,11 +285,16 @@ def fused_linear(
     lora: dict[str, Any] | None = None,
     lora_scale: float = 1.0,
     backend: str = "xla",
+    row_scale: jax.Array | None = None,
 ) -> list[jax.Array]:
     """[`linear`(x, W_i, bias=biases[i], lora=LoRA_i) for each projection i of `fused`], with one
     matmul for the base weights (x [..., K] with at most fused.max_rows rows of K) and two for
     the adapters (one where `fused.lora_rows` holds their A): `lora` is the projections' adapters
-    stacked by `stack_loras`, or None."""
+    stacked by `stack_loras`, or None.
+
+    row_scale: float32 [M, 1] (M = x's rows) or None: the projections of row_scale * x, the scale
+    applied to each row's float32 products (x @ W.T and x @ A.T) instead of to x, before the bias
+    and the adapters' second matmul (`qwen2.rms_norm_parts`: a norm's 1/rms after the matmul)."""
     x_MxK = x.reshape(-1, x.shape[-1])
     if x_MxK.shape[0] > fused.max_rows:
         raise ValueError(f"this fused weight serves at most {fused.max_rows} rows; got {x_MxK.shape[0]}")
@@ -298,13 +303,14 @@ def fused_linear(
     if fused.lora_rows and (lora is None or lora["b"].shape[1] != fused.lora_rows):
         got = None if lora is None else lora["b"].shape[1]
         raise ValueError(f"this fused weight holds the A of a rank-{fused.lora_rows} stacked LoRA; got rank {got}")
-    y_MxN = base_matmul(x_MxK, fused.w, backend)
+    scaled = (lambda y: y) if row_scale is None else (lambda y: y * row_scale)  # noqa: E731
+    y_MxN = scaled(base_matmul(x_MxK, fused.w, backend))
     n = sum(fused.sizes)
     if lora is not None:
         if lora["b"].shape[0] != n:
             raise ValueError(f"the stacked LoRA B has {lora['b'].shape[0]} rows; the fused weight {n}")
         with jax.named_scope("lora"):
-            h_MxR = y_MxN[:, n:] if fused.lora_rows else matmul_nt(x_MxK, lora["a"])
+            h_MxR = y_MxN[:, n:] if fused.lora_rows else scaled(matmul_nt(x_MxK, lora["a"]))
             y_MxN = y_MxN[:, :n] + _lora_up(h_MxR, lora["b"], lora_scale, x_MxK.dtype)
     splits = np.cumsum(fused.sizes)[:-1].tolist()
     return [
