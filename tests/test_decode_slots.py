@@ -135,7 +135,8 @@ def test_one_row_decode_step_over_fused_weights_equals_the_per_projection_layer(
     """A one-row decode step over the rollout's fused weights (q/k/v and gate/up with their
     adapters' A below the rows, biases, norm scales other than 1) takes the norm in parts around
     the matmuls (`rms_norm_parts`); it gives what the layer over one weight per projection gives
-    (the exact norm first): float32 to rounding, bf16 within its rounding (outputs of size ~3)."""
+    (the exact norm first): float32 to rounding, bf16 within its rounding (outputs of size ~3).
+    With `decode_norm_parts` off the norm stays whole."""
     from unittest import mock
 
     from qerl_jax.linear import Fused, stack_loras
@@ -178,3 +179,8 @@ def test_one_row_decode_step_over_fused_weights_equals_the_per_projection_layer(
     assert parts.call_count == 2  # both norms of the layer
     assert got.dtype == want.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)
+    whole_norms = DecoderLayer(config, ForwardOptions(lora_scale=0.5, decode_norm_parts=False))
+    with mock.patch.object(qwen2, "rms_norm_parts", wraps=qwen2.rms_norm_parts) as parts:
+        whole, _ = whole_norms.apply(fused, h, cache, position, None, step)
+    assert parts.call_count == 0
+    np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)

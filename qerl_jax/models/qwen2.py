@@ -91,6 +91,7 @@ class ForwardOptions:
     remat: str = "none"  # gradient checkpointing per layer: one of REMAT_MODES
     attention: str = "xla"  # full-sequence attention: one of ATTENTION_MODES
     decode_attention: str = "xla"  # `attend_decode_slots` backend of decode steps (`DecodeSlots`): "xla" | "pallas"
+    decode_norm_parts: bool = True  # one-row decode steps: norms in parts around fused projections (`rms_norm_parts`)
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -369,7 +370,7 @@ class DecoderLayer(nn.Module):
         one row over fused projections, the norm in parts around the matmul (`rms_norm_parts`)."""
         scale, eps = self.get_variable("norms", norm), self.config.rms_norm_eps
         rows = h_BxTxD.size // h_BxTxD.shape[-1]
-        if decode and rows == 1 and self._fused(names, rows) is not None:
+        if decode and rows == 1 and self.options.decode_norm_parts and self._fused(names, rows) is not None:
             x, inv_rms = rms_norm_parts(h_BxTxD, scale, eps)
             return self._projs(names, x, row_scale=inv_rms.reshape(rows, 1))
         return self._projs(names, rms_norm(h_BxTxD, scale, eps))
