@@ -346,13 +346,16 @@ class DecoderLayer(nn.Module):
         return fused if isinstance(fused, Fused) and rows <= fused.max_rows else None
 
     def _projs(self, names: tuple[str, ...], x: jax.Array, row_scale: jax.Array | None = None) -> list[jax.Array]:
-        """The projections `names` of x: one matmul where they are fused (`_fused`), else one each.
-        row_scale: see `fused_linear` (fused projections only)."""
+        """The projections `names` of x: one matmul where they are fused (`_fused`), else one each
+        (each a fused call of one where its weight is one). row_scale: see `fused_linear` (fused
+        projections only)."""
         fused = self._fused(names, x.size // x.shape[-1])
         if fused is None:
             if row_scale is not None:
                 raise ValueError(f"a row scale needs the projections {names} fused")
-            return [self._linear(n, x) for n in names]
+            if len(names) > 1:
+                return [self._projs((n,), x)[0] for n in names]
+            return [self._linear(names[0], x)]
         # the rollout stores the group's adapters stacked once per call; else stack them here
         lora = self._lora(fused_name(names)) or stack_loras([self._lora(n) for n in names], fused.sizes)
         return fused_linear(
