@@ -297,8 +297,9 @@ def fused_linear(
     stacked by `stack_loras`, or None.
 
     row_scale: float32 [M, 1] (M = x's rows) or None: the projections of row_scale * x, the scale
-    applied to each row's float32 products (x @ W.T and x @ A.T) instead of to x, before the bias
-    and the adapters' second matmul (`qwen2.rms_norm_parts`: a norm's 1/rms after the matmul)."""
+    applied to each row's float32 result (base and adapters' delta) instead of to x, before the
+    bias (`qwen2.rms_norm_parts`: a norm's 1/rms after the matmul); the adapters' rank-r
+    intermediate is then rounded unscaled, so the two differ by that rounding."""
     x_MxK = x.reshape(-1, x.shape[-1])
     if x_MxK.shape[0] > fused.max_rows:
         raise ValueError(f"this fused weight serves at most {fused.max_rows} rows; got {x_MxK.shape[0]}")
@@ -307,15 +308,15 @@ def fused_linear(
     if fused.lora_rows and (lora is None or lora["b"].shape[1] != fused.lora_rows):
         got = None if lora is None else lora["b"].shape[1]
         raise ValueError(f"this fused weight holds the A of a rank-{fused.lora_rows} stacked LoRA; got rank {got}")
-    scaled = (lambda y: y) if row_scale is None else (lambda y: y * row_scale)  # noqa: E731
-    y_MxN = scaled(base_matmul(x_MxK, fused.w, backend))
+    y_MxN = base_matmul(x_MxK, fused.w, backend)
     n = sum(fused.sizes)
     if lora is not None:
         if lora["b"].shape[0] != n:
             raise ValueError(f"the stacked LoRA B has {lora['b'].shape[0]} rows; the fused weight {n}")
         with jax.named_scope("lora"):
-            h_MxR = y_MxN[:, n:] if fused.lora_rows else scaled(_lora_down(x_MxK, lora["a"]))
+            h_MxR = y_MxN[:, n:] if fused.lora_rows else _lora_down(x_MxK, lora["a"])
             y_MxN = y_MxN[:, :n] + _lora_up(h_MxR, lora["b"], lora_scale, x_MxK.dtype)
+    y_MxN = y_MxN[:, :n] if row_scale is None else y_MxN[:, :n] * row_scale
     splits = np.cumsum(fused.sizes)[:-1].tolist()
     return [
         _finish(x, x_MxK, y_i, bias, None, lora_scale)
