@@ -330,6 +330,9 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
                     row["decode_step_s_unfused"] = step_seconds()[0]
                 finally:
                     rollout.weights.FUSED_GROUPS = fusable
+            if args.compare_norm_parts and prompts * group == 1:  # the one-row step with its norms whole
+                timed(1, norm_parts=False)  # compiles
+                row["decode_step_s_whole_norms"] = step_seconds(norm_parts=False)[0]
             row.update(
                 wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
@@ -860,6 +863,10 @@ def report(results: list[dict], args, census: dict | None = None) -> dict:
         targets["nvfp4 weight bytes / bf16 (whole policy)"] = weights["nvfp4"] / weights["bf16"]
         targets["nvfp4 weight bytes / bf16 (linears only)"] = lin["nvfp4"] / lin["bf16"]
 
+    for r in rows:
+        if r.get("decode_step_s_whole_norms"):  # --compare-norm-parts
+            whole = r["decode_step_s_whole_norms"]
+            targets[f"B={r['batch']} {r['format']} step with norms whole / in parts"] = whole / r["decode_step_s"]
     order = {w: i for i, w in enumerate(WORKER_ORDER)}
     rows.sort(key=lambda r: (r["batch"], order.get(f"{r['format']}:{r['backend']}", order["transformers"])))
     header = (
@@ -943,6 +950,11 @@ def main(argv=None) -> None:
         help="also time wgmma rows with one kernel call per projection (no fused q/k/v, gate/up)",
     )
     parser.add_argument(
+        "--compare-norm-parts",
+        action="store_true",
+        help="also time the 1-row rows with each norm whole (RolloutOptions.norm_parts=False)",
+    )
+    parser.add_argument(
         "--lora-rank",
         type=int,
         default=0,
@@ -1022,6 +1034,8 @@ def main(argv=None) -> None:
             cmd.append("--compare-wgmma")
         if args.compare_unfused:
             cmd.append("--compare-unfused")
+        if args.compare_norm_parts:
+            cmd.append("--compare-norm-parts")
         if args.lora_rank:
             cmd += ["--lora-rank", str(args.lora_rank)]
         if i == 0 and not gsm8k:

@@ -20,6 +20,10 @@ from qerl_jax import fp8
 from qerl_jax.quant.packed import PackedWeight, dequantize, is_packed, split_specs, splits_over
 
 BACKENDS = ("xla", "pallas")
+# Up to this many rows `fused_linear` takes its adapters' first matmul (where its weight does not
+# hold their A: the wgmma kernel's) as a multiply-reduce (`_lora_down`): one launch fewer a call
+# (H100 program, Qwen2.5-7B NVFP4 + LoRA r16, 16 and 64 rows alike). Each row reads A again.
+REDUCED_LORA_A_MAX_ROWS = 16
 # The name (`jax.ad_checkpoint.checkpoint_name`) of every projection's output, in the activations'
 # dtype: the "proj" remat policy of the model saves these instead of recomputing the matmuls.
 PROJ_OUT = "proj_out"
@@ -285,11 +289,17 @@ def fused_linear(
     lora: dict[str, Any] | None = None,
     lora_scale: float = 1.0,
     backend: str = "xla",
+    row_scale: jax.Array | None = None,
 ) -> list[jax.Array]:
     """[`linear`(x, W_i, bias=biases[i], lora=LoRA_i) for each projection i of `fused`], with one
     matmul for the base weights (x [..., K] with at most fused.max_rows rows of K) and two for
     the adapters (one where `fused.lora_rows` holds their A): `lora` is the projections' adapters
-    stacked by `stack_loras`, or None."""
+    stacked by `stack_loras`, or None.
+
+    row_scale: float32 [M, 1] (M = x's rows) or None: the projections of row_scale * x, the scale
+    applied to each row's float32 result (base and adapters' delta) instead of to x, before the
+    bias (`qwen2.rms_norm_parts`: a norm's 1/rms after the matmul); the adapters' rank-r
+    intermediate is then rounded unscaled, so the two differ by that rounding."""
     x_MxK = x.reshape(-1, x.shape[-1])
     if x_MxK.shape[0] > fused.max_rows:
         raise ValueError(f"this fused weight serves at most {fused.max_rows} rows; got {x_MxK.shape[0]}")
@@ -304,8 +314,9 @@ def fused_linear(
         if lora["b"].shape[0] != n:
             raise ValueError(f"the stacked LoRA B has {lora['b'].shape[0]} rows; the fused weight {n}")
         with jax.named_scope("lora"):
-            h_MxR = y_MxN[:, n:] if fused.lora_rows else matmul_nt(x_MxK, lora["a"])
+            h_MxR = y_MxN[:, n:] if fused.lora_rows else _lora_down(x_MxK, lora["a"])
             y_MxN = y_MxN[:, :n] + _lora_up(h_MxR, lora["b"], lora_scale, x_MxK.dtype)
+    y_MxN = y_MxN[:, :n] if row_scale is None else y_MxN[:, :n] * row_scale
     splits = np.cumsum(fused.sizes)[:-1].tolist()
     return [
         _finish(x, x_MxK, y_i, bias, None, lora_scale)
@@ -346,6 +357,17 @@ def _lora_delta(x_MxK: jax.Array, lora: dict[str, Any], scale: float) -> jax.Arr
     array per projection (H100, 7B LoRA train step: 0.16 s of 3.6)."""
     with jax.named_scope("lora"):
         return _lora_up(matmul_nt(x_MxK, lora["a"]), lora["b"], scale, x_MxK.dtype)
+
+
+def _lora_down(x_MxK: jax.Array, a_RxK: jax.Array) -> jax.Array:
+    """float32 x @ A.T [M, R] of a fused call's adapters: up to REDUCED_LORA_A_MAX_ROWS rows as a
+    multiply-reduce over K (the same products, exact in float32, summed in another order), which
+    XLA compiles to one reduction kernel, where its GEMM of N = R is split over K and its partial
+    sums added by a second kernel (H100 program, Qwen2.5-7B wgmma decode step: RESULTS.md)."""
+    if x_MxK.shape[0] > REDUCED_LORA_A_MAX_ROWS:
+        return matmul_nt(x_MxK, a_RxK)
+    x32, a32 = x_MxK.astype(jnp.float32), a_RxK.astype(x_MxK.dtype).astype(jnp.float32)
+    return jnp.sum(x32[:, None, :] * a32[None], axis=-1)
 
 
 def _lora_up(h_MxR: jax.Array, b_NxR: jax.Array, scale: float, dtype) -> jax.Array:

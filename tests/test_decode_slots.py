@@ -128,3 +128,59 @@ def test_decoder_layer_decode_slots_step_equals_its_full_forward():
     out, (k_new, _) = layer.apply(variables, h[:, -1:], (k_cache, v_cache), last_pos, None, step)
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(full[:, -1]), atol=2e-5)
     np.testing.assert_allclose(np.asarray(k_new[jnp.arange(b), write]), np.asarray(k_all[:, -1]), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 0.1)])
+def test_one_row_decode_step_over_fused_weights_equals_the_per_projection_layer(dtype, atol):
+    """A one-row decode step over the rollout's fused weights (q/k/v and gate/up with their
+    adapters' A below the rows, biases, norm scales other than 1) takes the norm in parts around
+    the matmuls (`rms_norm_parts`); it gives what the layer over one weight per projection gives
+    (the exact norm first): float32 to rounding, bf16 within its rounding (outputs of size ~3).
+    With `decode_norm_parts` off the norm stays whole."""
+    from unittest import mock
+
+    from qerl_jax.linear import Fused, stack_loras
+    from qerl_jax.models import qwen2
+
+    config = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=128,
+    )  # fmt: skip
+    keys = iter(jax.random.split(jax.random.key(3), 32))
+    d, hd, r = config.hidden_size, config.head_dim, 2
+    shapes = {"q_proj": (32, d), "k_proj": (16, d), "v_proj": (16, d), "o_proj": (d, 32), "gate_proj": (48, d)}
+    shapes.update(up_proj=(48, d), down_proj=(d, 48))
+    normal = lambda shape, s=1.0: (s * jax.random.normal(next(keys), shape)).astype(dtype)  # noqa: E731
+    base = {name: {"w": normal(shape, 0.2)} for name, shape in shapes.items()}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        base[name]["b"] = normal(shapes[name][:1], 0.5)
+    lora = {name: {"a": normal((r, shape[1]), 0.3), "b": normal((shape[0], r), 0.3)} for name, shape in shapes.items()}
+    norms = {"input_layernorm": 1 + normal((d,), 0.3), "post_attention_layernorm": 1 + normal((d,), 0.3)}
+    per_projection = {"base": base, "norms": norms, "lora": lora}
+    fused_base, fused_lora = {n: dict(p) for n, p in base.items()}, dict(lora)
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        sizes = tuple(shapes[n][0] for n in group)
+        stacked = stack_loras([lora[n] for n in group], sizes)
+        w = jnp.concatenate([base[n]["w"] for n in group] + [stacked["a"]])
+        for n in group:
+            del fused_base[n]["w"]
+        fused_base[qwen2.fused_name(group)] = {"w": Fused(w, sizes, max_rows=64, lora_rows=len(group) * r)}
+        fused_lora[qwen2.fused_name(group)] = stacked
+    fused = {"base": fused_base, "norms": norms, "lora": fused_lora}
+
+    layer = DecoderLayer(config, ForwardOptions(lora_scale=0.5))
+    slots = 6
+    cache = tuple(normal((1, slots, 2, hd)) for _ in range(2))
+    step = DecodeSlots(write_B=jnp.array([4]), start_B=jnp.array([1]), end_B=jnp.array([5]))
+    h, position = normal((1, 1, d), 3.0), jnp.array([[3]])
+    want, _ = layer.apply(per_projection, h, cache, position, None, step)
+    with mock.patch.object(qwen2, "rms_norm_parts", wraps=qwen2.rms_norm_parts) as parts:
+        got, _ = layer.apply(fused, h, cache, position, None, step)
+    assert parts.call_count == 2  # both norms of the layer
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)
+    whole_norms = DecoderLayer(config, ForwardOptions(lora_scale=0.5, decode_norm_parts=False))
+    with mock.patch.object(qwen2, "rms_norm_parts", wraps=qwen2.rms_norm_parts) as parts:
+        whole, _ = whole_norms.apply(fused, h, cache, position, None, step)
+    assert parts.call_count == 0
+    np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)

@@ -228,7 +228,7 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     of the packed path;
     decode rows go through the copies, the prefill through the packed stack."""
     from pallas_kernels import wgmma_nvfp4
-    from qerl_jax.linear import ByRows, LayerOf
+    from qerl_jax.linear import ByRows, Fused, LayerOf
 
     path, _ = tiny_qwen2_dir
     config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
@@ -236,10 +236,12 @@ def test_wgmma_copies_sample_what_the_packed_path_samples(tiny_qwen2_dir, monkey
     fake_hopper_kernel(monkeypatch, calls, small_kv_dense=False)
     split = weights_module.split_layers(params, wgmma_names=("o_proj", "q_proj"))
     assert set(split["packed"]) == set(params["base"]["layers"])  # the prefill reads the stacks
-    assert isinstance(split["layers"][1]["base"]["q_proj"]["w"], wgmma_nvfp4.WgmmaWeight)
+    alone = split["layers"][1]["base"]["q_proj"]["w"]  # a fused call of one projection
+    assert isinstance(alone, Fused) and isinstance(alone.w, wgmma_nvfp4.WgmmaWeight)
+    assert alone.sizes == (alone.w.shape[0],)
     assert "w" not in split["layers"][1]["base"]["k_proj"]
     w = weights_module.layer_vars(split, 1)["base"]["q_proj"]["w"]
-    assert isinstance(w, ByRows) and isinstance(w.small, wgmma_nvfp4.WgmmaWeight) and isinstance(w.large, LayerOf)
+    assert isinstance(w, ByRows) and isinstance(w.small, Fused) and isinstance(w.large, LayerOf)
     ids, mask = prompts(config.vocab_size)
     sampling = SamplingConfig(greedy=True, max_new_tokens=6, eos_ids=())
     opts = lambda wgmma: RolloutOptions(backend="pallas", dense_weights=False, wgmma_weights=wgmma)  # noqa: E731

@@ -91,6 +91,7 @@ class ForwardOptions:
     remat: str = "none"  # gradient checkpointing per layer: one of REMAT_MODES
     attention: str = "xla"  # full-sequence attention: one of ATTENTION_MODES
     decode_attention: str = "xla"  # `attend_decode_slots` backend of decode steps (`DecodeSlots`): "xla" | "pallas"
+    decode_norm_parts: bool = True  # one-row decode steps: norms in parts around fused projections (`rms_norm_parts`)
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -155,6 +156,22 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
         return (scale.astype(jnp.float32) * x_hat).astype(x.dtype)
+
+
+def rms_norm_parts(x: jax.Array, scale: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """`rms_norm` in two parts, for a matmul between them: (x * scale in x.dtype, float32 1/rms(x)
+    [..., 1]). (x * scale) @ W.T * (1/rms) is rms_norm(x) @ W.T but for where x * scale rounds (to
+    x.dtype before the 1/rms instead of after).
+
+    The rollout's one-row decode step (`DecoderLayer`) uses it: there XLA computes each projection
+    as a reduction, and a norm as two kernels it cannot fuse into that reduction (a sum of squares
+    to a scalar, then the scaling); the parts leave the sum of squares alone, the scale multiply
+    in the matmul's input and the 1/rms in its output (H100 program, Qwen2.5-1.5B: 2 launches a
+    layer fewer; benchmarks/RESULTS.md). At 2 rows and more the norm is one fused kernel already."""
+    with jax.named_scope("rms_norm"):
+        x32 = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (scale.astype(jnp.float32) * x32).astype(x.dtype), inv_rms
 
 
 def attention(q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
@@ -316,35 +333,58 @@ class DecoderLayer(nn.Module):
     def _lora(self, name: str) -> dict[str, jax.Array] | None:
         return self.get_variable("lora", name) if self.has_variable("lora", name) else None
 
-    def _projs(self, names: tuple[str, ...], x: jax.Array) -> list[jax.Array]:
-        """The projections `names` of x: one matmul where the base variables hold them fused
-        (`fused_name(names)`: a `Fused` weight, e.g. the rollout's decode copies, also of a single
-        projection holding its adapter's A), else one each."""
+    def _fused(self, names: tuple[str, ...], rows: int) -> Fused | None:
+        """The projections `names` as one `Fused` weight for a matmul of `rows` rows, where the base
+        variables hold them fused (`fused_name(names)`, e.g. the rollout's decode copies, also of
+        a single projection holding its adapter's A); else None."""
         group = fused_name(names)
-        if self.has_variable("base", group):
-            fused, rows = self.get_variable("base", group).get("w"), x.size // x.shape[-1]
-            while isinstance(fused, ByRows):  # e.g. the wgmma kernel's copy up to its rows, bf16 copies above
-                fused = fused.small if rows <= fused.max_rows else fused.large
-            if isinstance(fused, Fused) and rows <= fused.max_rows:
-                # the rollout stores the group's adapters stacked once per call; else stack them here
-                lora = self._lora(group) or stack_loras([self._lora(n) for n in names], fused.sizes)
-                return fused_linear(
-                    x,
-                    fused,
-                    biases=[self.get_variable("base", n).get("b") for n in names],
-                    lora=lora,
-                    lora_scale=self.options.lora_scale,
-                    backend=self.options.backend,
-                )
-        return [self._linear(n, x) for n in names]
+        if not self.has_variable("base", group):
+            return None
+        fused = self.get_variable("base", group).get("w")
+        while isinstance(fused, ByRows):  # e.g. the wgmma kernel's copy up to its rows, bf16 copies above
+            fused = fused.small if rows <= fused.max_rows else fused.large
+        return fused if isinstance(fused, Fused) and rows <= fused.max_rows else None
+
+    def _projs(self, names: tuple[str, ...], x: jax.Array, row_scale: jax.Array | None = None) -> list[jax.Array]:
+        """The projections `names` of x: one matmul where they are fused (`_fused`), else one each
+        (each a fused call of one where its weight is one). row_scale: see `fused_linear` (fused
+        projections only)."""
+        fused = self._fused(names, x.size // x.shape[-1])
+        if fused is None:
+            if row_scale is not None:
+                raise ValueError(f"a row scale needs the projections {names} fused")
+            if len(names) > 1:
+                return [self._projs((n,), x)[0] for n in names]
+            return [self._linear(names[0], x)]
+        # the rollout stores the group's adapters stacked once per call; else stack them here
+        lora = self._lora(fused_name(names)) or stack_loras([self._lora(n) for n in names], fused.sizes)
+        return fused_linear(
+            x,
+            fused,
+            biases=[self.get_variable("base", n).get("b") for n in names],
+            lora=lora,
+            lora_scale=self.options.lora_scale,
+            backend=self.options.backend,
+            row_scale=row_scale,
+        )
+
+    def _normed_projs(self, names: tuple[str, ...], h_BxTxD: jax.Array, norm: str, decode: bool) -> list[jax.Array]:
+        """The projections `names` of rms_norm(h) with the norm scale `norm`; in a decode step of
+        one row over fused projections, the norm in parts around the matmul (`rms_norm_parts`)."""
+        scale, eps = self.get_variable("norms", norm), self.config.rms_norm_eps
+        rows = h_BxTxD.size // h_BxTxD.shape[-1]
+        if decode and rows == 1 and self.options.decode_norm_parts and self._fused(names, rows) is not None:
+            x, inv_rms = rms_norm_parts(h_BxTxD, scale, eps)
+            return self._projs(names, x, row_scale=inv_rms.reshape(rows, 1))
+        return self._projs(names, rms_norm(h_BxTxD, scale, eps))
 
     @nn.compact
     def __call__(self, h_BxTxD, cache_kv, positions_BxT, kv_valid_BxS, cache_index, segment_ids_BxT=None):
         cfg = self.config
         b, t, _ = h_BxTxD.shape
-        x = rms_norm(h_BxTxD, self.get_variable("norms", "input_layernorm"), cfg.rms_norm_eps)
+        decode = isinstance(cache_index, DecodeSlots)
         inv_freq = rope_inv_freq(cfg)
-        q, k, v = self._projs(FUSED_GROUPS[0], x)
+        q, k, v = self._normed_projs(FUSED_GROUPS[0], h_BxTxD, "input_layernorm", decode)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -374,7 +414,7 @@ class DecoderLayer(nn.Module):
                     implementation=_flash_implementation(q.dtype),
                 )
             return self._rest(h_BxTxD, attn), None
-        if isinstance(cache_index, DecodeSlots):
+        if decode:
             attn, new_cache = _decode_step_attention(q, k, v, cache_kv, cache_index, self.options.decode_attention)
         else:
             if cache_kv is None:
@@ -389,15 +429,13 @@ class DecoderLayer(nn.Module):
             causal_TxS = jnp.arange(s)[None, :] <= query_slot_T[:, None]
             mask_BxTxS = causal_TxS[None] & kv_valid_BxS[:, None, :].astype(bool)
             attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxTxS)
-        return self._rest(h_BxTxD, attn), new_cache
+        return self._rest(h_BxTxD, attn, decode), new_cache
 
-    def _rest(self, h_BxTxD: jax.Array, attn_BxTxHxD: jax.Array) -> jax.Array:
-        """The output projection and residual, then the MLP block."""
-        cfg = self.config
+    def _rest(self, h_BxTxD: jax.Array, attn_BxTxHxD: jax.Array, decode: bool = False) -> jax.Array:
+        """The output projection and residual, then the MLP block (decode: see `_normed_projs`)."""
         b, t, _ = h_BxTxD.shape
         h_BxTxD = h_BxTxD + self._proj("o_proj", attn_BxTxHxD.reshape(b, t, -1))
-        x = rms_norm(h_BxTxD, self.get_variable("norms", "post_attention_layernorm"), cfg.rms_norm_eps)
-        gate, up = self._projs(FUSED_GROUPS[1], x)
+        gate, up = self._normed_projs(FUSED_GROUPS[1], h_BxTxD, "post_attention_layernorm", decode)
         gated = jax.nn.silu(gate) * up
         return h_BxTxD + self._proj("down_proj", gated)
 

@@ -96,6 +96,9 @@ class RolloutOptions:
       rows (the prefill, the largest decode buckets) on FP8 tensor cores, activations quantized per
       token (+1 byte per weight while it runs). "auto": for a 4-bit base on a GPU with FP8 tensor
       cores (`fp8.available`). Off by default: see `qerl_jax.fp8` for what is measured.
+    norm_parts: in a decode step of one row, each RMSNorm before fused projections in two parts
+      around their matmul (`qwen2.rms_norm_parts`: 2 kernel launches a layer fewer, the same
+      values but for one bf16 rounding); False keeps the norm whole, as the other programs do.
     """
 
     backend: str = "xla"
@@ -109,6 +112,7 @@ class RolloutOptions:
     decode_attention: str | None = None
     min_prompt_len: int = 0
     fp8_matmul: str = "off"
+    norm_parts: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,7 +589,12 @@ def _prepare_call(
         sampling=SamplingConfig(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, greedy=sampling.greedy
         ),
-        options=ForwardOptions(lora_scale=float(lora_scale), backend=options.backend, decode_attention=attention),
+        options=ForwardOptions(
+            lora_scale=float(lora_scale),
+            backend=options.backend,
+            decode_attention=attention,
+            decode_norm_parts=options.norm_parts,
+        ),
         new_slots=scheduler.new_tokens_bucket(sampling.max_new_tokens),
         cache_dtype=jnp.dtype(options.cache_dtype).name,
     )

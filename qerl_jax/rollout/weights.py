@@ -8,8 +8,8 @@
 - Optional bf16 copies of packed projections (`dense_names`): the per-step path would
   dequantize them anyway (XLA, or the Pallas kernels above 64 rows), or they are small.
 - Optional copies of NVFP4 projections repacked for the Hopper wgmma decode kernel
-  (`wgmma_names`), q/k/v and gate/up concatenated into one call each (`Fused`), their LoRA
-  adapters stacked (`linear.stack_loras`). A decode program of at most `wgmma_nvfp4.MAX_ROWS`
+  (`wgmma_names`), q/k/v and gate/up concatenated into one call each (`Fused`; a `Fused` of one
+  for the others), their LoRA adapters stacked (`linear.stack_loras`). A decode program of at most `wgmma_nvfp4.MAX_ROWS`
   rows runs these; larger ones (and the prefill) read the bf16 copy or the packed stack
   (`ByRows`), so one call can decode a large row bucket on bf16 copies and, once its rows are
   compacted, the small buckets on the kernel.
@@ -90,7 +90,8 @@ def split_layers(
     of reading them packed: those of `dense_names` (default all); None keeps them packed.
     wgmma_names: packed NVFP4 projections repacked per layer for the Hopper wgmma kernel
     (`pallas_kernels.wgmma_nvfp4.WgmmaWeight`, same values, same size); those that complete a
-    group of FUSED_GROUPS become one `Fused` weight under the group's `fused_name`. A
+    group of FUSED_GROUPS become one `Fused` weight under the group's `fused_name`, the others a
+    `Fused` of one projection (their adapters then run as a fused call's, `linear.fused_linear`). A
     projection with both copies reads the repacked one up to the kernel's rows, else the bf16 one.
     fp8_min_rows: every dense layer weight (bf16 copies, concatenations) also gets an E4M3 copy
     (`fp8.Fp8Weight`, `add_fp8_copies`) that matmuls of at least this many rows read; None: none.
@@ -274,8 +275,10 @@ def fused_groups(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
 
 
 def _wgmma_layer(packed: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
-    """Each stacked NVFP4 weight's layer `layer` (int32 []) repacked for the wgmma kernel,
-    {name: `WgmmaWeight`}; the complete groups of FUSED_GROUPS concatenated into {fused_name: `Fused`}."""
+    """Each stacked NVFP4 weight's layer `layer` (int32 []) repacked for the wgmma kernel, as a
+    `Fused` of its `WgmmaWeight`: the complete groups of FUSED_GROUPS concatenated into
+    {fused_name: `Fused`}, each other projection alone {name: `Fused`} (so that its adapter runs
+    as a fused call's does, `linear.fused_linear`)."""
     from pallas_kernels import wgmma_nvfp4
 
     repacked = {name: wgmma_nvfp4.from_packed(jax.tree.map(lambda a: a[layer], w)) for name, w in packed.items()}
@@ -283,7 +286,10 @@ def _wgmma_layer(packed: dict[str, Any], layer: jax.Array) -> dict[str, Any]:
         ws = [repacked.pop(name) for name in group]
         fused = wgmma_nvfp4.concat(ws)
         repacked[fused_name(group)] = Fused(fused, tuple(w.shape[0] for w in ws), max_rows=wgmma_nvfp4.MAX_ROWS)
-    return repacked
+    return {
+        name: w if isinstance(w, Fused) else Fused(w, (w.shape[0],), max_rows=wgmma_nvfp4.MAX_ROWS)
+        for name, w in repacked.items()
+    }
 
 
 _wgmma_layer_jit = jax.jit(_wgmma_layer)
