@@ -128,6 +128,12 @@ class RolloutSection:
         "(resumed first, under the updated adapter); a group carried K steps finishes in the next one. 0 = on-policy.",
         integer(0),
     )
+    norm_parts: bool = setting(
+        True,
+        "a one-row decode step takes each RMSNorm in two parts around its fused projections (x * scale into the "
+        "matmul, 1/rms onto its output: 2 kernel launches a layer fewer, one bf16 rounding apart); False: whole",
+        boolean(),
+    )
 
 
 @section
