@@ -1,0 +1,156 @@
+"""The verdicts of PROTOCOL.md (rules v1): partial rollouts (arm b, K = 1) against the on-policy step (arm a).
+
+    python -m experiments.partial_rollouts.summarize --run a 0 RUN_A0 --run b 0 RUN_B0 \\
+        --run a 1 RUN_A1 --run b 1 RUN_B1 --out summary.json
+
+RUN is a run's workdir: its `tensorboard/scalars.jsonl` gives the per-step metrics. Its final greedy
+evaluation is `--eval ARM SEED SUMMARY_JSON` (the eval command's summary.json; the per-problem file
+beside it, where kept, gives the McNemar test), or missing: then rule 3 is "no data".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from experiments import stats
+from experiments.qwen_gsm8k.summarize import PROBLEMS_FILE, mcnemar, read_problems
+from qerl_jax.metrics import SCALARS_JSONL
+
+PROTOCOL = "experiments/partial_rollouts/PROTOCOL.md, rules v1"
+SPEED_STEPS = (1, 39)  # rule 1: step 0 holds the first compilation
+CURVE_STEPS = (10, 39)  # rule 2: after arm b's off-policy share settles
+STEP_TARGET, ROLLOUT_TARGET = 0.70, 0.60
+REWARD_MARGIN = 0.03
+ACCURACY_MARGIN = 0.01  # 1 point of pass@1
+REPORTED = ("rollout/offpolicy_tokens_frac", "rollout/staleness_max", "rollout/carried_groups",
+            "rollout/forced_groups", "rollout/response_length_p10", "rollout/response_length_p50",
+            "rollout/response_length_p90", "rollout/tokens_per_s")  # fmt: skip
+
+
+def read_steps(workdir: str) -> dict[int, dict]:
+    """step -> the train step's scalars (a resumed run's repeated steps: the last wins)."""
+    rows = {}
+    with open(os.path.join(workdir, "tensorboard", SCALARS_JSONL)) as f:
+        for line in f:
+            row = json.loads(line) if line.strip() else {}
+            if "time/step_s" in row:  # a train step (evaluations log eval/* only)
+                rows[int(row["step"])] = row
+    return rows
+
+
+def _series(rows: dict[int, dict], steps: list[int], tag: str) -> np.ndarray:
+    return np.array([rows[s].get(tag, np.nan) for s in steps], np.float64)
+
+
+def _common(a: dict[int, dict], b: dict[int, dict], first: int, last: int) -> list[int]:
+    return sorted(s for s in a.keys() & b.keys() if first <= s <= last)
+
+
+def speed(a: dict[int, dict], b: dict[int, dict]) -> dict[str, float]:
+    """Rule 1 for one seed: b's mean step and rollout + reward time over a's, on the common steps."""
+    steps = _common(a, b, *SPEED_STEPS)
+    rollout = lambda rows: _series(rows, steps, "time/rollout_s") + _series(rows, steps, "time/reward_s")  # noqa: E731
+    return {
+        "steps": len(steps),
+        "step_ratio": float(_series(b, steps, "time/step_s").mean() / _series(a, steps, "time/step_s").mean()),
+        "rollout_ratio": float(rollout(b).mean() / rollout(a).mean()),
+    }
+
+
+def reward_difference(a: dict[int, dict], b: dict[int, dict]) -> dict[str, float]:
+    """Rule 2 for one seed: the mean of the paired `reward/mean_sampled` difference b - a and its SE."""
+    steps = _common(a, b, *CURVE_STEPS)
+    d = _series(b, steps, "reward/mean_sampled") - _series(a, steps, "reward/mean_sampled")
+    return {"steps": len(steps), **stats.mean_within(d)}
+
+
+def _mean_logged(rows: dict[int, dict], tag: str) -> float | None:
+    """The mean of `tag` over the steps that logged it (None: none did, e.g. arm a's partial-rollout metrics)."""
+    values = [row[tag] for row in rows.values() if tag in row]
+    return float(np.mean(values)) if values else None
+
+
+def _speed_verdict(per_seed: list[dict]) -> dict:
+    step = float(np.mean([s["step_ratio"] for s in per_seed]))
+    rollout = float(np.mean([s["rollout_ratio"] for s in per_seed]))
+    met = step <= STEP_TARGET and rollout <= ROLLOUT_TARGET
+    every = all(s["step_ratio"] <= STEP_TARGET and s["rollout_ratio"] <= ROLLOUT_TARGET for s in per_seed)
+    verdict = "met" if met and every else ("met on the mean, not in every seed" if met else "missed")
+    return {"step_ratio": step, "rollout_ratio": rollout, "verdict": verdict}
+
+
+def _accuracy_verdict(evals: dict[tuple[str, int], dict], seeds: list[int]) -> dict:
+    paired = [s for s in seeds if ("a", s) in evals and ("b", s) in evals]
+    if not paired:
+        return {"verdict": "no data"}
+    a = [evals["a", s]["pass_at_1"] for s in paired]
+    b = [evals["b", s]["pass_at_1"] for s in paired]
+    diff = float(np.mean(b) - np.mean(a))
+    problems = {arm: {s: {"problems": evals[arm, s].get("problems")} for s in paired} for arm in "ab"}
+    return {
+        "seeds": paired,
+        "diff": diff,
+        "welch": stats.welch(a, b),
+        "mcnemar": mcnemar(problems, "b", "a"),
+        "verdict": "met" if diff >= -ACCURACY_MARGIN else "missed",
+    }
+
+
+def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[str, int], dict]) -> dict:
+    """The protocol's verdicts from each (arm, seed)'s steps (`read_steps`) and final evaluation ({"pass_at_1",
+    optional "problems"}); seeds where both arms ran."""
+    seeds = sorted(s for arm, s in runs if arm == "a" and ("b", s) in runs)
+    speeds = [speed(runs["a", s], runs["b", s]) for s in seeds]
+    rewards = [reward_difference(runs["a", s], runs["b", s]) for s in seeds]
+    over = stats.over_seeds([r["value"] for r in rewards], [r["se"] for r in rewards])
+    reported = {
+        f"{arm}{s}": {tag: _mean_logged(rows, tag) for tag in REPORTED} for (arm, s), rows in sorted(runs.items())
+    }
+    return {
+        "protocol": PROTOCOL,
+        "seeds": seeds,
+        "speed": {"per_seed": speeds, **(_speed_verdict(speeds) if speeds else {"verdict": "no data"})},
+        "reward": {
+            "per_seed": rewards,
+            "over_seeds": over,
+            "verdict": stats.non_inferior(over["lo"], over["hi"], REWARD_MARGIN),
+        },
+        "accuracy": _accuracy_verdict(evals, seeds),
+        "reported_means": reported,
+    }
+
+
+def _read_eval(summary_file: str) -> dict:
+    datasets = json.load(open(summary_file))["datasets"]
+    out = {"pass_at_1": float(next(iter(datasets.values()))["pass_at_1"])}
+    problems = read_problems(os.path.join(os.path.dirname(summary_file), PROBLEMS_FILE))
+    return out if problems is None else {**out, "problems": problems}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "WORKDIR"))
+    parser.add_argument("--eval", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "SUMMARY_JSON"))
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    for arm, _, _ in args.run + args.eval:
+        if arm not in ("a", "b"):
+            parser.exit(2, f"error: --run/--eval ARM must be a (on-policy) or b (partial rollouts); got {arm!r}\n")
+    runs = {(arm, int(seed)): read_steps(workdir) for arm, seed, workdir in args.run}
+    evals = {(arm, int(seed)): _read_eval(path) for arm, seed, path in args.eval}
+    out = summarize(runs, evals)
+    text = json.dumps(out, indent=1, default=lambda x: sorted(x) if isinstance(x, set) else str(x))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    verdicts = (f"{rule}: {out[rule]['verdict']}" for rule in ("speed", "reward", "accuracy"))
+    print("; ".join(verdicts))
+    return out
+
+
+if __name__ == "__main__":
+    main()
