@@ -190,7 +190,7 @@ def collect_experience(
     g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
     before = loader.state()
     step = peek_prompts(cfg, policy, loader, 1 + (cfg.rl.max_refill_rounds if dynamic else 0))
-    shards = mesh.shape["data"] if mesh is not None else 1
+    shards = data_parallel.shard_count(mesh)
     order = shard_order(step.batch_of, shards)
     wants = [b.stop - b.start for b in data_parallel.prompt_blocks(want, shards)]
     scorer = Scorer(cfg, policy, pool, step, g)
@@ -237,33 +237,44 @@ def select_groups(
     return np.sort(np.concatenate(kept)), np.concatenate(sampled), used
 
 
-def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers, planned, max_batch) -> RolloutBatch:
+def _rollout(cfg, policy, rollout_params, step: StepPrompts, key, mesh, order, trackers, planned, max_batch):
     """One rollout call over every peeked prompt (each sample on its stream, module doc), each
     shard's rows planned for `planned` groups (those it expects to admit; more as rows free up)."""
     g = cfg.rollout.group_size
     streams = ((step.batch_of * cfg.rollout.prompts_per_step + step.position)[:, None] * g + np.arange(g)).reshape(-1)
+    parts = {d: RolloutPart(monitor=t, expected_seqs=planned[d] * g) for d, t in trackers.items()}
+    key = jax.random.fold_in(key, 0)  # the first batch draws what a call per batch drew for it
+    return rollout_call(cfg, policy, rollout_params, step, key, mesh, order, parts, streams=streams,
+                        max_batch=max_batch)  # fmt: skip
+
+
+def rollout_call(
+    cfg: RunConfig, policy: Policy, rollout_params, step: StepPrompts, key, mesh: jax.sharding.Mesh | None,
+    order: list[np.ndarray], parts: dict[int, RolloutPart], *, streams: np.ndarray | None = None,
+    max_batch: int | None,
+):  # fmt: skip
+    """A step's rollout over `step`'s prompts, finished on the device: `generate` with one shard (its
+    order the prompts'), else `generate_data_parallel` with each shard's prompts in `order`. parts: each
+    local shard's monitor, expected_seqs and partial (their streams: `streams`, default row r on stream
+    r). Returns what the engine returns: the batch, and the paused sequences where the parts carry
+    partials."""
     common = dict(
-        group_size=g,
+        group_size=cfg.rollout.group_size,
         lora_scale=lora.lora_scale(cfg.lora),
         max_batch=max_batch,
         options=rollout_options(cfg, policy),
     )
     sampling = sampling_config(cfg, policy)
-    key = jax.random.fold_in(key, 0)  # the first batch draws what a call per batch drew for it
-    if mesh is None:  # one shard: its order is the loader's
-        batch = generate(
-            policy.config, rollout_params, step.ids, step.mask, key, sampling,
-            part=RolloutPart(streams=streams, monitor=trackers[0], expected_seqs=planned[0] * g), **common,
-        )  # fmt: skip
+    if mesh is None:
+        part = dataclasses.replace(parts[0], streams=streams)
+        out = generate(policy.config, rollout_params, step.ids, step.mask, key, sampling, part=part, **common)
     else:
-        batch = data_parallel.generate_data_parallel(
-            policy.config, rollout_params, step.ids, step.mask, key, sampling, mesh=mesh,
-            plan=data_parallel.ShardPlan(prompts=order, streams=streams, parts={
-                d: RolloutPart(monitor=t, expected_seqs=planned[d] * g) for d, t in trackers.items()
-            }), **common,
-        )  # fmt: skip
-    jax.block_until_ready(batch.tokens)
-    return batch
+        plan = data_parallel.ShardPlan(prompts=order, streams=streams, parts=parts)
+        out = data_parallel.generate_data_parallel(
+            policy.config, rollout_params, step.ids, step.mask, key, sampling, mesh=mesh, plan=plan, **common
+        )
+    jax.block_until_ready(out[0].tokens if isinstance(out, tuple) else out.tokens)
+    return out
 
 
 def shared_scores(trackers, rows_of, num_rows: int, num_rewards: int) -> tuple[np.ndarray, np.ndarray]:

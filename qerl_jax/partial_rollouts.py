@@ -42,14 +42,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from qerl_jax import experience, lora
+from qerl_jax import experience
 from qerl_jax.data import PromptLoader
 from qerl_jax.policy import Policy
 from qerl_jax.reward_pool import RewardPool
 from qerl_jax.rl import dynamic_sampling
 from qerl_jax.rollout import data_parallel
-from qerl_jax.rollout.sampler import Partial, RolloutPart, generate
-from qerl_jax.run_config import RunConfig, rollout_options, sampling_config
+from qerl_jax.rollout.sampler import Partial, RolloutPart
+from qerl_jax.run_config import RunConfig
 
 # Groups a call keeps in flight per group the step needs (carried ones included): the surplus is
 # what lets the call end before its slowest groups do.
@@ -154,7 +154,7 @@ def collect_partial(
     each data shard runs its own call over its carried groups and its block of each loader batch
     (`shard_calls`); a carried group's `shard` must be one of the mesh's (`deal`)."""
     g, want, dynamic = cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.rl.dynamic_sampling
-    shards = mesh.shape["data"] if mesh is not None else 1
+    shards = data_parallel.shard_count(mesh)
     wants = [b.stop - b.start for b in data_parallel.prompt_blocks(want, shards)]
     if any(not 0 <= c.shard < shards for c in carry):
         raise ValueError(f"carried groups of data shards {sorted({c.shard for c in carry})} on a mesh of {shards}: "
@@ -179,7 +179,9 @@ def collect_partial(
     }  # fmt: skip
     t0 = time.perf_counter()
     carried_in = {d: _partial_of([carry[i] for i in mine[d]], g, cfg.rollout.max_new_tokens) for d in local}
-    batch, paused = _rollout(cfg, policy, rollout_params, prompts, key, mesh, order, trackers, carried_in, max_batch)
+    parts = {d: RolloutPart(monitor=t, expected_seqs=t.limit * g, partial=carried_in[d]) for d, t in trackers.items()}
+    batch, paused = experience.rollout_call(cfg, policy, rollout_params, prompts, key, mesh, order, parts,
+                                            max_batch=max_batch)  # fmt: skip
     t_rollout, t0 = time.perf_counter() - t0, time.perf_counter()
     shaped_N, each_RxN = experience.shared_scores(trackers, rows_of, num_groups * g, len(scorer.spec))
     t_reward = time.perf_counter() - t0
@@ -232,27 +234,6 @@ def shard_calls(mine: list[list[int]], batch_of: np.ndarray, carried: int) -> li
     (`experience.shard_order`; batch_of: the fresh prompts' batches)."""
     fresh = experience.shard_order(batch_of, len(mine))
     return [np.concatenate([np.asarray(m, np.int64), carried + f]).astype(np.int64) for m, f in zip(mine, fresh)]
-
-
-def _rollout(cfg, policy, rollout_params, prompts, key, mesh, order, trackers, carried_in, max_batch):
-    """(batch, paused): one call over the step's prompts (row r on stream r), one per data shard with a
-    mesh, each shard pausing its own rows when its own tracker is done."""
-    g = cfg.rollout.group_size
-    common = dict(group_size=g, lora_scale=lora.lora_scale(cfg.lora), max_batch=max_batch,
-                  options=rollout_options(cfg, policy))  # fmt: skip
-    sampling = sampling_config(cfg, policy)
-    if mesh is None:  # one shard: its order is the call's
-        part = RolloutPart(monitor=trackers[0], expected_seqs=trackers[0].limit * g, partial=carried_in[0])
-        out = generate(policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, part=part, **common)
-    else:
-        out = data_parallel.generate_data_parallel(
-            policy.config, rollout_params, prompts.ids, prompts.mask, key, sampling, mesh=mesh,
-            plan=data_parallel.ShardPlan(prompts=order, parts={
-                d: RolloutPart(monitor=t, expected_seqs=t.limit * g, partial=carried_in[d]) for d, t in trackers.items()
-            }), **common,
-        )  # fmt: skip
-    jax.block_until_ready(out[0].tokens)
-    return out
 
 
 def deal(carry: list[CarriedGroup], saved_shards: int, shards: int) -> list[CarriedGroup]:

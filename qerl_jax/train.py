@@ -155,12 +155,8 @@ def _checkpoint_meta(cfg: RunConfig, step: int, loader: PromptLoader, carry=(), 
     meta = {"step": step, "loader": loader.state(), "config": run_config.to_dict(cfg)}
     if carry:  # partial rollouts: the groups the next step resumes, each on its data shard of this layout
         meta["carry"] = partial_rollouts.to_meta(carry)
-        meta["carry_shards"] = _data_shards(mesh)
+        meta["carry_shards"] = data_parallel.shard_count(mesh)
     return meta
-
-
-def _data_shards(mesh: jax.sharding.Mesh | None) -> int:
-    return mesh.shape["data"] if mesh is not None else 1
 
 
 def train(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -282,7 +278,7 @@ def _resumed_carry(meta: dict[str, Any], cfg: RunConfig, mesh) -> list:
     if carry and not cfg.rollout.max_staleness:
         tqdm.write(f"resume: rollout.max_staleness=0: the {len(carry)} groups the checkpoint paused are dropped")
         return []
-    saved, shards = int(meta.get("carry_shards", 1)), _data_shards(mesh)
+    saved, shards = int(meta.get("carry_shards", 1)), data_parallel.shard_count(mesh)
     if carry and saved != shards:
         tqdm.write(f"resume: the {len(carry)} groups the checkpoint paused on {saved} data shards are dealt "
                    f"round-robin over {shards}")  # fmt: skip
@@ -308,7 +304,7 @@ def _fp8_train_base(cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | No
 def _sized_for_mesh(cfg: RunConfig, policy: Policy, mesh: jax.sharding.Mesh | None) -> memory.Resolved:
     """The sizes of the run's memory plan (`_check_memory`), checked against the mesh's "data" size;
     the policy's base weights sharded tensor-parallel over the mesh."""
-    data_shards = mesh.shape["data"] if mesh is not None else 1
+    data_shards = data_parallel.shard_count(mesh)
     sizes = _check_memory(cfg, policy, data_shards, model_shards=mesh.shape["model"] if mesh is not None else 1)
     if sizes.micro_batch_size % data_shards:
         raise UserFacingError(

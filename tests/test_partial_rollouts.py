@@ -112,7 +112,7 @@ import json  # noqa: E402
 from conftest import load_config, set_fields  # noqa: E402
 from rollout_helpers import recomputed_logp  # noqa: E402
 
-from qerl_jax import lora, partial_rollouts, reward_pool, rewards, run_config  # noqa: E402
+from qerl_jax import experience, lora, partial_rollouts, reward_pool, rewards, run_config  # noqa: E402
 from qerl_jax.data import PromptLoader, load_math_dataset  # noqa: E402
 from qerl_jax.policy import load_policy  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
     it ends, keeps the first complete groups (carried first), logs their off-policy share and staleness;
     every kept row's tokens, sampler log-probs and reward belong to its prompt (recomputed); the loader
     moves past the batches admitted; the carry's JSON round trip continues the run the same."""
-    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(experience, "sampling_config", _stopping_sampling)
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
     cfg = _tiny_run(tmp_path, tiny_model_dir, **{"rollout.max_staleness": 1, "rollout.max_batch": 6})
     policy = load_policy(cfg)
@@ -202,7 +202,7 @@ def test_a_killed_and_resumed_partial_run_equals_an_uninterrupted_one(tmp_path, 
 
     from qerl_jax import train
 
-    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(experience, "sampling_config", _stopping_sampling)
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
     run = {"train.total_steps": 4, "train.checkpoint_every": 2, "rl.reward": DIGIT_REWARD,
            "rollout.max_staleness": 1, "rollout.max_batch": 6}  # fmt: skip
@@ -222,7 +222,7 @@ def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tm
     no complete group of equal rewards, and no group longer than K steps."""
     from worker_rewards import hashed_reward
 
-    monkeypatch.setattr(partial_rollouts, "sampling_config", _stopping_sampling)
+    monkeypatch.setattr(experience, "sampling_config", _stopping_sampling)
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
     cfg = _tiny_run(tmp_path, tiny_model_dir, **{
         "rollout.max_staleness": 2, "rollout.max_batch": 6, "rl.dynamic_sampling": True,
@@ -266,7 +266,7 @@ def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2)
     from qerl_jax import sharding
     from qerl_jax.rollout import data_parallel
 
-    partial_rollouts.sampling_config, sampler.MONITOR_STEPS = _stopping_sampling, 4
+    experience.sampling_config, sampler.MONITOR_STEPS = _stopping_sampling, 4
     cfg = _tiny_run(workdir, model_dir, **{"rollout.max_staleness": 1, "rollout.max_batch": 6})
     policy, mesh = load_policy(cfg), sharding.make_mesh(2, 1)
     calls, generate_dp = [], data_parallel.generate_data_parallel

@@ -46,6 +46,11 @@ def prompt_blocks(num_prompts: int, shards: int) -> list[slice]:
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def shard_count(mesh: Mesh | None) -> int:
+    """The data shards of a run's mesh (one without a mesh)."""
+    return mesh.shape["data"] if mesh is not None else 1
+
+
 def local_shards(mesh: Mesh) -> list[tuple[int, Mesh]]:
     """(data index, a 1 x model sub-mesh) of each mesh row whose devices are all this process's."""
     mine = set(jax.local_devices())
