@@ -79,7 +79,16 @@ def test_a_slow_worse_partial_arm_misses_them(tmp_path):
     assert out["accuracy"]["verdict"] == "missed"  # 2 points lower
 
 
-def test_a_bad_arm_name_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--run", "c", "0", "/nowhere"], "ARM must be a (on-policy) or b"),
+        (["--run", "a", "x", "/nowhere"], "SEED a number; got 'a' 'x'"),
+        (["--run", "a", "0", "/nowhere"], "/nowhere/tensorboard/scalars.jsonl does not exist"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(capsys, args, expected):
     with pytest.raises(SystemExit) as e:
-        summarize.main(["--run", "c", "0", "/nowhere"])
-    assert e.value.code == 2 and "ARM must be a (on-policy) or b" in capsys.readouterr().err
+        summarize.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1

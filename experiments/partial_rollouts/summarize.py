@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from experiments import stats
+from experiments.fidelity.summarize import _pass_at_1
 from experiments.qwen_gsm8k.summarize import PROBLEMS_FILE, mcnemar, read_problems
 from qerl_jax.metrics import SCALARS_JSONL
 
@@ -125,8 +126,7 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
 
 
 def _read_eval(summary_file: str) -> dict:
-    datasets = json.load(open(summary_file))["datasets"]
-    out = {"pass_at_1": float(next(iter(datasets.values()))["pass_at_1"])}
+    out = {"pass_at_1": _pass_at_1(summary_file)}
     problems = read_problems(os.path.join(os.path.dirname(summary_file), PROBLEMS_FILE))
     return out if problems is None else {**out, "problems": problems}
 
@@ -137,9 +137,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "SUMMARY_JSON"))
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    for arm, _, _ in args.run + args.eval:
-        if arm not in ("a", "b"):
-            parser.exit(2, f"error: --run/--eval ARM must be a (on-policy) or b (partial rollouts); got {arm!r}\n")
+    for arm, seed, _ in args.run + args.eval:
+        if arm not in ("a", "b") or not seed.isdigit():
+            parser.exit(2, f"error: --run/--eval ARM SEED: ARM must be a (on-policy) or b (partial rollouts) and "
+                           f"SEED a number; got {arm!r} {seed!r}\n")  # fmt: skip
+    files = [os.path.join(w, "tensorboard", SCALARS_JSONL) for _, _, w in args.run] + [p for _, _, p in args.eval]
+    for path in files:
+        if not os.path.isfile(path):
+            parser.exit(2, f"error: {path} does not exist (a run's workdir, an evaluation's summary.json)\n")
     runs = {(arm, int(seed)): read_steps(workdir) for arm, seed, workdir in args.run}
     evals = {(arm, int(seed)): _read_eval(path) for arm, seed, path in args.eval}
     out = summarize(runs, evals)
