@@ -261,6 +261,7 @@ def run_gsm8k_case(args, case: str) -> dict:
         config, losses.LossConfig(kind="dapo"), optimizer, lora_scale=scale, backend=backend,
         remat=args.remat if args.remat != "auto" else "full", attention=args.attention,
         micro_batch_size=mb, logprob_chunk=args.logprob_chunk,
+        compiler_options=fp8.TRAIN_COMPILER_OPTIONS if row["fp8_matmul"] else None,
     )  # fmt: skip
     f = {"base": frozen["base"], "norms": frozen["norms"]}
     if row["fp8_matmul"]:  # the train step's FP8 copies, made once (as train.py does)

@@ -51,6 +51,12 @@ MODES = ("auto", "on", "off")
 # layer's FP8 matmuls beat bf16 (module doc); fewer rows were not measured (the decode buckets of 64
 # and 16 rows are bound by reading the weights, and the activations' quantization is a pass of its own).
 MIN_ROWS = 256
+# XLA's options for the train step's program when its base has FP8 copies. With Triton GEMM fusions
+# on, XLA's autotuner timed Triton configurations for every FP8 dot of the 7B recipe's micro-batch
+# (8 packed rows of 2,304 tokens: 18,432 rows) and the step's first compile had not returned after
+# ~200 s (H200, 2026-11-28); off, each dot is one cuBLASLt FP8 GEMM, the kernel `benchmarks/devtools/
+# fp8_linear.py` measured.
+TRAIN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 @struct.dataclass

@@ -134,8 +134,11 @@ def _await_precompile(future: concurrent.futures.Future | None) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn, sizes: memory.Resolved) -> rl_step.TrainStep:
-    """The run's jitted train step: the config's settings with the sizes its memory plan resolved."""
+def make_step(
+    cfg: RunConfig, policy: Policy, optimizer, lr_fn, sizes: memory.Resolved, fp8_copies: bool = False
+) -> rl_step.TrainStep:
+    """The run's jitted train step: the config's settings with the sizes its memory plan resolved; with
+    `fp8_copies` (the base's FP8 copies in its frozen input) compiled with `fp8.TRAIN_COMPILER_OPTIONS`."""
     return rl_step.TrainStep(
         policy.config,
         loss_config(cfg),
@@ -148,6 +151,7 @@ def make_step(cfg: RunConfig, policy: Policy, optimizer, lr_fn, sizes: memory.Re
         logprob_chunk=sizes.logprob_chunk,
         temperature=cfg.rollout.temperature,
         lr_schedule=lr_fn,
+        compiler_options=fp8.TRAIN_COMPILER_OPTIONS if fp8_copies else None,
     )
 
 
@@ -248,7 +252,8 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
     optimizer, lr_fn = optimizer_from_config(cfg)
     init_key, aqn_key, rollout_key = jax.random.split(jax.random.key(cfg.seed), 3)
     state = _init_state(cfg, policy, mesh, optimizer, init_key)
-    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes)
+    model_shards = mesh.shape["model"] if mesh is not None else 1
+    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes, fp8_copies=_uses_fp8(cfg, policy, model_shards))
     noisy_norms = jax.jit(lambda norms, trained, step: rollout_norms(cfg.aqn, aqn_key, norms, trained, step))
     loader = PromptLoader(_train_prompts(cfg, policy), cfg.rollout.prompts_per_step, seed=cfg.seed)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))

@@ -658,3 +658,25 @@ def test_a_failed_background_compile_is_a_warning_and_the_step_compiles_itself(c
         train._await_precompile(failed)
         train._await_precompile(None)
     assert "compiling it now" in caplog.text and "RESOURCE_EXHAUSTED" in caplog.text
+
+
+def test_the_train_step_on_fp8_copies_compiles_with_the_fp8_options(tmp_path, tiny_model_dir, monkeypatch):
+    """make_step's fp8_copies gives the micro-step program fp8.TRAIN_COMPILER_OPTIONS (cuBLASLt's FP8
+    GEMMs, no Triton autotuning) and only it; the options are ones this jaxlib's XLA accepts."""
+    from types import SimpleNamespace
+
+    from qerl_jax import fp8, memory
+    from qerl_jax.rl import step as rl_step
+
+    assert float(jax.jit(lambda x: x @ x.T, compiler_options=fp8.TRAIN_COMPILER_OPTIONS)(np.eye(2)).sum()) == 2.0
+    seen, real_jit = [], jax.jit
+    record = lambda f, **kw: seen.append((f.__name__, kw.get("compiler_options"))) or real_jit(f, **kw)  # noqa: E731
+    monkeypatch.setattr(rl_step.jax, "jit", record)
+    cfg = _run(tmp_path, tiny_model_dir)
+    policy = SimpleNamespace(config=None, backend="xla")
+    sizes = memory.Resolved(micro_batch_size=1, logprob_chunk=16, remat="none", max_batch=0)
+    optimizer, lr_fn = run_config.optimizer_from_config(cfg)
+    for fp8_copies, options in ((True, fp8.TRAIN_COMPILER_OPTIONS), (False, None)):
+        seen.clear()
+        train.make_step(cfg, policy, optimizer, lr_fn, sizes, fp8_copies=fp8_copies)
+        assert dict(seen) == {"micro_fn": options, "update_fn": None}

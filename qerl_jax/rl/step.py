@@ -209,6 +209,7 @@ class TrainStep:
         logprob_chunk: int | None = None,
         temperature: float = 1.0,
         lr_schedule: Callable | None = None,
+        compiler_options: dict[str, Any] | None = None,
     ):
         self.config, self.loss_cfg, self.optimizer = config, loss_cfg, optimizer
         self.micro_batch_size = micro_batch_size
@@ -223,7 +224,8 @@ class TrainStep:
             chunk_size=logprob_chunk,
             temperature=temperature,
         )
-        self.micro = jax.jit(self.micro_fn, donate_argnums=(7,))  # one micro-batch's gradients
+        # one micro-batch's gradients; compiler_options: XLA's for its program (`fp8.TRAIN_COMPILER_OPTIONS`)
+        self.micro = jax.jit(self.micro_fn, donate_argnums=(7,), compiler_options=compiler_options)
         self.update = jax.jit(self.update_fn, donate_argnums=(0,))  # the optimizer update and metrics
         self._checked_structures: list[Any] = []
 
