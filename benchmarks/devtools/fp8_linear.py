@@ -3,6 +3,7 @@ the log-prob error of the FP8 path against the bf16-activation path on a random 
 
     python -m benchmarks.devtools.fp8_linear --out $OUT/fp8_linear.json   # GPU (Hopper)
     python -m benchmarks.devtools.fp8_linear --tiny                      # CPU smoke run
+    python -m benchmarks.devtools.fp8_linear --gguf q15.gguf --text gsm8k/train.jsonl --rows ''   # a real model, accuracy only
 
 Matmuls: for each row count M and each 7B projection group (q/k/v fused, o, gate/up fused, down),
   bf16:   `linear.matmul_nt` on the NVFP4 weight's bf16 copy (the rollout's and, dequantized in
@@ -14,7 +15,10 @@ The compiled program of the first fp8 matmul is searched for cuBLASLt's FP8 GEMM
 
 Accuracy: `qwen2.forward` of a random NVFP4 model (--model shapes, --layers layers) on random
 tokens, its base matmuls through the bf16 path and through `linear.fp8_train_base(min_rows=1)`: the mean
-and largest |log p| difference at the tokens, and the mean KL(bf16 || fp8) per position.
+and largest |log p| difference at the tokens, and the mean KL(bf16 || fp8) per position. With --gguf,
+the same on that real model (NVFP4, as a run loads it) over GSM8K text (--text: question and answer of
+its first problems, packed into --batch rows of --seq tokens): the train forward's log-prob error at
+the text's tokens and the sampler's next-token KL, teacher-forced.
 """
 
 from __future__ import annotations
@@ -88,14 +92,38 @@ def matmuls(shapes: dict[str, tuple[int, int]], rows: list[int], reps: int) -> l
     return out
 
 
-def logprob_error(model: str, layers: int, batch: int, seq: int) -> dict:
+def real_model(gguf: str, text: str, batch: int, seq: int):
+    """(config, NVFP4 params, ids [batch, seq]) of a real model, as `qerl_jax.main` loads it, and the
+    tokens of the jsonl file `text`'s problems (question, answer) one after another."""
+    from qerl_jax import run_config
+    from qerl_jax.config import default_config
+    from qerl_jax.policy import load_policy
+
+    c = default_config()
+    c.model.path, c.model.quant = gguf, "nvfp4"
+    policy = load_policy(run_config.from_config_dict(c))
+    ids: list[int] = []
+    with open(text) as f:
+        for line in f:
+            row = json.loads(line)
+            ids += policy.tokenizer.encode(f"{row['question']}\n{row['answer']}\n\n")
+            if len(ids) >= batch * seq:
+                break
+    return policy.config, policy.frozen, jnp.asarray(np.array(ids[: batch * seq], np.int32).reshape(batch, seq))
+
+
+def logprob_error(model: str, layers: int, batch: int, seq: int, gguf: str = "", text: str = "") -> dict:
     from benchmarks import common
     from qerl_jax.models.qwen2 import forward
 
-    config = common.model_config(model)
-    config = dataclasses.replace(config, num_hidden_layers=min(layers, config.num_hidden_layers))
-    params = common.random_params(config, quant="nvfp4", seed=0)
-    ids = jax.random.randint(jax.random.key(5), (batch, seq), 0, config.vocab_size)
+    if gguf:
+        config, params, ids = real_model(gguf, text, batch, seq)
+        model = os.path.basename(gguf)
+    else:
+        config = common.model_config(model)
+        config = dataclasses.replace(config, num_hidden_layers=min(layers, config.num_hidden_layers))
+        params = common.random_params(config, quant="nvfp4", seed=0)
+        ids = jax.random.randint(jax.random.key(5), (batch, seq), 0, config.vocab_size)
     run = jax.jit(lambda p, i: jax.nn.log_softmax(forward(config, p, i), axis=-1))
     logp_bf16 = run(params, ids)
     logp_fp8 = run(linear.fp8_train_base(params, min_rows=1), ids)
@@ -118,6 +146,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--model", default="1.5B", help="the accuracy check's random model shapes")
     p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--gguf", default="", help="the accuracy check on this real model instead (a GGUF file or checkpoint directory; NVFP4)")
+    p.add_argument("--text", default="", help="with --gguf: a GSM8K-style jsonl whose text is scored")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if args.tiny:
@@ -125,11 +157,12 @@ def main(argv=None) -> None:
     else:
         d, i, kv = 3584, 18944, 512
         shapes = {"q+k+v": (d + 2 * kv, d), "o": (d, d), "gate+up": (2 * i, d), "down": (d, i)}
-        rows, reps = [int(r) for r in args.rows.split(",")], args.reps
-    result = {"device": str(jax.devices()[0]), "matmuls": matmuls(shapes, rows, reps)}
+        rows, reps = [int(r) for r in args.rows.split(",") if r], args.reps
+    result = {"device": str(jax.devices()[0]), "matmuls": matmuls(shapes, rows, reps) if rows else []}
     result["logprob_error"] = logprob_error(
-        "tiny" if args.tiny else args.model, 2 if args.tiny else args.layers, 2, 32 if args.tiny else 512
-    )
+        "tiny" if args.tiny else args.model, 2 if args.tiny else args.layers, args.batch,
+        32 if args.tiny else args.seq, gguf=args.gguf, text=args.text,
+    )  # fmt: skip
     print(json.dumps(result["logprob_error"]))
     print(
         f"\n{'proj':8}{'M':>6}{'fwd bf16':>10}{'fwd fp8':>9}{'x':>6}{'fp8 bf16out':>12}{'bwd bf16':>10}"
@@ -151,7 +184,8 @@ def main(argv=None) -> None:
             f"{'layer':8}{m:>6}{t[0]:>10.3f}{t[1]:>9.3f}{t[0] / t[1]:>6.2f}{t[2]:>12.3f}{t[3]:>10.3f}{t[4]:>9.3f}"
             f"{t[3] / t[4]:>6.2f}"
         )
-    print(result["matmuls"][0])
+    if result["matmuls"]:
+        print(result["matmuls"][0])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
