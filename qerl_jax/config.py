@@ -123,9 +123,10 @@ class RolloutSection:
     )
     max_staleness: int = setting(
         0,
-        "Partial rollouts (APRIL): K >= 1 admits more groups than the step needs, ends the rollout once enough are "
-        "complete and carries the rest, paused with their tokens and sampler log-probs, into the next step's rollout "
-        "(resumed first, under the updated adapter); a group carried K steps finishes in the next one. 0 = on-policy.",
+        "Partial rollouts (APRIL): K >= 1 keeps more groups in flight than the step needs (about 1.5x, carried ones "
+        "included, at most 2x), ends the rollout once enough are complete and carries the rest, paused with their "
+        "tokens and sampler log-probs, into the next step's rollout (resumed first, under the updated adapter); a "
+        "group carried K steps finishes and is trained in the next one. 0 = on-policy.",
         integer(0),
     )
     norm_parts: bool = setting(

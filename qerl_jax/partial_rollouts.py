@@ -3,33 +3,46 @@
     exp, stats, carry = collect_partial(cfg, policy, rollout_params, loader, pool, key, carry, step, keep_rate,
                                         max_batch=...)
 
-A step's rollout call admits more groups than the step needs: the groups carried from the last step
-first (their finished samples as they are, the others resumed where they were paused), then new
-prompts, whole loader batches, up to about OVERSAMPLE times the groups needed. The call ends as soon
-as `prompts_per_step` groups are complete (with DAPO's dynamic sampling: complete and with varied
-rewards) and every group carried K steps already is complete too: those are counted, never dropped
-(dropping the long ones would bias training toward short answers). The step trains on the first
-complete groups in queue order (carried first); the other admitted groups are carried to the next
-step with their tokens and the sampler log-probs they were drawn with, so every trained token keeps
-its own behaviour log-prob (`rl.old_logp_source`). The call's key is the step's and each sequence
-draws from the stream of its row in the call: a resumed sequence draws fresh tokens under the new
-adapter, as sampling it anew would.
+A step's rollout call keeps more groups in flight than the step needs, one group at a time in queue
+order: the groups carried from the last step that have tokens first (their finished samples as they
+are, the others resumed where they were paused; the oldest first), then the carried groups that
+never started, then the prompts of new loader batches. At most T groups are in flight, the carried
+ones included (T: about OVERSAMPLE times the groups the step expects to need, at most twice those it
+needs; with DAPO's dynamic sampling more are admitted while too few groups vary, never more than
+twice the need plus the groups dropped for equal rewards). The call ends as soon as
+`prompts_per_step` groups are complete (with dynamic sampling: complete and with varied rewards) and
+every group carried K steps already is complete too: those are counted, never dropped (dropping the
+long ones would bias training toward short answers). The step trains on the first complete groups in
+queue order (carried first, the oldest first); the other started groups are carried to the next step
+with their tokens and the sampler log-probs they were drawn with, so every trained token keeps its
+own behaviour log-prob (`rl.old_logp_source`). The call's key is the step's and each sequence draws
+from the stream of its row in the call: a resumed sequence draws fresh tokens under the new adapter,
+as sampling it anew would.
+
+The cap on the groups in flight bounds what is carried: at most T minus the step's need started
+groups (never more than the next step trains), so every group carried K steps that completes is
+among the next step's kept groups (they come first in its queue) and no trained token is more than
+K steps old. Prompts are taken from the loader a whole batch at a time; a prompt of a batch taken
+whose group did not start in the call is carried too, unstarted (no tokens, no staleness: its
+`since` is set when its first token is drawn, and it is never forced), so no prompt is lost. The
+loader moves past the batches up to the last one a group started from; the others are given back.
 
 The decision to end the call waits for the scores of the complete groups (dynamic sampling), so the
 kept set is the same whatever the reward workers' timing: deterministic per seed and row layout.
-The carried groups are JSON in the checkpoint's metadata (`to_meta`, `from_meta`): resume is exact.
+The carried groups, unstarted ones included, are JSON in the checkpoint's metadata (`to_meta`,
+`from_meta`): resume is exact.
 
 With a mesh (`mesh.data` = D > 1) each data shard does all of the above for itself, in its own call
 (`data_parallel.generate_data_parallel`, one thread per shard, nothing shared while decoding): its
-carried groups (those it paused: `CarriedGroup.shard`) first, then its block of each loader batch
-(`shard_calls`), its own tracker ending its call once its share of the groups
-(`data_parallel.prompt_blocks(prompts_per_step, D)`) is complete and its own forced groups are. A
-shard that is done pauses its rows and returns at once, whatever the others decode; what waits is
-the end of the step's rollout: the shards' threads are joined and their rows gathered (across
-processes, one `process_allgather`), so the step goes on when the last shard has its share, the
-done shards' devices idle until then. The kept set is each shard's first complete groups in its
-order, sorted; the same for a seed and layout. A checkpoint written on D shards and resumed on
-another number deals its groups round-robin (`deal`).
+carried groups (those it paused or took: `CarriedGroup.shard`) first, then its block of each loader
+batch (`shard_calls`), its own tracker capping its groups in flight and ending its call once its
+share of the groups (`data_parallel.prompt_blocks(prompts_per_step, D)`) is complete and its own
+forced groups are. A shard that is done pauses its rows and returns at once, whatever the others
+decode; what waits is the end of the step's rollout: the shards' threads are joined and their rows
+gathered (across processes, one `process_allgather`), so the step goes on when the last shard has its
+share, the done shards' devices idle until then. The kept set is each shard's first complete groups
+in its order, sorted; the same for a seed and layout. A checkpoint written on D shards and resumed
+on another number deals its groups round-robin (`deal`).
 """
 
 from __future__ import annotations
@@ -54,19 +67,23 @@ from qerl_jax.run_config import RunConfig
 # Groups a call keeps in flight per group the step needs (carried ones included): the surplus is
 # what lets the call end before its slowest groups do.
 OVERSAMPLE = 1.5
+# The most groups in flight per group the step needs (dynamic sampling's dropped groups aside): what a
+# call carries then never exceeds what the next step trains, so its forced groups are all kept.
+MOST_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass
 class CarriedGroup:
-    """A group paused at the end of a step's rollout: its prompt, the step that first admitted it, per
-    sample its tokens so far (none: never admitted), their sampler log-probs and whether it finished,
-    and its data shard."""
+    """A group paused at the end of a step's rollout: its prompt, the step that drew its first token
+    (None: unstarted, a prompt taken from the loader that no call has sampled yet), per sample its
+    tokens so far (none: never admitted), their sampler log-probs and whether it finished, and its
+    data shard."""
 
     prompt: str
     answer: str
     fields: dict[str, Any]
     prompt_ids: list[int]  # the prompt's real tokens
-    since: int
+    since: int | None
     tokens: list[list[int]]
     logprobs: list[list[float]]
     finished: list[bool]
@@ -83,15 +100,24 @@ def from_meta(meta: list[dict[str, Any]] | None) -> list[CarriedGroup]:
     return [CarriedGroup(**c) for c in meta or []]
 
 
+def queued(carry: list[CarriedGroup]) -> list[CarriedGroup]:
+    """The carry in the order its shards' calls take it: by shard, the started groups first (the
+    oldest first: those forced come first), then the unstarted ones; otherwise as it was."""
+    return sorted(carry, key=lambda c: (c.shard, c.since is None, c.since or 0))
+
+
 class PartialTracker:
     """The call's `RolloutMonitor` (with `done`): scores stopped sequences, paces admissions, says when
-    the step has its groups. Groups are the call's prompts in order; must_G: those that must complete."""
+    the step has its groups. Groups are the call's prompts in order, the `started` carried groups
+    first (always admitted); must_G: those that must complete. At first `in_flight` groups may be
+    admitted; with dynamic sampling more while the admitted ones are not expected to give `want`
+    with varied rewards, never past MOST_IN_FLIGHT * want plus the groups dropped (equal rewards)."""
 
     def __init__(self, num_groups: int, group_size: int, want: int, submit, *, dynamic: bool, keep_rate: float,
-                 admit: int, must_G: np.ndarray):  # fmt: skip
+                 in_flight: int, started: int, must_G: np.ndarray):  # fmt: skip
         self.g, self.want, self.dynamic, self.keep_rate = group_size, want, dynamic, keep_rate
-        self.num_groups, self.must_G, self._submit = num_groups, must_G, submit
-        self.limit = min(num_groups, admit)
+        self.num_groups, self.must_G, self._submit, self.started = num_groups, must_G, submit, started
+        self.limit = min(num_groups, max(started, in_flight))
         self.finished_N = np.zeros((num_groups * group_size,), bool)
         self.shaped_N = np.full((num_groups * group_size,), np.nan, np.float32)
         self.each_RxN: np.ndarray | None = None
@@ -117,7 +143,8 @@ class PartialTracker:
         if self.dynamic:
             complete, usable = self.complete()[: self.limit], self.usable()[: self.limit]
             more = dynamic_sampling.groups_to_add(self.want, usable, complete, self.keep_rate)
-            self.limit = min(self.num_groups, self.limit + more)
+            most = max(self.started, MOST_IN_FLIGHT * self.want + int((complete & ~usable).sum()))
+            self.limit = min(self.num_groups, max(self.limit, min(self.limit + more, most)))
         total = self.num_groups * self.g
         return self.limit * self.g, total
 
@@ -159,8 +186,11 @@ def collect_partial(
     if any(not 0 <= c.shard < shards for c in carry):
         raise ValueError(f"carried groups of data shards {sorted({c.shard for c in carry})} on a mesh of {shards}: "
                          "deal them first (`deal`)")  # fmt: skip
+    carry = queued(carry)
     mine = [[i for i, c in enumerate(carry) if c.shard == d] for d in range(shards)]
-    new_batches = [_new_batches(w, len(m), keep_rate, dynamic) for w, m in zip(wants, mine)]
+    started = [sum(carry[i].since is not None for i in m) for m in mine]
+    flights = [in_flight(w, keep_rate, dynamic) for w in wants]
+    new_batches = [-(-max(f - len(m), 0) // w) if w else 0 for w, f, m in zip(wants, flights, mine)]
     before = loader.state()
     refills = cfg.rl.max_refill_rounds if dynamic else 0
     fresh = experience.peek_prompts(cfg, policy, loader, max(*new_batches, 1) + refills)
@@ -170,11 +200,11 @@ def collect_partial(
     scorer = experience.Scorer(cfg, policy, pool, prompts, g)
     num_groups = len(prompts.answers)
     must_G = np.zeros((num_groups,), bool)
-    must_G[: len(carry)] = [step - c.since >= cfg.rollout.max_staleness for c in carry]
+    must_G[: len(carry)] = [c.since is not None and step - c.since >= cfg.rollout.max_staleness for c in carry]
     local = [d for d, _ in data_parallel.local_shards(mesh)] if mesh is not None else [0]
     trackers = {
         d: PartialTracker(len(order[d]), g, wants[d], scorer.for_rows(rows_of[d]), dynamic=dynamic, keep_rate=keep_rate,
-                          admit=len(mine[d]) + new_batches[d] * wants[d], must_G=must_G[order[d]])
+                          in_flight=flights[d], started=started[d], must_G=must_G[order[d]])
         for d in local
     }  # fmt: skip
     t0 = time.perf_counter()
@@ -193,10 +223,10 @@ def collect_partial(
     stats = experience.rollout_stats(
         cfg, scorer, batch, shaped_N, each_RxN, complete, len(kept), used, t_rollout, t_reward
     )
-    new_carry = [  # by shard, each in its call's order
+    new_carry = queued([
         _carried(prompts, batch, paused, carry, i, g, step, d) for d, o in enumerate(order) for i in o if carried_G[i]
-    ]
-    stats.update(_partial_stats(carry, batch, kept, g, step, must_G, len(new_carry), t_rollout))
+    ])  # fmt: skip
+    stats.update(_partial_stats(carry, batch, kept, g, step, must_G, new_carry, t_rollout))
     if not len(kept):
         return None, stats, new_carry
     exp = experience.kept_experience(batch, scorer, prompts, shaped_N, each_RxN, kept, g, len(complete))
@@ -205,27 +235,28 @@ def collect_partial(
 
 def _selection(batch, paused: Partial, shaped_N, order, wants, batch_of, g: int, dynamic: bool):
     """(kept: each shard's first wants[d] usable groups in its order, sorted; complete_G; carried_G: the
-    groups admitted, neither kept nor dropped (dynamic sampling: complete, equal rewards); the loader
-    batches used: up to the last one a group was admitted from). Usable: complete (every sample
-    finished; paused ones are empty in the batch), and with dynamic sampling with varied rewards."""
+    groups started, neither kept nor dropped (dynamic sampling: complete, equal rewards), and those
+    not started of the carry and of the loader batches used; the loader batches used: up to the last
+    one a group started from). Usable: complete (every sample finished; paused ones are empty in the
+    batch), and with dynamic sampling with varied rewards."""
     lengths_G = np.asarray(batch.lengths).reshape(-1, g)
     complete_G = (lengths_G > 0).all(axis=1)
     usable_G = complete_G & (dynamic_sampling.varied_groups(shaped_N, g) if dynamic else True)
     kept = np.sort(np.concatenate([o[usable_G[o]][:w] for o, w in zip(order, wants)])).astype(np.int64)
-    admitted_G = (lengths_G > 0).any(axis=1)
-    admitted_G[paused.seqs_K // g] = True
-    carried_G = admitted_G & ~np.isin(np.arange(len(complete_G)), kept) & ~(complete_G & ~usable_G)
-    fresh = batch_of[admitted_G & (batch_of >= 0)]
-    return kept, complete_G, carried_G, int(fresh.max()) + 1 if fresh.size else 0
+    started_G = (lengths_G > 0).any(axis=1)
+    started_G[paused.seqs_K // g] = True
+    fresh = batch_of[started_G & (batch_of >= 0)]
+    used = int(fresh.max()) + 1 if fresh.size else 0
+    carried_G = started_G & ~np.isin(np.arange(len(complete_G)), kept) & ~(complete_G & ~usable_G)
+    return kept, complete_G, carried_G | (~started_G & (batch_of < used)), used
 
 
-def _new_batches(want: int, carried: int, keep_rate: float, dynamic: bool) -> int:
-    """The loader batches a shard wanting `want` groups admits at first beside its `carried` ones (about
-    OVERSAMPLE times the groups it expects to need in flight); its block of each."""
-    if not want:
-        return 0
-    in_flight = math.ceil((dynamic_sampling.groups_to_admit(want, keep_rate) if dynamic else want) * OVERSAMPLE)
-    return -(-max(in_flight - carried, 0) // want)
+def in_flight(want: int, keep_rate: float, dynamic: bool) -> int:
+    """T: the groups a shard wanting `want` keeps in flight at first, its carried ones included: about
+    OVERSAMPLE times those it expects to need (dynamic sampling: at this keep rate), at most
+    MOST_IN_FLIGHT * want. It carries at most T - want started groups: no more than the next step trains."""
+    expected = dynamic_sampling.groups_to_admit(want, keep_rate) if dynamic else want
+    return min(math.ceil(expected * OVERSAMPLE), MOST_IN_FLIGHT * want)
 
 
 def shard_calls(mine: list[list[int]], batch_of: np.ndarray, carried: int) -> list[np.ndarray]:
@@ -290,15 +321,14 @@ def _partial_of(carry: list[CarriedGroup], g: int, max_new: int) -> Partial:
 
 def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, group: int, g: int, step: int, shard: int):
     """Group `group` of the call as it stands, to carry (by `shard`): finished samples from the batch, paused
-    ones as paused."""
+    ones as paused; unstarted (since None) while none has a token."""
     lengths, tokens, logp = np.asarray(batch.lengths), np.asarray(batch.tokens), np.asarray(batch.logprobs)
     truncated = np.asarray(batch.truncated)
     at = {int(s): i for i, s in enumerate(paused.seqs_K)}
     out = CarriedGroup(
         prompt=prompts.prompts[group], answer=prompts.answers[group], fields=prompts.fields[group],
         prompt_ids=prompts.ids[group][prompts.mask[group] == 1].tolist(),
-        since=carry[group].since if group < len(carry) else step, tokens=[], logprobs=[], finished=[], stopped=[],
-        shard=shard,
+        since=None, tokens=[], logprobs=[], finished=[], stopped=[], shard=shard,
     )  # fmt: skip
     for r in range(group * g, group * g + g):
         if r in at:
@@ -311,26 +341,31 @@ def _carried(prompts: experience.StepPrompts, batch, paused: Partial, carry, gro
         out.logprobs.append(sample[1].tolist())
         out.finished.append(bool(sample[2]))
         out.stopped.append(bool(sample[3]))
+    if any(out.tokens):  # started: in an earlier call (its step kept), else in this one
+        since = carry[group].since if group < len(carry) else None
+        out.since = step if since is None else since
     return out
 
 
 def _partial_stats(
-    carry, batch, kept, g: int, step: int, must_G, carried_out: int, t_rollout: float
+    carry, batch, kept, g: int, step: int, must_G, new_carry, t_rollout: float
 ) -> dict[str, float]:
     """The off-policy share of the trained tokens (drawn under an earlier step's adapter), the largest
-    staleness among the kept groups, the groups forced to finish and those carried on; the tokens this
-    call decoded (the carried ones' earlier tokens not counted again) and their rate."""
+    staleness among the kept groups, the groups forced to finish and those carried on (started, and
+    unstarted); the tokens this call decoded (the carried ones' earlier tokens not counted again) and
+    their rate."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
     before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)  # tokens each row had when the call began
     before_N[: len(carry) * g] = [len(t) for c in carry for t in c.tokens]
     trained = float(np.asarray(batch.lengths)[rows].sum())
-    ages = [step - carry[i].since for i in kept if i < len(carry)]
+    ages = [step - carry[i].since for i in kept if i < len(carry) and carry[i].since is not None]
     decoded = float(np.asarray(batch.decoded).sum() - before_N.sum())
     return {
         "rollout/decoded_tokens": decoded,
         "rollout/tokens_per_s": decoded / max(t_rollout, 1e-9),
         "rollout/offpolicy_tokens_frac": float(before_N[rows].sum()) / max(trained, 1.0),
         "rollout/staleness_max": float(max(ages, default=0)),
-        "rollout/carried_groups": float(carried_out),
+        "rollout/carried_groups": float(sum(c.since is not None for c in new_carry)),
+        "rollout/unstarted_groups": float(sum(c.since is None for c in new_carry)),
         "rollout/forced_groups": float(must_G.sum()),
     }

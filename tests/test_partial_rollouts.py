@@ -108,6 +108,7 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 
 from conftest import load_config, set_fields  # noqa: E402
 from rollout_helpers import recomputed_logp  # noqa: E402
@@ -134,15 +135,20 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
 ):
     """K = 1, three steps on the same weights: the first pauses groups mid-decode (and leaves samples
     never admitted); each later one finishes every group carried from the step before (counted) before
-    it ends, keeps the first complete groups (carried first), logs their off-policy share and staleness;
-    every kept row's tokens, sampler log-probs and reward belong to its prompt (recomputed); the loader
-    moves past the batches admitted; the carry's JSON round trip continues the run the same."""
+    it ends and keeps them all (carried first), logs their off-policy share and staleness (never past
+    K); at most T - 4 started groups are carried (T = 6 in flight, carried ones included); every kept
+    row's tokens, sampler log-probs and reward belong to its prompt (recomputed); the loader moves past
+    the batches a group started from, and no prompt it handed out is lost: each was trained or is in
+    the carry, the unstarted ones too; the carry's JSON round trip (unstarted groups included)
+    continues the run the same."""
     monkeypatch.setattr(experience, "sampling_config", _stopping_sampling)
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
     cfg = _tiny_run(tmp_path, tiny_model_dir, **{"rollout.max_staleness": 1, "rollout.max_batch": 6})
     policy = load_policy(cfg)
-    loader = PromptLoader(load_math_dataset(cfg.data.train), cfg.rollout.prompts_per_step, seed=0)
-    carry, key, batches = [], jax.random.key(5), 0
+    dataset = load_math_dataset(cfg.data.train)
+    loader = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
+    carry, key, batches, trained, unstarted_ever = [], jax.random.key(5), 0, [], 0
+    assert partial_rollouts.in_flight(4, 1.0, dynamic=False) == 6
     with reward_pool.RewardPool(1) as pool:
         for step in range(3):
             before = list(carry)
@@ -155,19 +161,25 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
             assert stats["rollout/decoded_tokens"] == decoded > 0
             assert loader.state()["step"] == batches
             assert exp.groups_kept == stats["rollout/groups_kept"] == 4
-            assert stats["rollout/carried_groups"] == len(carry)
-            assert stats["rollout/forced_groups"] == len(before)  # K = 1: every carried group must finish
-            assert all(c.since == step for c in carry)  # ... and did: none is carried twice
-            assert stats["rollout/staleness_max"] == (1.0 if step else 0.0)
+            trained += exp.prompts[::4]
+            started = [c for c in carry if c.since is not None]
+            unstarted = [c for c in carry if c.since is None]
+            assert stats["rollout/carried_groups"] == len(started) <= 6 - 4
+            assert stats["rollout/unstarted_groups"] == len(unstarted)
+            assert all(not any(c.tokens) for c in unstarted) and all(any(c.tokens) for c in started)
+            unstarted_ever += len(unstarted)
+            forced = [c for c in before if c.since is not None]
+            assert stats["rollout/forced_groups"] == len(forced)  # K = 1: every started carried group must finish
+            assert all(c.since == step for c in started)  # ... and did: none is carried twice
+            assert {c.prompt for c in forced} <= set(exp.prompts)  # ... and was kept
+            assert stats["rollout/staleness_max"] == (1.0 if forced else 0.0)
             if step == 0:
                 assert stats["rollout/offpolicy_tokens_frac"] == 0.0
                 samples = [(len(t), f) for c in carry for t, f in zip(c.tokens, c.finished)]
                 assert any(n > 0 and not f for n, f in samples) and any(n == 0 for n, _ in samples)
-            else:
+            elif forced:
                 assert 0.0 < stats["rollout/offpolicy_tokens_frac"] < 1.0
-                carried_prompts = {c.prompt for c in before}
-                assert carried_prompts & set(exp.prompts)  # carried groups were kept ...
-                kept = [r for r, p in enumerate(exp.prompts) if p in carried_prompts]
+                kept = [r for r, p in enumerate(exp.prompts) if p in {c.prompt for c in forced}]
                 assert (np.asarray(exp.rollout.lengths)[kept] > 0).all()  # ... complete
             lengths = np.asarray(exp.rollout.lengths)
             assert (lengths > 0).all() and len(exp.completions) == 16
@@ -178,7 +190,12 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
             )
             gap = np.abs(recomputed - sampled)[mask > 0]
             assert gap.max() < 5e-3, gap.max()  # bf16 cache: ~6e-4; a token or log-prob out of place: ~1
+        handed = PromptLoader(dataset, cfg.rollout.prompts_per_step, seed=0)
+        handed = [p for _ in range(batches) for p in next(handed)["prompt"]]
+        assert sorted(handed) == sorted(trained + [c.prompt for c in carry])  # none lost, none twice
+        assert unstarted_ever > 0 and any(c.since is None for c in carry), [c.since for c in carry]
         state, saved = loader.state(), json.loads(json.dumps(partial_rollouts.to_meta(carry)))
+        assert partial_rollouts.from_meta(saved) == carry
         runs = []
         for resumed in (carry, partial_rollouts.from_meta(saved)):
             loader.restore(state)
@@ -217,9 +234,42 @@ def test_a_killed_and_resumed_partial_run_equals_an_uninterrupted_one(tmp_path, 
     assert max(v for _, v in scalars["rollout/offpolicy_tokens_frac"]) > 0
 
 
+def test_the_partial_tracker_keeps_at_most_twice_its_share_in_flight_beside_the_groups_it_dropped():
+    """T = 1.5 x the groups expected to be needed, at most 2 x want; the started carried groups are always
+    admitted. Dynamic sampling at a low keep rate raises the limit while too few groups vary, but never
+    past 2 x want plus the complete groups of equal rewards: at most `want` started groups are carried."""
+    import concurrent.futures
+
+    assert partial_rollouts.in_flight(32, 1.0, dynamic=False) == 48
+    assert partial_rollouts.in_flight(32, 1.0, dynamic=True) == math.ceil(39 * 1.5)  # groups_to_admit: 39
+    assert partial_rollouts.in_flight(32, 0.75, dynamic=True) == 64  # 1.5 x 52 = 78, capped
+    rewards_N = np.zeros((40,), np.float32)
+    rewards_N[5] = 1.0  # group 2 (rows 4, 5) varies; groups 0 and 1 do not
+
+    def submit(seqs, tokens, lengths):
+        future = concurrent.futures.Future()
+        future.set_result((rewards_N[seqs], rewards_N[None, seqs]))
+        return future
+
+    def tracker(started, dynamic=True):
+        return partial_rollouts.PartialTracker(20, 2, 2, submit, dynamic=dynamic, keep_rate=0.2,
+                                               in_flight=partial_rollouts.in_flight(2, 0.2, dynamic), started=started,
+                                               must_G=np.zeros((20,), bool))  # fmt: skip
+
+    t = tracker(started=1)
+    assert t.limit == 4  # 1.5 x groups_to_admit(2, 0.2) = 18, capped at 2 x 2
+    assert t.bounds(False) == (8, 40)  # nothing decided: the keep rate's estimate wants more, the cap says no
+    t.finished(np.arange(6), np.zeros((6, 1), np.int32), np.ones((6,), np.int32))
+    assert t.bounds(False) == (12, 40)  # 2 dropped: 2 x 2 + 2 groups
+    assert not t.done() and t.usable().sum() == 1
+    assert tracker(started=7).bounds(False) == (14, 40)  # the carried started groups all resume
+    assert tracker(started=1, dynamic=False).bounds(False) == (6, 40)  # 1.5 x 2
+
+
 def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tmp_path, tiny_model_dir, monkeypatch):
     """K = 2 with DAPO's dynamic sampling: each step keeps 4 complete groups with varied rewards, carries
-    no complete group of equal rewards, and no group longer than K steps."""
+    no complete group of equal rewards, no group longer than K steps, and no more started groups than
+    the next step trains."""
     from worker_rewards import hashed_reward
 
     monkeypatch.setattr(experience, "sampling_config", _stopping_sampling)
@@ -238,12 +288,14 @@ def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tm
             )
             keep_rate, carried_ever = stats["rollout/keep_rate"], carried_ever + len(carry)
             assert exp.groups_kept == 4 and stats["rollout/staleness_max"] <= 2
+            # in flight: at most 2 * 4 groups beside those dropped, so at most 4 started ones carried
+            assert stats["rollout/carried_groups"] == sum(c.since is not None for c in carry) <= 4
             groups = exp.rewards.reshape(4, -1)
             assert all(len(set(g.tolist())) > 1 for g in groups)
             for text, answer, reward in zip(exp.completions, exp.answers, exp.rewards):
                 assert hashed_reward(text, answer) == reward
             for c in carry:  # none past K; a complete one carried (surplus) has varied rewards
-                assert step - c.since < 2
+                assert c.since is None or step - c.since < 2
                 if all(c.finished):
                     texts = policy.tokenizer.batch_decode(c.tokens, skip_special_tokens=True)
                     assert len({hashed_reward(t, c.answer) for t in texts}) > 1
@@ -279,7 +331,7 @@ def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2)
     fresh_loader = lambda: PromptLoader(load_math_dataset(cfg.data.train), 4, seed=0)  # noqa: E731
 
     def run(pool, resume_at=None):
-        loader, carry, out = fresh_loader(), [], []
+        loader, carry, out, trained = fresh_loader(), [], [], []
         for step in range(steps):
             if step == resume_at:  # a checkpoint's loader state and carry, on the same layout
                 state, meta = loader.state(), json.loads(json.dumps(partial_rollouts.to_meta(carry)))
@@ -300,9 +352,13 @@ def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2)
                 assert all((partial.tokens_KxM[k, : len(t)] == t).all() for k, (_, t) in enumerate(held))
                 tracker = call["plan"].parts[d].monitor  # each shard ended on its own share: 2 complete groups of its own
                 assert tracker.want == 2 and tracker.done() and tracker.complete().sum() >= 2
-            assert exp.groups_kept == 4 and stats["rollout/forced_groups"] == len(before)
-            assert all(c.since == step for c in carry)  # K = 1: every carried group finished in the next step
-            for c in before:  # ... and was trained with the tokens and sampler log-probs it was carried with
+            forced = [c for c in before if c.since is not None]  # K = 1: every started carried group
+            assert exp.groups_kept == 4 and stats["rollout/forced_groups"] == len(forced)
+            assert all(c.since == step for c in carry if c.since is not None)  # ... finished in the next step
+            for d in (0, 1):  # each shard kept at most 3 in flight, its share 2: it carries at most 1 started
+                assert sum(c.since is not None for c in carry if c.shard == d) <= 1
+            trained += exp.prompts[::4]
+            for c in forced:  # ... and was trained with the tokens and sampler log-probs it was carried with
                 rows = [r for r, p in enumerate(exp.prompts) if p == c.prompt]
                 assert len(rows) == 4
                 for r, t, lp in zip(rows, c.tokens, c.logprobs):
@@ -311,6 +367,9 @@ def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2)
             scalars = {k: v for k, v in stats.items() if not k.startswith("time/") and "per_s" not in k}
             out.append((np.asarray(exp.rollout.tokens), np.asarray(exp.rollout.logprobs), scalars,
                         partial_rollouts.to_meta(carry)))  # fmt: skip
+        handed = fresh_loader()  # no prompt the loader handed out is lost: trained or carried
+        handed = [p for _ in range(loader.state()["step"]) for p in next(handed)["prompt"]]
+        assert sorted(handed) == sorted(trained + [c.prompt for c in carry])
         return out, exp
 
     with reward_pool.RewardPool(1) as pool:
@@ -327,6 +386,7 @@ def _two_shard_steps(workdir: str, model_dir: str, steps: int = 4, cut: int = 2)
         "logp_gap": float(np.abs(recomputed - sampled)[mask > 0].max()),
         "carried_shards": sorted({c["shard"] for _, _, _, carry in straight for c in carry}),
         "carried": [len(carry) for _, _, _, carry in straight],
+        "unstarted": [sum(c["since"] is None for c in carry) for _, _, _, carry in straight],
         "offpolicy": [s["rollout/offpolicy_tokens_frac"] for _, _, s, _ in straight],
     }
 
@@ -347,6 +407,7 @@ def test_two_data_shards_each_carry_their_own_groups_deterministically_and_resum
     result = json.loads(out.stdout.split("RESULT ", 1)[1])
     assert result["carried_shards"] == [0, 1], result  # both shards paused groups
     assert all(n > 0 for n in result["carried"][:-1]), result
+    assert result["unstarted"][1] > 0, result  # the JSON carry the resumed run continues from holds unstarted groups
     assert max(result["offpolicy"][1:]) > 0.0, result
     assert result["logp_gap"] < 5e-3, result  # a token or log-prob put in another row: ~1
 
