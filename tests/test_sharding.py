@@ -429,8 +429,10 @@ def _pallas_train_step_over_model_devices(
     from qerl_jax.rl.step import TrainStep, init_train_state
 
     lr = 0.5
+    # The whole batch in one micro-step (each device 2 rows): on a mesh, a second micro-batch compiles
+    # the micro-step again (its accumulators then carry the first one's shardings), 8 s more here.
     step = TrainStep(
-        config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4, backend="pallas"
+        config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=None, logprob_chunk=4, backend="pallas"
     )
     flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])  # noqa: E731
     ref_state, ref_metrics = step(init_train_state(jax.tree.map(jnp.copy, lora), optax.sgd(lr)), packed, train_batch)
