@@ -504,7 +504,7 @@ def _worker() -> dict:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from qerl_jax import sharding
+    from qerl_jax import linear, sharding
     from qerl_jax.lora import LoraConfig, init_lora, with_lora
     from qerl_jax.models.qwen2 import ModelConfig, forward, projection_shapes
     from qerl_jax.quant import quantize_params
@@ -637,7 +637,8 @@ def _worker() -> dict:
     # Rows of a micro-batch each device runs (the partitioned micro-step's packed input_ids).
     sharded_batch = sharding.shard_batch(train_batch, mesh)
     micro_args, _ = step.lower_args(init_train_state(lora_s, optax.sgd(lr)), frozen, sharded_batch)
-    compiled = step.micro.lower(*micro_args).compile()
+    with linear.kernels_per_model_device(frozen):  # as the step lowers it: its traced program again, not a new one
+        compiled = step.micro.lower(*micro_args).compile()
     ids_sharding = compiled.input_shardings[0][2]
     out["train_step"]["micro_rows_per_device"] = [int(ids_sharding.shard_shape(micro_args[2].shape)[0])]
     _tick("train step")
