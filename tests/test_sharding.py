@@ -429,8 +429,10 @@ def _pallas_train_step_over_model_devices(
     from qerl_jax.rl.step import TrainStep, init_train_state
 
     lr = 0.5
+    # The whole batch in one micro-step (each device 2 rows): on a mesh, a second micro-batch compiles
+    # the micro-step again (its accumulators then carry the first one's shardings), 8 s more here.
     step = TrainStep(
-        config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=2, logprob_chunk=4, backend="pallas"
+        config, loss_cfg, optax.sgd(lr), lora_scale=lora_scale, micro_batch_size=None, logprob_chunk=4, backend="pallas"
     )
     flat = lambda tree: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])  # noqa: E731
     ref_state, ref_metrics = step(init_train_state(jax.tree.map(jnp.copy, lora), optax.sgd(lr)), packed, train_batch)
@@ -502,7 +504,7 @@ def _worker() -> dict:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from qerl_jax import sharding
+    from qerl_jax import linear, sharding
     from qerl_jax.lora import LoraConfig, init_lora, with_lora
     from qerl_jax.models.qwen2 import ModelConfig, forward, projection_shapes
     from qerl_jax.quant import quantize_params
@@ -635,7 +637,8 @@ def _worker() -> dict:
     # Rows of a micro-batch each device runs (the partitioned micro-step's packed input_ids).
     sharded_batch = sharding.shard_batch(train_batch, mesh)
     micro_args, _ = step.lower_args(init_train_state(lora_s, optax.sgd(lr)), frozen, sharded_batch)
-    compiled = step.micro.lower(*micro_args).compile()
+    with linear.kernels_per_model_device(frozen):  # as the step lowers it: its traced program again, not a new one
+        compiled = step.micro.lower(*micro_args).compile()
     ids_sharding = compiled.input_shardings[0][2]
     out["train_step"]["micro_rows_per_device"] = [int(ids_sharding.shard_shape(micro_args[2].shape)[0])]
     _tick("train step")
