@@ -294,7 +294,9 @@ def two_device_tiny_run():
 
         workdir = os.path.join(root, "run")
         cmd = [sys.executable, "-m", "qerl_jax.main", *TWO_DEVICE_RUN_FLAGS, f"--config.workdir={workdir}"]
-        out = subprocess.run(cmd, cwd=REPO, env=two_device_env(), capture_output=True, text=True, timeout=900)
+        # JAX_LOG_COMPILES: its log names the thread of each compile (test_train reads where the step's were)
+        env = two_device_env(JAX_LOG_COMPILES="1")
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
         return [workdir, out.stdout + out.stderr]
 

@@ -172,6 +172,11 @@ def _grid_arrays(batch: dict[str, jax.Array], ref_logp):
     return source, resp, old, batch["advantages"].astype(jnp.float32), ref
 
 
+def _placed(tree, shardings):
+    """`tree`'s arrays as shape-only values with `shardings` (a program's output shardings for them)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
 class TrainStep:
     """The jitted train step: `step(state, frozen, batch, ref_logp=None) -> (state, metrics)`.
 
@@ -359,5 +364,15 @@ class TrainStep:
         Made to run in a thread beside a rollout (XLA compiles without the GIL)."""
         micro_args, update_args = self.lower_args(state, frozen, batch, ref_logp)
         with linear.kernels_per_model_device(frozen):
-            self.micro.lower(*micro_args).compile()
-        self.update.lower(*update_args).compile()
+            first = self.micro.lower(*micro_args).compile()
+            # On a mesh a step's later micro-steps take the accumulators with the shardings the first one
+            # gave them, not the unplaced zeros it took, and the later steps' update the state with the
+            # shardings the first update gave it: other programs, compiled here too.
+            on_mesh = any(len(s.device_set) > 1 for s in jax.tree.leaves(first.output_shardings))
+            if on_mesh:
+                acc = _placed(micro_args[-1], first.output_shardings)
+                self.micro.lower(*micro_args[:-1], acc).compile()
+                update_args = (*update_args[:-1], acc)
+        update = self.update.lower(*update_args).compile()
+        if on_mesh:
+            self.update.lower(_placed(update_args[0], update.output_shardings[0]), *update_args[1:]).compile()
