@@ -167,7 +167,7 @@ def test_hub_names_map_to_schema(monkeypatch):
             [{"problem": "P", "answer": "\\frac{1}{2}", "unique_id": "test/algebra/1.json"}]
         )
 
-    monkeypatch.setattr(ds_mod.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     d = load_math_dataset("gsm8k", "test")
     assert calls[-1] == ("openai/gsm8k", "main", "test")
     assert d[0] == {"prompt": "Q", "answer": "1000", "source_id": "gsm8k/test/0"}
@@ -180,7 +180,7 @@ def test_hub_names_map_to_schema(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(ds_mod.datasets, "load_dataset", offline)
+    monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(RuntimeError, match="AI-MO/aimo-validation-aime.*Offline"):
         load_math_dataset("aime")
 

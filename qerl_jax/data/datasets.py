@@ -19,8 +19,6 @@ import pathlib
 import re
 from typing import Any, Iterable
 
-import datasets
-
 from qerl_jax import rewards
 from qerl_jax.data import arithmetic
 
@@ -155,6 +153,8 @@ def rows_to_dataset(
                 f"max_bad_fraction={max_bad_fraction}); e.g. {examples}."
             )
         log.warning("%s: skipped %d of %d bad rows; e.g. %s.", origin, len(bad), total, examples)
+    import datasets  # noqa: PLC0415 (HF datasets and pandas: ~0.6 s an import, not for a config's checks)
+
     features = datasets.Features({k: datasets.Value("string") for k in SCHEMA})
     return datasets.Dataset.from_dict(out, features=features)
 
@@ -255,6 +255,8 @@ def load_math_dataset(
     if key in KNOWN_DATASETS:
         spec = KNOWN_DATASETS[key]
         split_name = split or spec.default_split
+        import datasets  # noqa: PLC0415
+
         try:
             hub = datasets.load_dataset(spec.repo, spec.config, split=split_name)
         except Exception as e:
