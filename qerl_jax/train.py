@@ -252,8 +252,8 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
     optimizer, lr_fn = optimizer_from_config(cfg)
     init_key, aqn_key, rollout_key = jax.random.split(jax.random.key(cfg.seed), 3)
     state = _init_state(cfg, policy, mesh, optimizer, init_key)
-    model_shards = mesh.shape["model"] if mesh is not None else 1
-    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes, fp8_copies=_uses_fp8(cfg, policy, model_shards))
+    train_base = _fp8_train_base(cfg, policy, mesh)
+    train_step = make_step(cfg, policy, optimizer, lr_fn, sizes, fp8_copies=train_base is not None)
     noisy_norms = jax.jit(lambda norms, trained, step: rollout_norms(cfg.aqn, aqn_key, norms, trained, step))
     loader = PromptLoader(_train_prompts(cfg, policy), cfg.rollout.prompts_per_step, seed=cfg.seed)
     ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"))
@@ -272,7 +272,7 @@ def _set_up(cfg: RunConfig, t_start: float, mesh: jax.sharding.Mesh | None) -> _
     return _Run(
         cfg=cfg, t_start=t_start, mesh=mesh, policy=policy, sizes=sizes, state=state, train_step=train_step,
         lr_fn=lr_fn, noisy_norms=noisy_norms, rollout_key=rollout_key, loader=loader, ckpt=ckpt, writer=writer,
-        start=start, end=end, carry=carry, train_base=_fp8_train_base(cfg, policy, mesh),
+        start=start, end=end, carry=carry, train_base=train_base,
     )  # fmt: skip
 
 
