@@ -12,8 +12,8 @@ from qerl_jax.rollout import SamplingConfig, generate, sampler
 BATCHING_STOPS = tuple(range(10, 25))  # test_sampler's: rows stop at scattered steps, some run to the limit
 
 
-def _sampling():
-    return SamplingConfig(temperature=0.8, top_p=0.95, top_k=40, max_new_tokens=24, eos_ids=BATCHING_STOPS)
+def _sampling(max_new_tokens=24, eos_ids=BATCHING_STOPS):
+    return SamplingConfig(temperature=0.8, top_p=0.95, top_k=40, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
 
 
 class _PauseAfter:
@@ -48,15 +48,34 @@ def _next_partial(batch, paused):
     )
 
 
-def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatch):
+@pytest.mark.parametrize(
+    "max_new, stops, checks, spans",
+    [
+        (24, BATCHING_STOPS, 3, {64}),  # a 64-slot response buffer: every re-prefill spans all of it
+        # a 128-slot buffer, rare stops, pauses every ~32 steps: re-prefills of 64 slots and of 128
+        (100, (10, 11), 8, {64, 128}),
+    ],
+)
+def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatch, max_new, stops, checks, spans):
     """Calls paused every few decode steps (rows decoding, rows never admitted), each resuming the last
-    one's sequences (re-prefilled) under the same weights and key: the tokens of one uninterrupted call,
-    their log-probs to float32 rounding; the finished ones reported to the monitor at once. The
-    re-admission program is compiled ahead with the others, never inside the decode loop."""
+    one's sequences (re-prefilled over the span their tokens need, in rows other sequences held) under
+    the same weights and key: the tokens of one uninterrupted call, their log-probs to float32 rounding;
+    the finished ones reported to the monitor at once. The re-admission programs (one per span) are
+    compiled ahead with the others, never inside the decode loop."""
     config, params, _ = f32_model
     ids, mask = prompts(config.vocab_size, pads=(0, 3, 5, 1))
     key = jax.random.key(7)
-    plain = generate(config, params, ids, mask, key, _sampling(), group_size=3, options=f32_options())
+    sampling = _sampling(max_new, stops)
+    plain = generate(config, params, ids, mask, key, sampling, group_size=3, options=f32_options())
+    spans_run = set()
+    chunks = sampler._resume_chunks
+
+    def recorded_chunks(*args):
+        out = chunks(*args)
+        spans_run.update(span for _, span, _ in out)
+        return out
+
+    monkeypatch.setattr(sampler, "_resume_chunks", recorded_chunks)
     monkeypatch.setattr(sampler, "MONITOR_STEPS", 4)
     resume_traced = {"ahead": 0, "in_loop": 0}
     in_loop = [False]
@@ -75,12 +94,12 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
 
     monkeypatch.setattr(sampler, "_decode_all", watched_decode_all)
     jax.monitoring.register_event_duration_secs_listener(record)
-    partial = sampler.Partial.empty(24)
+    partial = sampler.Partial.empty(max_new)
     calls, paused_ever = 0, 0
     while len(partial.seqs_K) < 12 or not partial.finished_K.all():
-        monitor = _PauseAfter(checks=3)
+        monitor = _PauseAfter(checks=checks)
         batch, paused = generate(
-            config, params, ids, mask, key, _sampling(), group_size=3, max_batch=4,
+            config, params, ids, mask, key, sampling, group_size=3, max_batch=4,
             part=sampler.RolloutPart(monitor=monitor, partial=partial), options=f32_options(smaller_rows=(2,)),
         )  # fmt: skip
         # the finished carried ones were reported first
@@ -95,7 +114,8 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
         partial, calls = _next_partial(batch, paused), calls + 1
         assert calls < 12
     jax.monitoring.unregister_event_duration_listener(record)
-    assert resume_traced == {"ahead": 1, "in_loop": 0}, resume_traced
+    assert spans_run == spans
+    assert resume_traced == {"ahead": len(spans), "in_loop": 0}, resume_traced
     assert calls >= 3 and paused_ever >= 4
     order = np.argsort(partial.seqs_K)
     np.testing.assert_array_equal(partial.lengths_K[order], np.asarray(plain.lengths))

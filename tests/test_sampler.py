@@ -5,6 +5,7 @@ budget; the errors raised before anything is compiled."""
 
 import dataclasses
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from qerl_jax.rollout import (
     budget,
     generate,
     plan_rollout,
+    sampler,
     to_train_batch,
 )
 from qerl_jax.rollout import batch as rollout_batch
@@ -586,3 +588,19 @@ def test_monitor_bounds_admissions_and_drops_sequences_mid_run(f32_model):
         options=f32_options(),
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(part.tokens), np.asarray(plain.tokens)[6:])
+
+
+def test_resumed_sequences_go_longest_first_in_programs_sized_to_their_span():
+    """`_resume_chunks`: every sequence once, the longest first; each program's span holds its longest
+    sequence's tokens, and its rows fill an admission's prompt tokens (P * admit_prompts)."""
+    call = types.SimpleNamespace(prompt_slots=256, static=types.SimpleNamespace(new_slots=2048))
+    plan = types.SimpleNamespace(admit_rows=64, admit_prompts=8)
+    lengths = np.array([5, 1500, 70, 700, 64, 65, 2000, 3])
+    chunks = sampler._resume_chunks(call, plan, lengths)
+    order = np.concatenate([c for c, _, _ in chunks])
+    assert sorted(order.tolist()) == list(range(8)) and (np.diff(lengths[order]) <= 0).all()
+    for chunk, span, k in chunks:
+        assert len(chunk) <= k == max(1, min(64, 8 * 256 // (256 + span)))
+        assert lengths[chunk].max() - 1 <= span and (span == 2048 or lengths[chunk].max() - 1 > span // 2 or span == 64)
+    # 1 row a program at 2048 and 1024 (2304 and 1280 slots), 5 at 128: the 70-token one and the four shorter
+    assert [(len(c), span) for c, span, _ in chunks] == [(1, 2048), (1, 2048), (1, 1024), (5, 128)]

@@ -53,3 +53,10 @@ def test_bounds_hold_the_queue_and_drop_sequences():
     assert s.end == 3
     s.retire(np.zeros(4, bool))
     assert s.idle
+
+
+def test_resume_span_is_a_power_of_two_holding_the_tokens_within_the_buffer():
+    assert [scheduler.resume_span(n, 2048) for n in (0, 1, 63, 64, 65, 300, 1500, 2047)] == [
+        64, 64, 64, 64, 128, 512, 2048, 2048,
+    ]  # fmt: skip
+    assert scheduler.resume_span(100, 128) == 128 and scheduler.resume_span(700, 640) == 640  # never past the buffer

@@ -224,22 +224,26 @@ def _admit(
 
 
 def _resume(
-    static: Static, params, cache, rows: Rows, ids_KxP, mask_KxP, tokens_KxM, logp_KxM, t_K, dest_K, seq_K, limit_K
-):
+    static: Static, params, cache, rows: Rows, ids_KxP, mask_KxP, fed_KxT, tokens_KxM, logp_KxM, t_K, dest_K, seq_K,
+    limit_K,
+):  # fmt: skip
     """Re-admits K paused sequences: sequence k (stream seq_K[k]) goes to row dest_K[k] (>= R: none)
     with its prompt and its first t_K[k] >= 1 tokens (tokens_KxM, their log-probs logp_KxM). One
     forward over the prompt and tokens [0, t - 1) writes their slots [0, P + t - 1) (re-prefill: the
     paused call's cache is not kept); the next decode step feeds token t - 1 and samples token t with
-    the key an uninterrupted decode would use. Returns (cache, rows)."""
+    the key an uninterrupted decode would use. fed_KxT: the first T columns of tokens_KxM, T >= every
+    t - 1 (`scheduler.resume_span`): the forward spans P + T slots, not the whole response buffer, and
+    writes slots [0, P + T) of each row (the slots past a row's tokens are written by the decode before
+    it attends to them, as after an admission). Returns (cache, rows)."""
     cfg = static.config
     k, p = ids_KxP.shape
-    m = static.new_slots
-    ids_KxS = jnp.concatenate([ids_KxP, tokens_KxM], axis=1)
-    valid_KxS = jnp.concatenate([mask_KxP.astype(bool), jnp.arange(m)[None, :] < t_K[:, None] - 1], axis=1)
-    layer_shape = (k, p + m, cfg.num_key_value_heads, cfg.head_dim)
+    span = fed_KxT.shape[1]
+    ids_KxS = jnp.concatenate([ids_KxP, fed_KxT], axis=1)
+    valid_KxS = jnp.concatenate([mask_KxP.astype(bool), jnp.arange(span)[None, :] < t_K[:, None] - 1], axis=1)
+    layer_shape = (k, p + span, cfg.num_key_value_heads, cfg.head_dim)
     fresh = [(jnp.zeros(layer_shape, static.cache_dtype),) * 2 for _ in range(cfg.num_hidden_layers)]
     _, fresh = _hidden(static, params, ids_KxS, positions_from_mask(valid_KxS), valid_KxS, fresh, 0)
-    cache = jax.tree.map(lambda big, small: big.at[dest_K].set(small, mode="drop"), cache, fresh)
+    cache = jax.tree.map(lambda big, small: big.at[dest_K, : p + span].set(small, mode="drop"), cache, fresh)
     put = lambda a, v: a.at[dest_K].set(v, mode="drop")  # noqa: E731
     rows = Rows(
         seq=put(rows.seq, seq_K),

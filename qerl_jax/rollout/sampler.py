@@ -537,9 +537,8 @@ def generate(
             # Only a queue held below its end admits sequences after a compaction.
             admit_smaller = limit < min(end, call.total)
             host_placed = options.batch_sharding is not None
-            resumes = partial is not None and not np.asarray(partial.finished_K, bool).all()
             _precompile(call, run_params, plan, key, placement, host_placed, admit_smaller=admit_smaller,
-                        resumes=resumes)  # fmt: skip
+                        partial=partial)  # fmt: skip
         out, segments = _decode_all(call, plan, run_params, key, monitor, options, placement, partial)
     batch = _rollout_batch(call, out, segments)
     return batch if partial is None else (batch, out.paused)
@@ -726,18 +725,19 @@ def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 def _precompile(
     call: _Call, run_params, plan: RolloutPlan, key, placement, host_inputs_placed: bool, *, admit_smaller: bool,
-    resumes: bool = False,
+    partial: Partial | None = None,
 ) -> None:  # fmt: skip
     """Compiles the programs a call will run, in parallel threads (XLA releases the GIL while it
     compiles; tracing stays serial, each program compiling while the next is traced): `jax.jit`'s
     cache then serves the calls. Programs compiled before (an earlier call, or the persistent
     compilation cache) come back at once. placement: the sharding of the call's cache, rows and
     key, as the calls will pass them. admit_smaller: admissions into the compacted buckets too (a
-    monitor may let sequences in after a compaction). resumes: the call resumes paused sequences
-    (partial rollouts): their re-admission (`programs.resume`, into the first bucket, where they go first)."""
+    monitor may let sequences in after a compaction). partial: the sequences the call carries (partial
+    rollouts): the re-admission of its unfinished ones (`programs.resume`, into the first bucket, where
+    they go first)."""
     jobs = _program_specs(call, run_params, plan, key, placement, host_inputs_placed, admit_smaller)
-    if resumes:
-        jobs.append(_resume_spec(call, run_params, plan, placement, host_inputs_placed))
+    if partial is not None:
+        jobs += _resume_specs(call, run_params, plan, placement, host_inputs_placed, partial)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
         # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
         # the persistent cache, as soon as it is lowered, while the next ones are traced.
@@ -782,16 +782,23 @@ def _state_specs(call: _Call, rows: int, placement) -> tuple:
     return jax.tree.map(in_cache, cache), jax.tree.map(placed, state)
 
 
-def _resume_spec(call: _Call, run_params, plan: RolloutPlan, placement, host_inputs_placed) -> tuple:
-    """(programs.resume, argument specs) of `_resume_rows`' calls into the first bucket."""
-    static, k, m = call.static, _resume_rows_per_call(call, plan), call.static.new_slots
+def _resume_specs(call: _Call, run_params, plan: RolloutPlan, placement, host_inputs_placed, partial: Partial) -> list:
+    """(programs.resume, argument specs) of each program `_resume_rows` runs for `partial`'s unfinished
+    sequences, into the first bucket: one per span its chunks take (a subset's chunks take no other)."""
+    static, m = call.static, call.static.new_slots
     host = placement if host_inputs_placed else None
     spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
-    resumption = (
-        spec(k, call.prompt_slots), spec(k, call.prompt_slots), spec(k, m), spec(k, m, dtype=jnp.float32), spec(k),
-        spec(k), spec(k, dtype=jnp.uint32), spec(k),
-    )  # fmt: skip
-    return programs.resume, (static, run_params, *_state_specs(call, plan.rows, placement), *resumption)
+    state = _state_specs(call, plan.rows, placement)
+    lengths = np.asarray(partial.lengths_K)[~np.asarray(partial.finished_K, bool)]
+    jobs = []
+    for span in sorted({scheduler.resume_span(int(n) - 1, m) for n in lengths}):
+        k = _resume_rows_per_call(call, plan, span)
+        resumption = (
+            spec(k, call.prompt_slots), spec(k, call.prompt_slots), spec(k, span), spec(k, m),
+            spec(k, m, dtype=jnp.float32), spec(k), spec(k), spec(k, dtype=jnp.uint32), spec(k),
+        )  # fmt: skip
+        jobs.append((programs.resume, (static, run_params, *state, *resumption)))
+    return jobs
 
 
 def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admit_rows, admit_prompts, share, streams):
@@ -818,25 +825,39 @@ def _admission(ids_np, mask_np, prompt_of_seq, limits, seqs, dest, *, rows, admi
 
 
 def _resume_rows(call: _Call, plan: RolloutPlan, run_params, cache, rows, partial: Partial, carried, dest, bucket, put):
-    """(cache, rows) with the `partial` sequences `carried` (indices into it) resumed into rows `dest`.
-    A resumed row's forward spans all its P + M slots (attention's scores grow with their square, which
-    the memory plan does not count): as many rows per program as an admission prefills prompt tokens."""
-    k = _resume_rows_per_call(call, plan)
-    for i in range(0, len(carried), k):
-        args = _resumption(call, partial, carried[i : i + k], dest[i : i + k], rows=bucket, admit_rows=k)
+    """(cache, rows) with the `partial` sequences `carried` (indices into it) resumed into rows `dest`,
+    the longest first, in programs of a few rows each (`_resume_chunks`)."""
+    for chunk, span, k in _resume_chunks(call, plan, partial.lengths_K[carried]):
+        args = _resumption(call, partial, carried[chunk], dest[chunk], rows=bucket, admit_rows=k, span=span)
         cache, rows = programs.resume(call.static, run_params, cache, rows, *map(put, args))
     return cache, rows
 
 
-def _resume_rows_per_call(call: _Call, plan: RolloutPlan) -> int:
-    slots = call.prompt_slots + call.static.new_slots
+def _resume_chunks(call: _Call, plan: RolloutPlan, lengths_K: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+    """How sequences of these token counts are resumed: [(their indices, span, rows per program)], the
+    longest first, so that each program's span (`scheduler.resume_span` of its longest) fits its rows."""
+    order = np.argsort(-np.asarray(lengths_K), kind="stable")
+    chunks, i = [], 0
+    while i < len(order):
+        span = scheduler.resume_span(int(lengths_K[order[i]]) - 1, call.static.new_slots)
+        k = _resume_rows_per_call(call, plan, span)
+        chunks.append((order[i : i + k], span, k))
+        i += k
+    return chunks
+
+
+def _resume_rows_per_call(call: _Call, plan: RolloutPlan, span: int) -> int:
+    """A resumed row's forward spans its P + span slots (attention's scores grow with their square, which
+    the memory plan does not count): as many rows per program as an admission prefills prompt tokens."""
+    slots = call.prompt_slots + span
     return max(1, min(plan.admit_rows, plan.admit_prompts * call.prompt_slots // slots))
 
 
-def _resumption(call: _Call, partial: Partial, carried, dest, *, rows: int, admit_rows: int):
-    """The host arrays of one `programs.resume` call: (ids, mask, tokens, logp, t, dest, seq, limit)
+def _resumption(call: _Call, partial: Partial, carried, dest, *, rows: int, admit_rows: int, span: int):
+    """The host arrays of one `programs.resume` call: (ids, mask, fed, tokens, logp, t, dest, seq, limit)
     of the `partial` sequences `carried` (indices into it) going to rows `dest`, padded to
-    admit_rows (fillers: one real prompt token, dest = rows: dropped)."""
+    admit_rows (fillers: one real prompt token, dest = rows: dropped); fed: the tokens' first span
+    columns, the ones the forward re-prefills."""
     seqs, count, m = partial.seqs_K[carried], len(carried), call.static.new_slots
     prompts = seqs // call.group_size
     ids = np.zeros((admit_rows, call.prompt_slots), np.int32)
@@ -853,7 +874,7 @@ def _resumption(call: _Call, partial: Partial, carried, dest, *, rows: int, admi
     dest_k[:count] = dest
     seq_k = np.zeros((admit_rows,), np.uint32)
     seq_k[:count] = call.streams_N[seqs]
-    return ids, mask, tokens, logp, t, dest_k, seq_k, limit
+    return ids, mask, np.ascontiguousarray(tokens[:, :span]), tokens, logp, t, dest_k, seq_k, limit
 
 
 class _Outputs:

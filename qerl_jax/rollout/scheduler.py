@@ -47,6 +47,17 @@ def new_tokens_bucket(n: int) -> int:
     return -(-n // 64) * 64
 
 
+# The fewest response tokens a resumption's forward spans (`resume_span`).
+MIN_RESUME_SPAN = 64
+
+
+def resume_span(n: int, new_slots: int) -> int:
+    """The response tokens a resumption's forward spans to re-prefill n of them: a power of two >= n
+    (at least MIN_RESUME_SPAN), at most the response buffer's new_slots. Few buckets (few programs),
+    and a sequence paused early is not re-prefilled over the whole buffer."""
+    return min(new_slots, max(MIN_RESUME_SPAN, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
+
+
 def rows_bucket(n: int) -> int:
     """Padded batch size: a power of two up to 8, then a multiple of 8."""
     return 1 << math.ceil(math.log2(n)) if n <= 8 else -(-n // 8) * 8
