@@ -3,13 +3,16 @@
     python -m benchmarks.devtools.decode_profile --out $OUT/decode_profile.json   # GPU
     python -m benchmarks.devtools.decode_profile --tiny --prompt-len 16 --cache-new-tokens 32  # CPU smoke
 
-Qwen2.5-7B shapes with random weights (benchmarks/rollout.py's model), one format per
+Qwen2.5 shapes (--model, default 7B) with random weights (benchmarks/rollout.py's model), LoRA
+of --lora-rank on every projection (B = 0, as at the start of training; 0: none), one format per
 process (--formats). For each batch, `generate` runs twice under `jax.profiler.trace`, with
 --short and --long sampling steps (same compiled programs: the step count is a runtime
 argument); the difference of the two traces, divided by the step difference, is one decode
 step without the prefill. From the trace's GPU stream events (CUPTI) it reports, per step:
-- the GPU busy time (kernel time: XLA runs one compute stream) and the step time `generate` measured under the
-  profiler (which slows the host: compare busy times, not this one, across formats);
+- the GPU busy time (kernel time: XLA runs one compute stream), the step time the same two calls take
+  without the profiler (`wall_step_us`), and their difference, the time the GPU waits for work a
+  step (`idle_us`: launches and host work not hidden behind kernels); and the step time measured under
+  the profiler (which slows the host: compare busy times, not this one, across formats);
 - kernel time by kind (the wgmma kernel, Triton kernels, dots (cuBLAS or XLA's GEMM fusions),
   XLA fusions, copies/other),
   and the heaviest kernels by name with their call counts.
@@ -114,10 +117,18 @@ def worker(args, fmt: str) -> dict:
     from benchmarks.common import timed_generate
     from qerl_jax.models.qwen2 import ModelConfig
 
-    config = ModelConfig(**(bench.TINY if args.tiny else bench.QWEN25_7B))
+    config = ModelConfig(**bench.model_dict(args))
     params = bench.build_random_params(config, fmt, jax.random.key(0))
+    lora_kw = {}
+    if args.lora_rank:  # as benchmarks/rollout.py: B = 0, the deltas computed all the same
+        from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: PLC0415
+
+        lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+        params = with_lora(params, init_lora(jax.random.key(1), config, lcfg))
+        lora_kw = dict(lora_scale=lora_scale(lcfg))
     backend = "xla" if fmt == "bf16" else "pallas"
-    out = {"format": fmt, "backend": backend, "batches": []}
+    out = {"format": fmt, "backend": backend, "model": "tiny" if args.tiny else args.model,
+           "lora_rank": args.lora_rank, "batches": []}  # fmt: skip
     rng = np.random.default_rng(0)
     for spec in args.batches.split(","):
         prompts, group = (int(v) for v in spec.split("x"))
@@ -139,11 +150,13 @@ def worker(args, fmt: str) -> dict:
                 group_size=group,
                 max_new_tokens_per_seq=steps,
                 options=options,
+                **lora_kw,
             )
             return tm
 
         run(args.long, 1)  # compile
         run(args.long, 2)
+        unprofiled = {steps: run(steps, 3)["decode_s"] for steps in (args.short, args.long)}
         traces = {}
         for steps in (args.short, args.long):
             d = tempfile.mkdtemp()
@@ -154,6 +167,8 @@ def worker(args, fmt: str) -> dict:
         step["timed_step_us"] = (
             (traces[args.long][1]["decode_s"] - traces[args.short][1]["decode_s"]) / (args.long - args.short) * 1e6
         )
+        step["wall_step_us"] = (unprofiled[args.long] - unprofiled[args.short]) / (args.long - args.short) * 1e6
+        step["idle_us"] = step["wall_step_us"] - step["busy_us"]
         out["batches"].append(dict(batch=prompts * group, gpu_lines=sorted(GPU_LINES), **step))
         print(json.dumps(out["batches"][-1])[:3000], flush=True)
     return out
@@ -163,8 +178,8 @@ def table(results: list[dict]) -> None:
     for r in results:
         for b in r.get("batches", []):
             print(
-                f"\n{r['format']:6} B={b['batch']:<4} GPU busy {b['busy_us']:8.1f} us per step (timed under the "
-                f"profiler {b['timed_step_us']:8.1f})  kernels/step {b['kernels']:6.1f}"
+                f"\n{r['format']:6} B={b['batch']:<4} step {b['wall_step_us']:8.1f} us: GPU busy {b['busy_us']:8.1f}, "
+                f"idle {b['idle_us']:8.1f} (under the profiler {b['timed_step_us']:8.1f})  kernels/step {b['kernels']:6.1f}"
             )
             print("   " + "  ".join(f"{k} {v:7.1f}" for k, v in sorted(b["kinds"].items(), key=lambda kv: -kv[1])))
             for t in b["top"][:12]:
@@ -175,6 +190,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/decode_profile.json")
     ap.add_argument("--formats", default="bf16,nvfp4")
+    ap.add_argument("--model", default="7B", help="Qwen2.5 size: 0.5B, 1.5B, 3B, 7B, 14B, 32B, 72B")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on every projection (0: none)")
     ap.add_argument("--batches", default="1x1,2x8")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--cache-new-tokens", type=int, default=512)
