@@ -172,6 +172,9 @@ def summarize(workdir: str, group_size: int) -> dict:
     )
     unused = [r["rollout/unused_tokens_frac"] for r in later if "rollout/unused_tokens_frac" in r]
     out["unused_tokens_frac"] = statistics.mean(unused) if unused else float("nan")
+    # The decode loop's steps a step (on a mesh summed over its data shards): the tail's length.
+    decode_steps = [r["rollout/decode_steps"] for r in later if "rollout/decode_steps" in r]
+    out["decode_steps"] = statistics.mean(decode_steps) if decode_steps else float("nan")
     # Partial rollouts (rollout.max_staleness >= 1): the trained tokens' off-policy share, the oldest kept group.
     offpolicy = [r["rollout/offpolicy_tokens_frac"] for r in later if "rollout/offpolicy_tokens_frac" in r]
     out["offpolicy_tokens_frac"] = statistics.mean(offpolicy) if offpolicy else float("nan")

@@ -308,6 +308,9 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
         "time/reward_s": t_reward,
         "rollout/tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
         "rollout/decoded_tokens": float(decoded.sum()),
+        # Decode-loop steps (each one token for every live row): the tail of few rows costs steps, not
+        # tokens. On a mesh: summed over the data shards' calls.
+        "rollout/decode_steps": float(np.sum(np.asarray(batch.steps) - 1)),
         # Decoded for groups past the last one needed: admitted on the keep rate's estimate, then
         # dropped (or finished unneeded). The cost of deciding dynamic sampling in one call.
         "rollout/unused_tokens_frac": 1.0 - float(decoded[rows].sum()) / max(float(decoded.sum()), 1.0),

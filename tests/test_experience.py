@@ -90,6 +90,8 @@ def test_one_call_keeps_what_refill_rounds_keep(tmp_path, tiny_model_dir, pool, 
     np.testing.assert_array_equal(exp.rollout.decoded, exp.rollout.lengths)  # kept rows all finished
     assert stats["rollout/decoded_tokens"] >= int(np.sum(exp.rollout.lengths))
     assert 0.0 <= stats["rollout/unused_tokens_frac"] < 1.0
+    # every token after a sequence's first (sampled by its admission) took a decode step
+    assert int(np.max(exp.rollout.lengths)) - 1 <= stats["rollout/decode_steps"] <= stats["rollout/decoded_tokens"]
 
 
 def test_dynamic_sampling_keeps_only_groups_with_varied_rewards(tmp_path, tiny_model_dir, pool):
