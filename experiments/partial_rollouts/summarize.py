@@ -17,9 +17,16 @@ import os
 import numpy as np
 
 from experiments import stats
-from experiments.fidelity.summarize import _pass_at_1
-from experiments.qwen_gsm8k.summarize import PROBLEMS_FILE, mcnemar, read_problems
-from qerl_jax.metrics import SCALARS_JSONL
+from experiments.paired_runs import (
+    accuracy_verdict,
+    common_steps,
+    mean_logged,
+    paired_difference,
+    read_eval,
+    read_steps,
+    scalars_file,
+    series,
+)
 
 PROTOCOL = "experiments/partial_rollouts/PROTOCOL.md, rules v1"
 SPEED_STEPS = (1, 39)  # rule 1: step 0 holds the first compilation
@@ -32,47 +39,20 @@ REPORTED = ("rollout/offpolicy_tokens_frac", "rollout/staleness_max", "rollout/c
             "rollout/response_length_p90", "rollout/tokens_per_s")  # fmt: skip
 
 
-def read_steps(workdir: str) -> dict[int, dict]:
-    """step -> the train step's scalars (a resumed run's repeated steps: the last wins)."""
-    rows = {}
-    with open(os.path.join(workdir, "tensorboard", SCALARS_JSONL)) as f:
-        for line in f:
-            row = json.loads(line) if line.strip() else {}
-            if "time/step_s" in row:  # a train step (evaluations log eval/* only)
-                rows[int(row["step"])] = row
-    return rows
-
-
-def _series(rows: dict[int, dict], steps: list[int], tag: str) -> np.ndarray:
-    return np.array([rows[s].get(tag, np.nan) for s in steps], np.float64)
-
-
-def _common(a: dict[int, dict], b: dict[int, dict], first: int, last: int) -> list[int]:
-    return sorted(s for s in a.keys() & b.keys() if first <= s <= last)
-
-
 def speed(a: dict[int, dict], b: dict[int, dict]) -> dict[str, float]:
     """Rule 1 for one seed: b's mean step and rollout + reward time over a's, on the common steps."""
-    steps = _common(a, b, *SPEED_STEPS)
-    rollout = lambda rows: _series(rows, steps, "time/rollout_s") + _series(rows, steps, "time/reward_s")  # noqa: E731
+    steps = common_steps(a, b, *SPEED_STEPS)
+    rollout = lambda rows: series(rows, steps, "time/rollout_s") + series(rows, steps, "time/reward_s")  # noqa: E731
     return {
         "steps": len(steps),
-        "step_ratio": float(_series(b, steps, "time/step_s").mean() / _series(a, steps, "time/step_s").mean()),
+        "step_ratio": float(series(b, steps, "time/step_s").mean() / series(a, steps, "time/step_s").mean()),
         "rollout_ratio": float(rollout(b).mean() / rollout(a).mean()),
     }
 
 
 def reward_difference(a: dict[int, dict], b: dict[int, dict]) -> dict[str, float]:
     """Rule 2 for one seed: the mean of the paired `reward/mean_sampled` difference b - a and its SE."""
-    steps = _common(a, b, *CURVE_STEPS)
-    d = _series(b, steps, "reward/mean_sampled") - _series(a, steps, "reward/mean_sampled")
-    return {"steps": len(steps), **stats.mean_within(d)}
-
-
-def _mean_logged(rows: dict[int, dict], tag: str) -> float | None:
-    """The mean of `tag` over the steps that logged it (None: none did, e.g. arm a's partial-rollout metrics)."""
-    values = [row[tag] for row in rows.values() if tag in row]
-    return float(np.mean(values)) if values else None
+    return paired_difference(a, b, "reward/mean_sampled", *CURVE_STEPS)
 
 
 def _speed_verdict(per_seed: list[dict]) -> dict:
@@ -84,23 +64,6 @@ def _speed_verdict(per_seed: list[dict]) -> dict:
     return {"step_ratio": step, "rollout_ratio": rollout, "verdict": verdict}
 
 
-def _accuracy_verdict(evals: dict[tuple[str, int], dict], seeds: list[int]) -> dict:
-    paired = [s for s in seeds if ("a", s) in evals and ("b", s) in evals]
-    if not paired:
-        return {"verdict": "no data"}
-    a = [evals["a", s]["pass_at_1"] for s in paired]
-    b = [evals["b", s]["pass_at_1"] for s in paired]
-    diff = float(np.mean(b) - np.mean(a))
-    problems = {arm: {s: {"problems": evals[arm, s].get("problems")} for s in paired} for arm in "ab"}
-    return {
-        "seeds": paired,
-        "diff": diff,
-        "welch": stats.welch(a, b),
-        "mcnemar": mcnemar(problems, "b", "a"),
-        "verdict": "met" if diff >= -ACCURACY_MARGIN else "missed",
-    }
-
-
 def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[str, int], dict]) -> dict:
     """The protocol's verdicts from each (arm, seed)'s steps (`read_steps`) and final evaluation ({"pass_at_1",
     optional "problems"}); seeds where both arms ran."""
@@ -109,7 +72,7 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
     rewards = [reward_difference(runs["a", s], runs["b", s]) for s in seeds]
     over = stats.over_seeds([r["value"] for r in rewards], [r["se"] for r in rewards])
     reported = {
-        f"{arm}{s}": {tag: _mean_logged(rows, tag) for tag in REPORTED} for (arm, s), rows in sorted(runs.items())
+        f"{arm}{s}": {tag: mean_logged(rows, tag) for tag in REPORTED} for (arm, s), rows in sorted(runs.items())
     }
     return {
         "protocol": PROTOCOL,
@@ -120,15 +83,9 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
             "over_seeds": over,
             "verdict": stats.non_inferior(over["lo"], over["hi"], REWARD_MARGIN),
         },
-        "accuracy": _accuracy_verdict(evals, seeds),
+        "accuracy": accuracy_verdict(evals, seeds, ACCURACY_MARGIN),
         "reported_means": reported,
     }
-
-
-def _read_eval(summary_file: str) -> dict:
-    out = {"pass_at_1": _pass_at_1(summary_file)}
-    problems = read_problems(os.path.join(os.path.dirname(summary_file), PROBLEMS_FILE))
-    return out if problems is None else {**out, "problems": problems}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -141,12 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
         if arm not in ("a", "b") or not seed.isdigit():
             parser.exit(2, f"error: --run/--eval ARM SEED: ARM must be a (on-policy) or b (partial rollouts) and "
                            f"SEED a number; got {arm!r} {seed!r}\n")  # fmt: skip
-    files = [os.path.join(w, "tensorboard", SCALARS_JSONL) for _, _, w in args.run] + [p for _, _, p in args.eval]
+    files = [scalars_file(w) for _, _, w in args.run] + [p for _, _, p in args.eval]
     for path in files:
         if not os.path.isfile(path):
             parser.exit(2, f"error: {path} does not exist (a run's workdir, an evaluation's summary.json)\n")
     runs = {(arm, int(seed)): read_steps(workdir) for arm, seed, workdir in args.run}
-    evals = {(arm, int(seed)): _read_eval(path) for arm, seed, path in args.eval}
+    evals = {(arm, int(seed)): read_eval(path) for arm, seed, path in args.eval}
     out = summarize(runs, evals)
     text = json.dumps(out, indent=1, default=lambda x: sorted(x) if isinstance(x, set) else str(x))
     if args.out:
