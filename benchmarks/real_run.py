@@ -170,14 +170,11 @@ def summarize(workdir: str, group_size: int) -> dict:
     out["finished_tokens"] = statistics.mean(
         r.get("time/rollout_s", 0.0) * r.get("rollout/tokens_per_s", 0.0) for r in later
     )
-    unused = [r["rollout/unused_tokens_frac"] for r in later if "rollout/unused_tokens_frac" in r]
-    out["unused_tokens_frac"] = statistics.mean(unused) if unused else float("nan")
-    # The decode loop's steps a step (on a mesh summed over its data shards): the tail's length.
-    decode_steps = [r["rollout/decode_steps"] for r in later if "rollout/decode_steps" in r]
-    out["decode_steps"] = statistics.mean(decode_steps) if decode_steps else float("nan")
-    # Partial rollouts (rollout.max_staleness >= 1): the trained tokens' off-policy share, the oldest kept group.
-    offpolicy = [r["rollout/offpolicy_tokens_frac"] for r in later if "rollout/offpolicy_tokens_frac" in r]
-    out["offpolicy_tokens_frac"] = statistics.mean(offpolicy) if offpolicy else float("nan")
+    # decode_steps: the decode loop's steps a step (on a mesh summed over its data shards), the tail's length;
+    # offpolicy_tokens_frac (partial rollouts, rollout.max_staleness >= 1): the trained tokens' off-policy share.
+    for name in ("unused_tokens_frac", "decode_steps", "offpolicy_tokens_frac"):
+        logged = [r[f"rollout/{name}"] for r in later if f"rollout/{name}" in r]  # older trees log fewer
+        out[name] = statistics.mean(logged) if logged else float("nan")
     out["staleness_max"] = max((r["rollout/staleness_max"] for r in later if "rollout/staleness_max" in r), default=0.0)
     return out
 

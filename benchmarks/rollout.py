@@ -167,6 +167,20 @@ def build_random_params(config, fmt: str, key):
     return common.random_params(config, quant=fmt, seed=seed)
 
 
+def with_random_lora(params, config, rank: int) -> tuple[dict, dict]:
+    """(params with LoRA of `rank` on every projection, alpha 2 x rank, B = 0 as at the start of training:
+    the deltas are computed all the same; `generate`'s lora_scale keyword). Rank 0: the params as they
+    are and no keyword."""
+    if not rank:
+        return params, {}
+    import jax
+
+    from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: PLC0415
+
+    lcfg = LoraConfig(rank=rank, alpha=2.0 * rank)
+    return with_lora(params, init_lora(jax.random.key(1), config, lcfg)), {"lora_scale": lora_scale(lcfg)}
+
+
 def tree_bytes(tree) -> int:
     from benchmarks import common
 
@@ -255,13 +269,8 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
     params = build_random_params(config, fmt, jax.random.key(0))
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = tree_bytes(params)
-    lora_kw = {}
-    if args.lora_rank:  # B = 0 as at the start of training: the deltas are computed all the same
-        from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: PLC0415
-
-        lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
-        params = with_lora(params, init_lora(jax.random.key(1), config, lcfg))
-        lora_kw = dict(lora_scale=lora_scale(lcfg))
+    params, lora_kw = with_random_lora(params, config, args.lora_rank)
+    if args.lora_rank:
         out["lora_rank"] = args.lora_rank
     out["linear_weight_bytes"] = tree_bytes(params["base"]["layers"])
     out["peak_after_build"] = peak_bytes()
@@ -502,7 +511,6 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
 
     import qerl_jax.rollout as rollout
     from benchmarks.common import CompileTimeline, timed_generate
-    from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora
     from qerl_jax.models.qwen2 import ModelConfig
 
     run, ids, lengths = gsm8k_inputs(args)
@@ -511,8 +519,7 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
     timeline = CompileTimeline()
     t = time.perf_counter()
     params = build_random_params(config, fmt, jax.random.key(0))
-    lcfg = LoraConfig(rank=run["lora_rank"], alpha=2.0 * run["lora_rank"])
-    params = with_lora(params, init_lora(jax.random.key(1), config, lcfg))
+    params, lora_kw = with_random_lora(params, config, run["lora_rank"])
     jax.block_until_ready(params)
     out["build_s"] = time.perf_counter() - t
     out["weight_bytes"] = tree_bytes(params)
@@ -532,7 +539,7 @@ def gsm8k_jax_worker(args, fmt: str, backend: str, variants) -> dict:
         if "smaller_rows" in run:
             opts["smaller_rows"] = run["smaller_rows"]
         opts.update(extra)
-        kw = dict(group_size=run["group"], lora_scale=lora_scale(lcfg), options=rollout.RolloutOptions(**opts))
+        kw = dict(group_size=run["group"], **lora_kw, options=rollout.RolloutOptions(**opts))
         try:
             calls = []
             out["rows"].append(row)

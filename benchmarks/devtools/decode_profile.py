@@ -119,13 +119,7 @@ def worker(args, fmt: str) -> dict:
 
     config = ModelConfig(**bench.model_dict(args))
     params = bench.build_random_params(config, fmt, jax.random.key(0))
-    lora_kw = {}
-    if args.lora_rank:  # as benchmarks/rollout.py: B = 0, the deltas computed all the same
-        from qerl_jax.lora import LoraConfig, init_lora, lora_scale, with_lora  # noqa: PLC0415
-
-        lcfg = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
-        params = with_lora(params, init_lora(jax.random.key(1), config, lcfg))
-        lora_kw = dict(lora_scale=lora_scale(lcfg))
+    params, lora_kw = bench.with_random_lora(params, config, args.lora_rank)
     backend = "xla" if fmt == "bf16" else "pallas"
     out = {"format": fmt, "backend": backend, "model": "tiny" if args.tiny else args.model,
            "lora_rank": args.lora_rank, "batches": []}  # fmt: skip

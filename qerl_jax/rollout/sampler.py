@@ -791,7 +791,7 @@ def _resume_specs(call: _Call, run_params, plan: RolloutPlan, placement, host_in
     state = _state_specs(call, plan.rows, placement)
     lengths = np.asarray(partial.lengths_K)[~np.asarray(partial.finished_K, bool)]
     jobs = []
-    for span in sorted({scheduler.resume_span(int(n) - 1, m) for n in lengths}):
+    for span in sorted({_resume_span(call, n) for n in lengths}):
         k = _resume_rows_per_call(call, plan, span)
         resumption = (
             spec(k, call.prompt_slots), spec(k, call.prompt_slots), spec(k, span), spec(k, m),
@@ -839,11 +839,17 @@ def _resume_chunks(call: _Call, plan: RolloutPlan, lengths_K: np.ndarray) -> lis
     order = np.argsort(-np.asarray(lengths_K), kind="stable")
     chunks, i = [], 0
     while i < len(order):
-        span = scheduler.resume_span(int(lengths_K[order[i]]) - 1, call.static.new_slots)
+        span = _resume_span(call, lengths_K[order[i]])
         k = _resume_rows_per_call(call, plan, span)
         chunks.append((order[i : i + k], span, k))
         i += k
     return chunks
+
+
+def _resume_span(call: _Call, length: int) -> int:
+    """The response slots a resumed sequence of `length` tokens is re-prefilled over: its first
+    length - 1 tokens (the last one is fed by the next decode step), in `scheduler.resume_span`'s buckets."""
+    return scheduler.resume_span(int(length) - 1, call.static.new_slots)
 
 
 def _resume_rows_per_call(call: _Call, plan: RolloutPlan, span: int) -> int:
