@@ -3,6 +3,7 @@ paired the way the protocols' rules read them (`experiments/partial_rollouts`, `
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -76,3 +77,38 @@ def accuracy_verdict(evals: dict[tuple[str, int], dict], seeds: list[int], margi
         "mcnemar": mcnemar(problems, "b", "a"),
         "verdict": "met" if diff >= -margin else "missed",
     }
+
+
+def arms_parser(doc: str) -> argparse.ArgumentParser:
+    """A summary command's parser: `--run ARM SEED WORKDIR`, `--eval ARM SEED SUMMARY_JSON` (repeated), `--out`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "WORKDIR"))
+    parser.add_argument("--eval", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "SUMMARY_JSON"))
+    parser.add_argument("--out", default="")
+    return parser
+
+
+def read_arms(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, arm_names: tuple[str, str], more_files: tuple = ()
+) -> tuple[dict[tuple[str, int], dict[int, dict]], dict[tuple[str, int], dict]]:
+    """({(arm, seed): its steps}, {(arm, seed): its evaluation}) of `arms_parser`'s arguments; a bad arm or seed,
+    or a file missing (theirs or `more_files`), ends the command with one line and exit 2 before any is read.
+    arm_names: what arms a and b are, for that line."""
+    for arm, seed, _ in args.run + args.eval:
+        if arm not in ("a", "b") or not seed.isdigit():
+            parser.exit(2, f"error: --run/--eval ARM SEED: ARM must be a ({arm_names[0]}) or b ({arm_names[1]}) and "
+                           f"SEED a number; got {arm!r} {seed!r}\n")  # fmt: skip
+    files = [scalars_file(w) for _, _, w in args.run] + [p for _, _, p in args.eval] + list(more_files)
+    for path in files:
+        if not os.path.isfile(path):
+            parser.exit(2, f"error: {path} does not exist (a run's workdir, an evaluation's summary.json)\n")
+    runs = {(arm, int(seed)): read_steps(workdir) for arm, seed, workdir in args.run}
+    return runs, {(arm, int(seed)): read_eval(path) for arm, seed, path in args.eval}
+
+
+def write_summary(out: dict, path: str, rules: tuple[str, ...]) -> None:
+    """Writes the summary as JSON to `path` (if any) and prints each rule's verdict on one line."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(out, indent=1, default=lambda x: sorted(x) if isinstance(x, set) else str(x)) + "\n")
+    print("; ".join(f"{rule}: {out[rule]['verdict']}" for rule in rules))

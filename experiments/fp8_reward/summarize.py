@@ -12,20 +12,17 @@ McNemar test); `--fp8-eval SEED SUMMARY_JSON`: arm b's adapter evaluated with fp
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 from experiments import stats
 from experiments.paired_runs import (
     accuracy_verdict,
+    arms_parser,
     common_steps,
     mean_logged,
     paired_difference,
+    read_arms,
     read_eval,
-    read_steps,
-    scalars_file,
     series,
+    write_summary,
 )
 
 PROTOCOL = "experiments/fp8_reward/PROTOCOL.md, rules v1"
@@ -70,32 +67,15 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "WORKDIR"))
-    parser.add_argument("--eval", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "SUMMARY_JSON"))
+    parser = arms_parser(__doc__)
     parser.add_argument("--fp8-eval", nargs=2, action="append", default=[], metavar=("SEED", "SUMMARY_JSON"))
-    parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    for arm, seed, _ in args.run + args.eval:
-        if arm not in ("a", "b") or not seed.isdigit():
-            parser.exit(2, f"error: --run/--eval ARM SEED: ARM must be a (fp8_matmul=off) or b (fp8_matmul=on) and "
-                           f"SEED a number; got {arm!r} {seed!r}\n")  # fmt: skip
     for seed, _ in args.fp8_eval:
         if not seed.isdigit():
             parser.exit(2, f"error: --fp8-eval SEED: SEED must be a number; got {seed!r}\n")
-    files = [scalars_file(w) for _, _, w in args.run] + [p for *_, p in args.eval + args.fp8_eval]
-    for path in files:
-        if not os.path.isfile(path):
-            parser.exit(2, f"error: {path} does not exist (a run's workdir, an evaluation's summary.json)\n")
-    runs = {(arm, int(seed)): read_steps(workdir) for arm, seed, workdir in args.run}
-    evals = {(arm, int(seed)): read_eval(path) for arm, seed, path in args.eval}
-    fp8_evals = {int(seed): read_eval(path) for seed, path in args.fp8_eval}
-    out = summarize(runs, evals, fp8_evals)
-    text = json.dumps(out, indent=1, default=lambda x: sorted(x) if isinstance(x, set) else str(x))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print("; ".join(f"{rule}: {out[rule]['verdict']}" for rule in ("reward", "accuracy")))
+    runs, evals = read_arms(parser, args, ("fp8_matmul=off", "fp8_matmul=on"), tuple(p for _, p in args.fp8_eval))
+    out = summarize(runs, evals, {int(seed): read_eval(path) for seed, path in args.fp8_eval})
+    write_summary(out, args.out, ("reward", "accuracy"))
     return out
 
 

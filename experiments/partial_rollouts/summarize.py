@@ -10,22 +10,18 @@ beside it, where kept, gives the McNemar test), or missing: then rule 3 is "no d
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import numpy as np
 
 from experiments import stats
 from experiments.paired_runs import (
     accuracy_verdict,
+    arms_parser,
     common_steps,
     mean_logged,
     paired_difference,
-    read_eval,
-    read_steps,
-    scalars_file,
+    read_arms,
     series,
+    write_summary,
 )
 
 PROTOCOL = "experiments/partial_rollouts/PROTOCOL.md, rules v1"
@@ -89,28 +85,11 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "WORKDIR"))
-    parser.add_argument("--eval", nargs=3, action="append", default=[], metavar=("ARM", "SEED", "SUMMARY_JSON"))
-    parser.add_argument("--out", default="")
+    parser = arms_parser(__doc__)
     args = parser.parse_args(argv)
-    for arm, seed, _ in args.run + args.eval:
-        if arm not in ("a", "b") or not seed.isdigit():
-            parser.exit(2, f"error: --run/--eval ARM SEED: ARM must be a (on-policy) or b (partial rollouts) and "
-                           f"SEED a number; got {arm!r} {seed!r}\n")  # fmt: skip
-    files = [scalars_file(w) for _, _, w in args.run] + [p for _, _, p in args.eval]
-    for path in files:
-        if not os.path.isfile(path):
-            parser.exit(2, f"error: {path} does not exist (a run's workdir, an evaluation's summary.json)\n")
-    runs = {(arm, int(seed)): read_steps(workdir) for arm, seed, workdir in args.run}
-    evals = {(arm, int(seed)): read_eval(path) for arm, seed, path in args.eval}
+    runs, evals = read_arms(parser, args, ("on-policy", "partial rollouts"))
     out = summarize(runs, evals)
-    text = json.dumps(out, indent=1, default=lambda x: sorted(x) if isinstance(x, set) else str(x))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    verdicts = (f"{rule}: {out[rule]['verdict']}" for rule in ("speed", "reward", "accuracy"))
-    print("; ".join(verdicts))
+    write_summary(out, args.out, ("speed", "reward", "accuracy"))
     return out
 
 
