@@ -39,6 +39,7 @@ from qerl_jax.quant import packed as P
 from qerl_jax.quant.formats import REGISTRY
 
 MODELS = {
+    "1.5B": dict(hidden=1536, inter=8960, heads=12, kv=2, hd=128),
     "7B": dict(hidden=3584, inter=18944, heads=28, kv=4, hd=128),
     "32B": dict(hidden=5120, inter=27648, heads=40, kv=8, hd=128),
 }

@@ -342,10 +342,6 @@ def jax_worker(args, fmt: str, backend: str) -> dict:
             if args.compare_norm_parts and prompts * group == 1:  # the one-row step with its norms whole
                 timed(1, norm_parts=False)  # compiles
                 row["decode_step_s_whole_norms"] = step_seconds(norm_parts=False)[0]
-            row["decode_kernel"] = rollout.sampler.decode_kernel_on(opts)
-            if args.compare_decode_kernel and row["decode_kernel"] and prompts * group <= 16:  # without the fused kernel
-                timed(1, decode_kernel="off")  # compiles
-                row["decode_step_s_without_decode_kernel"] = step_seconds(decode_kernel="off")[0]
             row.update(
                 wgmma_weights=list(wgmma_names),
                 ttft_s=ttft,
@@ -966,11 +962,6 @@ def main(argv=None) -> None:
         help="also time the 1-row rows with each norm whole (RolloutOptions.norm_parts=False)",
     )
     parser.add_argument(
-        "--compare-decode-kernel",
-        action="store_true",
-        help="also time rows of <= 16 rows without the fused decode projection kernel (RolloutOptions.decode_kernel)",
-    )
-    parser.add_argument(
         "--lora-rank",
         type=int,
         default=0,
@@ -1052,8 +1043,6 @@ def main(argv=None) -> None:
             cmd.append("--compare-unfused")
         if args.compare_norm_parts:
             cmd.append("--compare-norm-parts")
-        if args.compare_decode_kernel:
-            cmd.append("--compare-decode-kernel")
         if args.lora_rank:
             cmd += ["--lora-rank", str(args.lora_rank)]
         if i == 0 and not gsm8k:

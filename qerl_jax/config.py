@@ -135,13 +135,6 @@ class RolloutSection:
         "matmul, 1/rms onto its output: 2 kernel launches a layer fewer, one bf16 rounding apart); False: whole",
         boolean(),
     )
-    decode_kernel: str = setting(
-        "auto",
-        "decode steps of <= 16 rows run each fused projection group of the bf16 copies as one Pallas kernel with its "
-        "norm, adapter, SiLU x up or residual add (about half the kernels a step): {choices} (auto: on a GPU with "
-        "the pallas backend)",
-        choice(("auto", "on", "off")),
-    )
 
 
 @section

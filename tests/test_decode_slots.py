@@ -130,22 +130,24 @@ def test_decoder_layer_decode_slots_step_equals_its_full_forward():
     np.testing.assert_allclose(np.asarray(k_new[jnp.arange(b), write]), np.asarray(k_all[:, -1]), atol=1e-6)
 
 
-_LAYER_CONFIG = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=128,
-)  # fmt: skip
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 0.1)])
+def test_one_row_decode_step_over_fused_weights_equals_the_per_projection_layer(dtype, atol):
+    """A one-row decode step over the rollout's fused weights (q/k/v and gate/up with their
+    adapters' A below the rows, biases, norm scales other than 1) takes the norm in parts around
+    the matmuls (`rms_norm_parts`); it gives what the layer over one weight per projection gives
+    (the exact norm first): float32 to rounding, bf16 within its rounding (outputs of size ~3).
+    With `decode_norm_parts` off the norm stays whole."""
+    from unittest import mock
 
-
-def _layer_variables(dtype, singles: bool = False):
-    """(one weight per projection, the rollout's fused layout) of one random layer: q/k/v and
-    gate/up fused with their adapters' A below the rows, biases, norm scales other than 1; with
-    singles, o_proj and down_proj too as `Fused` of one holding their A, and the q/k/v biases
-    concatenated under the group (what `rollout.weights` stores for the decode kernel)."""
     from qerl_jax.linear import Fused, stack_loras
     from qerl_jax.models import qwen2
 
+    config = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=128,
+    )  # fmt: skip
     keys = iter(jax.random.split(jax.random.key(3), 32))
-    d, r = _LAYER_CONFIG.hidden_size, 2
+    d, hd, r = config.hidden_size, config.head_dim, 2
     shapes = {"q_proj": (32, d), "k_proj": (16, d), "v_proj": (16, d), "o_proj": (d, 32), "gate_proj": (48, d)}
     shapes.update(up_proj=(48, d), down_proj=(d, 48))
     normal = lambda shape, s=1.0: (s * jax.random.normal(next(keys), shape)).astype(dtype)  # noqa: E731
@@ -156,83 +158,29 @@ def _layer_variables(dtype, singles: bool = False):
     norms = {"input_layernorm": 1 + normal((d,), 0.3), "post_attention_layernorm": 1 + normal((d,), 0.3)}
     per_projection = {"base": base, "norms": norms, "lora": lora}
     fused_base, fused_lora = {n: dict(p) for n, p in base.items()}, dict(lora)
-    groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-    for group in groups + ((("o_proj",), ("down_proj",)) if singles else ()):
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
         sizes = tuple(shapes[n][0] for n in group)
         stacked = stack_loras([lora[n] for n in group], sizes)
         w = jnp.concatenate([base[n]["w"] for n in group] + [stacked["a"]])
         for n in group:
             del fused_base[n]["w"]
-        fused_base.setdefault(qwen2.fused_name(group), {})["w"] = Fused(w, sizes, max_rows=64, lora_rows=len(group) * r)
+        fused_base[qwen2.fused_name(group)] = {"w": Fused(w, sizes, max_rows=64, lora_rows=len(group) * r)}
         fused_lora[qwen2.fused_name(group)] = stacked
-    if singles:
-        fused_base["q_proj+k_proj+v_proj"]["b"] = jnp.concatenate([base[n]["b"] for n in groups[0]])
-    return per_projection, {"base": fused_base, "norms": norms, "lora": fused_lora}
+    fused = {"base": fused_base, "norms": norms, "lora": fused_lora}
 
-
-def _decode_inputs(dtype, rows):
-    keys = iter(jax.random.split(jax.random.key(7), 8))
-    hd, slots = _LAYER_CONFIG.head_dim, 6
-    cache = tuple((jax.random.normal(next(keys), (rows, slots, 2, hd))).astype(dtype) for _ in range(2))
-    step = DecodeSlots(
-        write_B=jnp.array([4, 2, 5][:rows]), start_B=jnp.array([1, 0, 3][:rows]), end_B=jnp.array([5, 3, 6][:rows])
-    )
-    h = (3.0 * jax.random.normal(next(keys), (rows, 1, _LAYER_CONFIG.hidden_size))).astype(dtype)
-    return h, cache, jnp.array([[3], [1], [4]][:rows]), step
-
-
-@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 0.1)])
-def test_one_row_decode_step_over_fused_weights_equals_the_per_projection_layer(dtype, atol):
-    """A one-row decode step over the rollout's fused weights takes the norm in parts around the
-    matmuls (`rms_norm_parts`); it gives what the layer over one weight per projection gives
-    (the exact norm first): float32 to rounding, bf16 within its rounding (outputs of size ~3).
-    With `decode_norm_parts` off the norm stays whole."""
-    from unittest import mock
-
-    from qerl_jax.models import qwen2
-
-    per_projection, fused = _layer_variables(dtype)
-    layer = DecoderLayer(_LAYER_CONFIG, ForwardOptions(lora_scale=0.5))
-    h, cache, position, step = _decode_inputs(dtype, 1)
+    layer = DecoderLayer(config, ForwardOptions(lora_scale=0.5))
+    slots = 6
+    cache = tuple(normal((1, slots, 2, hd)) for _ in range(2))
+    step = DecodeSlots(write_B=jnp.array([4]), start_B=jnp.array([1]), end_B=jnp.array([5]))
+    h, position = normal((1, 1, d), 3.0), jnp.array([[3]])
     want, _ = layer.apply(per_projection, h, cache, position, None, step)
     with mock.patch.object(qwen2, "rms_norm_parts", wraps=qwen2.rms_norm_parts) as parts:
         got, _ = layer.apply(fused, h, cache, position, None, step)
     assert parts.call_count == 2  # both norms of the layer
     assert got.dtype == want.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)
-    whole_norms = DecoderLayer(_LAYER_CONFIG, ForwardOptions(lora_scale=0.5, decode_norm_parts=False))
+    whole_norms = DecoderLayer(config, ForwardOptions(lora_scale=0.5, decode_norm_parts=False))
     with mock.patch.object(qwen2, "rms_norm_parts", wraps=qwen2.rms_norm_parts) as parts:
         whole, _ = whole_norms.apply(fused, h, cache, position, None, step)
     assert parts.call_count == 0
     np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_decode_kernel_step_equals_the_per_projection_layer(rows):
-    """With `decode_kernel`, a bf16 decode step over the fused weights (o_proj and down_proj as
-    fused calls of one too) runs its four projection groups in the Pallas kernel (interpreted
-    here), norms, adapters, SiLU x up and residuals inside, and gives what the per-projection
-    layer gives within bf16 rounding; its new cache entries too. A float32 layer keeps XLA's path."""
-    from unittest import mock
-
-    from pallas_kernels import decode_linear
-
-    per_projection, fused = _layer_variables(jnp.bfloat16, singles=True)
-    h, cache, position, step = _decode_inputs(jnp.bfloat16, rows)
-    want, want_cache = DecoderLayer(_LAYER_CONFIG, ForwardOptions(lora_scale=0.5)).apply(
-        per_projection, h, cache, position, None, step
-    )
-    kernel_layer = DecoderLayer(_LAYER_CONFIG, ForwardOptions(lora_scale=0.5, decode_kernel=True))
-    with mock.patch.object(decode_linear, "decode_linear", wraps=decode_linear.decode_linear) as calls:
-        got, got_cache = kernel_layer.apply(fused, h, cache, position, None, step)
-    assert [c.kwargs["epilogue"] for c in calls.call_args_list] == ["none", "residual", "silu_mul", "residual"]
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=0.1, rtol=0)
-    assert np.abs(np.asarray(got, np.float32)).max() > 1.0  # not a trivially small output
-    for new, old in zip(got_cache, want_cache, strict=True):
-        np.testing.assert_allclose(np.asarray(new, np.float32), np.asarray(old, np.float32), atol=0.05, rtol=0)
-    _, fused32 = _layer_variables(jnp.float32, singles=True)
-    with mock.patch.object(decode_linear, "decode_linear", wraps=decode_linear.decode_linear) as calls:
-        kernel_layer.apply(fused32, *[jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, x)
-                                      for x in (h, cache)], position, None, step)  # fmt: skip
-    assert calls.call_count == 0

@@ -175,31 +175,6 @@ def test_bf16_nvfp4_logprobs_close_to_full_forward(tiny_qwen2_dir):
     assert err.mean() < 0.02 and err.max() < 0.15, (err.mean(), err.max())
 
 
-def test_decode_kernel_logprobs_close_to_full_forward(tiny_qwen2_dir):
-    """rollout.decode_kernel "on": the decode steps run the fused projection kernel (interpreted on
-    the CPU) over the NVFP4 model's bf16 copies, and the sampled tokens' log-probs stay as close
-    to the full forward as the XLA path's (the same bound as above)."""
-    from unittest import mock
-
-    from pallas_kernels import decode_linear
-
-    path, _ = tiny_qwen2_dir
-    config, params = qerl_jax.load_model(path, dtype="bfloat16", quant="nvfp4")
-    params = {**params, "lora": jax.tree.map(lambda x: x.astype(jnp.bfloat16), random_lora(config))}
-    ids, mask = prompts(config.vocab_size)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, eos_ids=())
-    opts = RolloutOptions(decode_kernel="on")
-    with mock.patch.object(decode_linear, "decode_linear", wraps=decode_linear.decode_linear) as calls:
-        batch = generate(config, params, ids, mask, jax.random.key(2), sampling, lora_scale=0.5, options=opts)
-    epilogues = [c.kwargs["epilogue"] for c in calls.call_args_list]  # as traced: each layer program once
-    assert epilogues and epilogues == ["none", "residual", "silu_mul", "residual"] * (len(epilogues) // 4)
-    recomputed, old, resp = recomputed_logp(config, params, batch, 1.0, 0.5)
-    err = np.abs(old - recomputed)[resp == 1]
-    assert err.mean() < 0.02 and err.max() < 0.15, (err.mean(), err.max())
-    with pytest.raises(ValueError, match="decode_kernel must be one of"):
-        generate(config, params, ids, mask, jax.random.key(2), sampling, options=RolloutOptions(decode_kernel="yes"))
-
-
 def test_nvfp4_sampler_train_log_ratio_is_no_larger_than_bf16s(tiny_qwen2_dir):
     """Sampler vs train forward, mean |log ratio| of the sampled tokens, Pallas backend: the NVFP4
     train forward rounds each projection once (float32 kernel product + bias + LoRA), as the bf16

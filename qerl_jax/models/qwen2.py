@@ -19,7 +19,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
@@ -93,9 +92,6 @@ class ForwardOptions:
     attention: str = "xla"  # full-sequence attention: one of ATTENTION_MODES
     decode_attention: str = "xla"  # `attend_decode_slots` backend of decode steps (`DecodeSlots`): "xla" | "pallas"
     decode_norm_parts: bool = True  # one-row decode steps: norms in parts around fused projections (`rms_norm_parts`)
-    # Decode steps of at most `decode_linear.MAX_ROWS` rows: each dense fused projection group in one
-    # Pallas kernel with its norm, adapter, SiLU x up or residual add (`_kernel_projection`).
-    decode_kernel: bool = False
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -377,10 +373,6 @@ class DecoderLayer(nn.Module):
         one row over fused projections, the norm in parts around the matmul (`rms_norm_parts`)."""
         scale, eps = self.get_variable("norms", norm), self.config.rms_norm_eps
         rows = h_BxTxD.size // h_BxTxD.shape[-1]
-        if decode and self._kernel_fits(names, rows):
-            y = self._kernel_projection(names, h_BxTxD, norm=scale)
-            splits = np.cumsum(self._fused(names, rows).sizes)[:-1].tolist()
-            return jnp.split(y, splits, axis=-1)
         if decode and rows == 1 and self.options.decode_norm_parts and self._fused(names, rows) is not None:
             x, inv_rms = rms_norm_parts(h_BxTxD, scale, eps)
             return self._projs(names, x, row_scale=inv_rms.reshape(rows, 1))
@@ -442,66 +434,10 @@ class DecoderLayer(nn.Module):
     def _rest(self, h_BxTxD: jax.Array, attn_BxTxHxD: jax.Array, decode: bool = False) -> jax.Array:
         """The output projection and residual, then the MLP block (decode: see `_normed_projs`)."""
         b, t, _ = h_BxTxD.shape
-        attn = attn_BxTxHxD.reshape(b, t, -1)
-        rows = b * t
-        if decode and self._kernel_fits(("o_proj",), rows):
-            h_BxTxD = self._kernel_projection(("o_proj",), attn, epilogue="residual", residual=h_BxTxD)
-        else:
-            h_BxTxD = h_BxTxD + self._proj("o_proj", attn)
-        if decode and self._kernel_fits(FUSED_GROUPS[1], rows):
-            scale = self.get_variable("norms", "post_attention_layernorm")
-            gated = self._kernel_projection(FUSED_GROUPS[1], h_BxTxD, norm=scale, epilogue="silu_mul")
-        else:
-            gate, up = self._normed_projs(FUSED_GROUPS[1], h_BxTxD, "post_attention_layernorm", decode)
-            gated = jax.nn.silu(gate) * up
-        if decode and self._kernel_fits(("down_proj",), rows):
-            return self._kernel_projection(("down_proj",), gated, epilogue="residual", residual=h_BxTxD)
+        h_BxTxD = h_BxTxD + self._proj("o_proj", attn_BxTxHxD.reshape(b, t, -1))
+        gate, up = self._normed_projs(FUSED_GROUPS[1], h_BxTxD, "post_attention_layernorm", decode)
+        gated = jax.nn.silu(gate) * up
         return h_BxTxD + self._proj("down_proj", gated)
-
-    def _kernel_fits(self, names: tuple[str, ...], rows: int) -> bool:
-        """Whether `_kernel_projection` serves the projections `names` at `rows` rows: the option is
-        on, the rows fit one kernel tile, and the base holds them as one dense bf16 `Fused` weight of
-        at most `decode_linear.MAX_WEIGHT_BYTES`, whose adapters (if any) are stacked with their A
-        below its rows and whose biases are concatenated."""
-        from pallas_kernels.decode_linear import MAX_ROWS, MAX_WEIGHT_BYTES
-
-        if not self.options.decode_kernel or rows > MAX_ROWS:
-            return False
-        fused = self._fused(names, rows)
-        if fused is None or not isinstance(fused.w, jax.Array) or fused.w.ndim != 2 or fused.w.dtype != jnp.bfloat16:
-            return False
-        if fused.w.size * fused.w.dtype.itemsize > MAX_WEIGHT_BYTES:  # streamed faster by XLA's GEMMs
-            return False
-        lora = self._lora(fused_name(names))
-        if (lora["b"].shape[1] if lora is not None else 0) != fused.lora_rows:
-            return False
-        has_bias = any("b" in self.get_variable("base", n) for n in names)
-        return not has_bias or "b" in self.get_variable("base", fused_name(names))
-
-    def _kernel_projection(
-        self, names: tuple[str, ...], x_BxTxK: jax.Array, *, norm=None, epilogue="none", residual=None
-    ) -> jax.Array:
-        """The fused projections `names` of x in one `decode_linear` kernel (see `_kernel_fits`):
-        with norm, of rms_norm(x) in two parts (`rms_norm_parts`); the epilogue's result
-        [B, T, N'] in x's dtype."""
-        from pallas_kernels.decode_linear import decode_linear
-
-        b, t, k = x_BxTxK.shape
-        fused = self._fused(names, b * t)
-        lora = self._lora(fused_name(names))
-        y = decode_linear(
-            x_BxTxK.reshape(b * t, k),
-            fused.w,
-            n=sum(fused.sizes),
-            lora_b_NxR=None if lora is None else lora["b"],
-            lora_scale=self.options.lora_scale,
-            bias_N=self.get_variable("base", fused_name(names)).get("b"),
-            norm_K=norm,
-            eps=self.config.rms_norm_eps,
-            epilogue=epilogue,
-            residual_MxN=None if residual is None else residual.reshape(b * t, -1),
-        )
-        return y.reshape(b, t, -1).astype(x_BxTxK.dtype)
 
 
 def _decode_step_attention(q_Bx1xHxD, k_Bx1xKxD, v_Bx1xKxD, cache_kv, slots: DecodeSlots, backend: str):

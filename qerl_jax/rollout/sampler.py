@@ -99,11 +99,6 @@ class RolloutOptions:
     norm_parts: in a decode step of one row, each RMSNorm before fused projections in two parts
       around their matmul (`qwen2.rms_norm_parts`: 2 kernel launches a layer fewer, the same
       values but for one bf16 rounding); False keeps the norm whole, as the other programs do.
-    decode_kernel: "auto" | "on" | "off" (DECODE_KERNEL_MODES): in decode steps of at most
-      `pallas_kernels.decode_linear.MAX_ROWS` rows, each dense fused projection group (the bf16
-      copies) runs as one Pallas kernel with its RMSNorm, adapter, SiLU x up or residual add
-      (`qwen2.ForwardOptions.decode_kernel`): about half the kernels of such a step. "auto": on a
-      GPU with backend "pallas"; "on" also elsewhere (the Pallas interpreter on a CPU: tests).
     """
 
     backend: str = "xla"
@@ -118,7 +113,6 @@ class RolloutOptions:
     min_prompt_len: int = 0
     fp8_matmul: str = "off"
     norm_parts: bool = True
-    decode_kernel: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,18 +281,6 @@ def plan_rollout(
             )
         )
     return chosen
-
-
-DECODE_KERNEL_MODES = ("auto", "on", "off")
-
-
-def decode_kernel_on(options: RolloutOptions) -> bool:
-    """Whether the call's decode steps use the fused projection kernel (`RolloutOptions.decode_kernel`)."""
-    if options.decode_kernel not in DECODE_KERNEL_MODES:
-        raise ValueError(f"decode_kernel must be one of {DECODE_KERNEL_MODES}; got {options.decode_kernel!r}")
-    if options.decode_kernel == "auto":
-        return options.backend == "pallas" and jax.default_backend() == "gpu"
-    return options.decode_kernel == "on"
 
 
 def fp8_min_rows(options: RolloutOptions, params: dict[str, Any]) -> int | None:
@@ -611,7 +593,6 @@ def _prepare_call(
             backend=options.backend,
             decode_attention=attention,
             decode_norm_parts=options.norm_parts,
-            decode_kernel=decode_kernel_on(options),
         ),
         new_slots=scheduler.new_tokens_bucket(sampling.max_new_tokens),
         cache_dtype=jnp.dtype(options.cache_dtype).name,

@@ -227,10 +227,6 @@ def _fuse_dense_groups(layers: list[dict[str, Any]], groups: tuple[tuple[str, ..
                 small = kernel.small if isinstance(kernel, ByRows) else kernel
                 w = ByRows(small, w, max_rows=kernel.max_rows)
             base.setdefault(name, {})["w"] = w
-            biases = [base[n].get("b") for n in group]
-            if len(group) > 1 and any(b is not None for b in biases):  # one bias for the decode kernel
-                zeros = [jnp.zeros((size,), jnp.float32) for size in sizes[group]]
-                base[name]["b"] = _concat_jit(tuple((z if b is None else b) for b, z in zip(biases, zeros)))
 
 
 def _dense_part(w: Any) -> jax.Array | None:
