@@ -61,7 +61,8 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
     one's sequences (re-prefilled over the span their tokens need, in rows other sequences held) under
     the same weights and key: the tokens of one uninterrupted call, their log-probs to float32 rounding;
     the finished ones reported to the monitor at once. The re-admission programs (one per span) are
-    compiled ahead with the others, never inside the decode loop."""
+    compiled ahead with the others, all of them in the first call (which carries nothing), never
+    inside the decode loop."""
     config, params, _ = f32_model
     ids, mask = prompts(config.vocab_size, pads=(0, 3, 5, 1))
     key = jax.random.key(7)
@@ -111,6 +112,8 @@ def test_paused_and_resumed_calls_draw_what_one_call_draws(f32_model, monkeypatc
         if calls == 0:
             never = (lengths == 0) & ~np.isin(np.arange(12), paused.seqs_K)
             assert never.any(), "the first call must leave sequences it never admitted"
+            # the first call carried nothing, yet compiled the re-admission of every span ahead
+            assert resume_traced == {"ahead": len(spans), "in_loop": 0}, resume_traced
         partial, calls = _next_partial(batch, paused), calls + 1
         assert calls < 12
     jax.monitoring.unregister_event_duration_listener(record)

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+import pytest
+
 from qerl_jax.rollout import prompt_bucket, rows_bucket, scheduler
 
 
@@ -60,3 +62,10 @@ def test_resume_span_is_a_power_of_two_holding_the_tokens_within_the_buffer():
         64, 64, 64, 64, 128, 512, 2048, 2048,
     ]  # fmt: skip
     assert scheduler.resume_span(100, 128) == 128 and scheduler.resume_span(700, 640) == 640  # never past the buffer
+
+
+@pytest.mark.parametrize("new_slots", [2048, 640, 64, 40])
+def test_resume_spans_are_every_span_a_resumption_can_take(new_slots):
+    spans = scheduler.resume_spans(new_slots)
+    assert spans == tuple(sorted({scheduler.resume_span(n, new_slots) for n in range(new_slots + 1)}))
+    assert {2048: (64, 128, 256, 512, 1024, 2048), 640: (64, 128, 256, 512, 640), 64: (64,), 40: (40,)}[new_slots] == spans

@@ -732,12 +732,12 @@ def _precompile(
     cache then serves the calls. Programs compiled before (an earlier call, or the persistent
     compilation cache) come back at once. placement: the sharding of the call's cache, rows and
     key, as the calls will pass them. admit_smaller: admissions into the compacted buckets too (a
-    monitor may let sequences in after a compaction). partial: the sequences the call carries (partial
-    rollouts): the re-admission of its unfinished ones (`programs.resume`, into the first bucket, where
-    they go first)."""
+    monitor may let sequences in after a compaction). partial: given (a partial rollout's call, even
+    one carrying nothing), the programs that re-admit carried sequences (`programs.resume`, into the
+    first bucket, where they go first) for every span, those of later calls too (`_resume_specs`)."""
     jobs = _program_specs(call, run_params, plan, key, placement, host_inputs_placed, admit_smaller)
     if partial is not None:
-        jobs += _resume_specs(call, run_params, plan, placement, host_inputs_placed, partial)
+        jobs += _resume_specs(call, run_params, plan, placement, host_inputs_placed)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
         # Tracing and lowering hold the GIL (serial, here); each program compiles, or loads from
         # the persistent cache, as soon as it is lowered, while the next ones are traced.
@@ -782,16 +782,18 @@ def _state_specs(call: _Call, rows: int, placement) -> tuple:
     return jax.tree.map(in_cache, cache), jax.tree.map(placed, state)
 
 
-def _resume_specs(call: _Call, run_params, plan: RolloutPlan, placement, host_inputs_placed, partial: Partial) -> list:
-    """(programs.resume, argument specs) of each program `_resume_rows` runs for `partial`'s unfinished
-    sequences, into the first bucket: one per span its chunks take (a subset's chunks take no other)."""
+def _resume_specs(call: _Call, run_params, plan: RolloutPlan, placement, host_inputs_placed) -> list:
+    """(programs.resume, argument specs) of each program `_resume_rows` may run into the first bucket:
+    one per span (`scheduler.resume_spans`), whatever this call carries. A call of a partial rollout
+    compiles them all, its first one too: compiled as spans first occurred, each later call with a new
+    span spent that compile (~8 s for the 1.5B on an H200) inside the step's rollout, alone (6 times
+    in a run's first 13 steps, 2026-11-29)."""
     static, m = call.static, call.static.new_slots
     host = placement if host_inputs_placed else None
     spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
     state = _state_specs(call, plan.rows, placement)
-    lengths = np.asarray(partial.lengths_K)[~np.asarray(partial.finished_K, bool)]
     jobs = []
-    for span in sorted({_resume_span(call, n) for n in lengths}):
+    for span in scheduler.resume_spans(m):
         k = _resume_rows_per_call(call, plan, span)
         resumption = (
             spec(k, call.prompt_slots), spec(k, call.prompt_slots), spec(k, span), spec(k, m),

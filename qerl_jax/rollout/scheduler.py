@@ -58,6 +58,11 @@ def resume_span(n: int, new_slots: int) -> int:
     return min(new_slots, max(MIN_RESUME_SPAN, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
+def resume_spans(new_slots: int) -> tuple[int, ...]:
+    """Every span `resume_span` gives for a response buffer of new_slots slots, shortest first."""
+    return tuple(sorted({resume_span(1 << i, new_slots) for i in range(max(1, new_slots).bit_length() + 1)}))
+
+
 def rows_bucket(n: int) -> int:
     """Padded batch size: a power of two up to 8, then a multiple of 8."""
     return 1 << math.ceil(math.log2(n)) if n <= 8 else -(-n // 8) * 8
