@@ -1,7 +1,6 @@
 """rollout/scheduler.py: the queue, refill and compaction of the engine's rows, and its buckets."""
 
 import numpy as np
-
 import pytest
 
 from qerl_jax.rollout import prompt_bucket, rows_bucket, scheduler

@@ -784,10 +784,8 @@ def _state_specs(call: _Call, rows: int, placement) -> tuple:
 
 def _resume_specs(call: _Call, run_params, plan: RolloutPlan, placement, host_inputs_placed) -> list:
     """(programs.resume, argument specs) of each program `_resume_rows` may run into the first bucket:
-    one per span (`scheduler.resume_spans`), whatever this call carries. A call of a partial rollout
-    compiles them all, its first one too: compiled as spans first occurred, each later call with a new
-    span spent that compile (~8 s for the 1.5B on an H200) inside the step's rollout, alone (6 times
-    in a run's first 13 steps, 2026-11-29)."""
+    one per span (`scheduler.resume_spans`), whatever this call carries: compiled only as spans first
+    occurred, each new span's compile (~8 s for the 1.5B on an H200) ran alone inside a later step's rollout."""
     static, m = call.static, call.static.new_slots
     host = placement if host_inputs_placed else None
     spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=host)  # noqa: E731
