@@ -124,6 +124,10 @@ def test_inverse_cdf_at_the_ends_of_the_unit_interval_draws_only_tokens_with_mas
     r = np.concatenate([rng.random((60, 2)), [[0, 0], [1, 1], [1 - 2**-24, 1 - 2**-24], [0.5, 1]]]).astype(np.float32)
     got = np.asarray(inverse_cdf(jnp.asarray(r), jnp.asarray(x))[0])
     assert np.isfinite(x[np.arange(64), got]).all()
+    # a row of NaN logits (a numerical blow-up) still gets a token id in range
+    x[0] = np.nan
+    got = np.asarray(inverse_cdf(jnp.asarray(r), jnp.asarray(x))[0])
+    assert got[0] == 0 and np.isfinite(x[np.arange(1, 64), got[1:]]).all()
 
 
 def test_sampler_is_not_uniform_when_it_should_not_be():

@@ -163,12 +163,13 @@ def inverse_cdf(r_Bx2: jax.Array, x_BxV: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def _first_above(r_B: jax.Array, mass_BxN: jax.Array) -> jax.Array:
     """int32 [B]: the first index with mass whose cumulative mass exceeds r * the row's total; the
-    last index with mass where rounding leaves none. One max-reduction: an index j above scores
-    2N - j (> any other score), one with mass only scores j, one without mass -1."""
+    last index with mass where rounding leaves none; 0 in a row without mass (NaN logits), so a
+    token id stays in range. One max-reduction: an index j above scores 2N - j (> any other score),
+    one with mass only scores j, one without mass 0."""
     n = mass_BxN.shape[-1]
     cum_BxN = jnp.cumsum(mass_BxN, axis=-1)
     has_BxN = mass_BxN > 0
     above_BxN = (cum_BxN > (r_B * cum_BxN[:, -1])[:, None]) & has_BxN
     index_N = jnp.arange(n, dtype=jnp.int32)
-    best_B = jnp.max(jnp.where(above_BxN, 2 * n - index_N, jnp.where(has_BxN, index_N, -1)), axis=-1)
+    best_B = jnp.max(jnp.where(above_BxN, 2 * n - index_N, jnp.where(has_BxN, index_N, 0)), axis=-1)
     return jnp.where(best_B >= n, 2 * n - best_B, best_B)
