@@ -9,7 +9,6 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from qerl_jax.rollout import SamplingConfig, processed_logits, sample, top_k_filter, top_p_filter
-from qerl_jax.rollout.sampling import CDF_BLOCK, inverse_cdf
 
 
 def _hf_process(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -88,46 +87,6 @@ def test_empirical_distribution_matches_chi_square(temperature, top_k, top_p):
     # Log-probs are those of the untruncated tempered distribution.
     full = logits / temperature - np.log(np.sum(np.exp(logits / temperature)))
     np.testing.assert_allclose(logp, full[tokens], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("top_k", [0, 7])
-def test_distribution_over_several_cdf_blocks_matches_chi_square(top_k):
-    """A vocabulary of 2.5 blocks (the last padded) whose mass sits on tokens at and around the
-    block edges, the rest excluded (-inf): the draws follow softmax, no excluded token is drawn."""
-    v = 2 * CDF_BLOCK + CDF_BLOCK // 2
-    where = np.array([0, 5, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 1, 2 * CDF_BLOCK - 1, 2 * CDF_BLOCK, v - 1])
-    logits = np.full((v,), -np.inf, np.float32)
-    logits[where] = np.array([0.3, -1.2, 1.0, 0.1, -0.4, 0.8, -2.0, 0.6], np.float32)
-    expected = _numpy_distribution(logits[where], 1.0, top_k, 1.0)
-    n = 40_000
-    tokens, logp = _draw(logits, SamplingConfig(top_k=top_k), n)
-    assert np.isin(tokens, where).all()
-    counts = np.array([(tokens == w).sum() for w in where])
-    support = expected > 0
-    assert counts[~support].sum() == 0
-    assert scipy.stats.chisquare(counts[support], n * expected[support]).pvalue > 1e-3
-    full = logits[where] - np.log(np.sum(np.exp(logits[where])))
-    np.testing.assert_allclose(logp, full[np.searchsorted(where, tokens)], rtol=1e-5, atol=1e-6)
-
-
-def test_inverse_cdf_at_the_ends_of_the_unit_interval_draws_only_tokens_with_mass():
-    """r = 0 gives the first token with mass, r = 1 (above any float sum: the rounding case) the
-    last; a row's excluded tokens and blocks (leading, trailing, the padding) are never drawn."""
-    v = 3 * CDF_BLOCK + 10
-    x = np.full((4, v), -np.inf, np.float32)
-    x[:, [CDF_BLOCK + 3, CDF_BLOCK + 4, 2 * CDF_BLOCK + 7]] = [0.5, -0.5, 1.0]
-    r = np.array([[0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0]], np.float32)
-    got = np.asarray(inverse_cdf(jnp.asarray(r), jnp.asarray(x))[0])
-    np.testing.assert_array_equal(got, [CDF_BLOCK + 3, 2 * CDF_BLOCK + 7, CDF_BLOCK + 4, 2 * CDF_BLOCK + 7])
-    rng = np.random.default_rng(0)
-    x = np.where(rng.random((64, v)) < 0.98, -np.inf, rng.standard_normal((64, v)) * 8).astype(np.float32)
-    r = np.concatenate([rng.random((60, 2)), [[0, 0], [1, 1], [1 - 2**-24, 1 - 2**-24], [0.5, 1]]]).astype(np.float32)
-    got = np.asarray(inverse_cdf(jnp.asarray(r), jnp.asarray(x))[0])
-    assert np.isfinite(x[np.arange(64), got]).all()
-    # a row of NaN logits (a numerical blow-up) still gets a token id in range
-    x[0] = np.nan
-    got = np.asarray(inverse_cdf(jnp.asarray(r), jnp.asarray(x))[0])
-    assert got[0] == 0 and np.isfinite(x[np.arange(1, 64), got[1:]]).all()
 
 
 def test_sampler_is_not_uniform_when_it_should_not_be():
