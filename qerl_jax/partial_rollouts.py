@@ -123,6 +123,13 @@ class PartialTracker:
         self.each_RxN: np.ndarray | None = None
         self._pending: list = []
 
+    def planned_seqs(self) -> int:
+        """The sequences the call's rows are planned for: those of the groups in flight, rounded as the
+        on-policy step plans them (`dynamic_sampling.round_to_plan`). The groups in flight move with the
+        keep rate by one or two (59, 62, 63, 64 for 32 wanted), and each new row count compiled the
+        call's programs again inside a step."""
+        return dynamic_sampling.round_to_plan(self.limit, self.want) * self.g
+
     def finished(self, seqs_K: np.ndarray, tokens_KxM: np.ndarray, lengths_K: np.ndarray) -> None:
         self.finished_N[seqs_K] = True
         self._pending.append((np.asarray(seqs_K), self._submit(seqs_K, tokens_KxM, lengths_K)))
@@ -209,7 +216,7 @@ def collect_partial(
     }  # fmt: skip
     t0 = time.perf_counter()
     carried_in = {d: _partial_of([carry[i] for i in mine[d]], g, cfg.rollout.max_new_tokens) for d in local}
-    parts = {d: RolloutPart(monitor=t, expected_seqs=t.limit * g, partial=carried_in[d]) for d, t in trackers.items()}
+    parts = {d: RolloutPart(monitor=t, expected_seqs=t.planned_seqs(), partial=carried_in[d]) for d, t in trackers.items()}
     batch, paused = experience.rollout_call(cfg, policy, rollout_params, prompts, key, mesh, order, parts,
                                             max_batch=max_batch)  # fmt: skip
     t_rollout, t0 = time.perf_counter() - t0, time.perf_counter()

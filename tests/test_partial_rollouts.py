@@ -289,6 +289,23 @@ def test_the_partial_tracker_keeps_at_most_twice_its_share_in_flight_beside_the_
     assert tracker(started=1, dynamic=False).bounds(False) == (6, 40)  # 1.5 x 2
 
 
+def test_a_partial_call_plans_its_rows_for_few_shapes_as_the_keep_rate_moves():
+    """The rows are planned for the groups in flight rounded up to a multiple of want / 2: at the keep
+    rates of a real run T is 59, 62, 63 or 64 groups of 8 for 32 wanted, all planned as 512 rows (each
+    distinct row count compiles the call's programs)."""
+    planned = set()
+    for keep_rate in (1.0, 0.95, 0.92, 0.8, 0.6):
+        in_flight = partial_rollouts.in_flight(32, keep_rate, dynamic=True)
+        t = partial_rollouts.PartialTracker(100, 8, 32, None, dynamic=True, keep_rate=keep_rate, in_flight=in_flight,
+                                            started=0, must_G=np.zeros((100,), bool))  # fmt: skip
+        planned.add(t.planned_seqs())
+    assert {partial_rollouts.in_flight(32, k, dynamic=True) for k in (1.0, 0.95, 0.92, 0.8)} == {59, 62, 63, 64}
+    assert planned == {512}
+    t = partial_rollouts.PartialTracker(40, 8, 32, None, dynamic=False, keep_rate=1.0, in_flight=33, started=0,
+                                        must_G=np.zeros((40,), bool))  # fmt: skip
+    assert t.planned_seqs() == 48 * 8  # 33 rounded up to a multiple of 16
+
+
 def test_partial_steps_with_dynamic_sampling_keep_only_varied_complete_groups(tmp_path, tiny_model_dir, monkeypatch):
     """K = 2 with DAPO's dynamic sampling: each step keeps 4 complete groups with varied rewards, carries
     no complete group of equal rewards, no group longer than K steps, and no more started groups than
