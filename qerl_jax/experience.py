@@ -340,7 +340,8 @@ def kept_experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampl
     step's rollout `batch` and its scores; sampled: how many groups the step sampled."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
     raw = scorer.weights @ each_RxN[:, rows]
-    selected = rollout_batch.select_rows(batch, rows)
+    # Selected on the host: a gather on the device compiles for each new row count of the call.
+    selected = jax.device_put(rollout_batch.select_rows(jax.device_get(batch), rows))
     return Experience(
         rollout=selected,
         answers=[step.answers[r // g] for r in rows],

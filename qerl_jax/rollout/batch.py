@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -60,16 +61,15 @@ def select_rows(batch: RolloutBatch, rows) -> RolloutBatch:
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
-    """The rows of several rollouts, in order: prompts left-padded to the widest, `steps` joined."""
-    if len(batches) == 1:
-        return batches[0]
+    """The rows of several rollouts, in order, on the host (numpy fields: joining device arrays compiles
+    programs for every new row count): prompts left-padded to the widest, `steps` joined."""
     width = max(b.prompt_ids.shape[1] for b in batches)
 
-    def join(field: str) -> jax.Array:
-        parts = [getattr(b, field) for b in batches]
+    def join(field: str) -> np.ndarray:
+        parts = [np.asarray(getattr(b, field)) for b in batches]
         if field in ("prompt_ids", "prompt_mask"):  # prompts are left-padded
-            parts = [jnp.pad(x, ((0, 0), (width - x.shape[1], 0))) for x in parts]
-        return jnp.concatenate(parts)
+            parts = [np.pad(x, ((0, 0), (width - x.shape[1], 0))) for x in parts]
+        return np.concatenate(parts)
 
     return batches[0].replace(**{f: join(f) for f in (*PER_ROW, "steps")})
 

@@ -689,17 +689,19 @@ def _rollout_batch(call: _Call, out: _Outputs, segments: list[int]) -> RolloutBa
     """The call's `RolloutBatch`: each sequence's prompt beside its harvested response."""
     prompt_index = np.arange(call.total, dtype=np.int32) // call.group_size
     response_mask = (np.arange(call.max_new)[None, :] < out.lengths[:, None]).astype(np.int32)
+    # device_put, not jnp.asarray: that compiles a program for each new shape, and a call's row count
+    # changes from step to step.
     return RolloutBatch(
-        prompt_ids=jnp.asarray(call.ids_np[prompt_index]),
-        prompt_mask=jnp.asarray(call.mask_np[prompt_index]),
-        tokens=jnp.asarray(out.tokens),
-        logprobs=jnp.asarray(out.logprobs),
-        response_mask=jnp.asarray(response_mask),
-        lengths=jnp.asarray(out.lengths),
-        decoded=jnp.asarray(out.decoded),
-        truncated=jnp.asarray(~out.stopped),
-        prompt_index=jnp.asarray(prompt_index),
-        steps=jnp.asarray(np.asarray([s + 1 for s in segments], np.int32)),
+        prompt_ids=jax.device_put(call.ids_np[prompt_index]),
+        prompt_mask=jax.device_put(call.mask_np[prompt_index]),
+        tokens=jax.device_put(out.tokens),
+        logprobs=jax.device_put(out.logprobs),
+        response_mask=jax.device_put(response_mask),
+        lengths=jax.device_put(out.lengths),
+        decoded=jax.device_put(out.decoded),
+        truncated=jax.device_put(~out.stopped),
+        prompt_index=jax.device_put(prompt_index),
+        steps=jax.device_put(np.asarray([s + 1 for s in segments], np.int32)),
         group_size=call.group_size,
     )
 
