@@ -19,6 +19,15 @@ import jax
 import jax.numpy as jnp
 
 
+# Tokens of a vocabulary of more than one block of this many are drawn by inverse transform over
+# the blocks (`inverse_cdf`): two random numbers a row, where the Gumbel-max trick
+# (`jax.random.categorical`) draws one per vocabulary entry, threefry over [rows, 152k] at every
+# decode step (0.93x a 256-row 1.5B step; benchmarks/KERNEL_NOTES.md, sampling). A vocabulary of
+# one block (the tiny test models') keeps the Gumbel-max draw, which costs nothing there: the
+# tiny models' learning tests hold on few seeds with either draw, and keep their streams.
+CDF_BLOCK = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are drawn; hashable, so it is a static argument of the jitted rollout.
@@ -109,7 +118,9 @@ def processed_logits(logits_BxV: jax.Array, sampling: SamplingConfig) -> jax.Arr
 
 
 def sample(keys_B: jax.Array, logits_BxV: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row, each row with its own PRNG key.
+    """Draws one token per row, each row with its own PRNG key: over more than CDF_BLOCK tokens two
+    uniforms a row (`inverse_cdf`), else the Gumbel-max trick (`jax.random.categorical`); greedy
+    takes the argmax.
 
     Args:
       keys_B: [B] PRNG keys (typed or raw uint32 [B, 2]).
@@ -119,11 +130,55 @@ def sample(keys_B: jax.Array, logits_BxV: jax.Array, sampling: SamplingConfig) -
       before top-k/top-p truncation; see the module docstring).
     """
     logits_BxV = logits_BxV.astype(jnp.float32)
-    logp_BxV = jax.nn.log_softmax(logits_BxV / sampling.logp_temperature, axis=-1)
-    if sampling.is_greedy:
-        tokens_B = jnp.argmax(logits_BxV, axis=-1)
-    else:
-        filtered_BxV = processed_logits(logits_BxV, sampling)
-        tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV)
-    tokens_B = tokens_B.astype(jnp.int32)
-    return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    if sampling.is_greedy or logits_BxV.shape[-1] <= CDF_BLOCK:
+        logp_BxV = jax.nn.log_softmax(logits_BxV / sampling.logp_temperature, axis=-1)
+        if sampling.is_greedy:
+            tokens_B = jnp.argmax(logits_BxV, axis=-1)
+        else:
+            tokens_B = jax.vmap(jax.random.categorical)(keys_B, processed_logits(logits_BxV, sampling))
+        tokens_B = tokens_B.astype(jnp.int32)
+        return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    z_BxV = logits_BxV / sampling.logp_temperature
+    r_Bx2 = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys_B)
+    unfiltered = sampling.top_k == 0 and sampling.top_p >= 1.0
+    tokens_B, log_total_B = inverse_cdf(r_Bx2, z_BxV if unfiltered else processed_logits(logits_BxV, sampling))
+    # log_softmax(z) of the drawn token only, in its terms (no [B, V] array); the mass of filtered
+    # logits is not z's
+    m_B = jnp.max(z_BxV, axis=-1)
+    if not unfiltered:
+        log_total_B = jnp.log(jnp.sum(jnp.exp(z_BxV - m_B[:, None]), axis=-1))
+    z_B = jnp.take_along_axis(z_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, (z_B - m_B) - log_total_B
+
+
+def inverse_cdf(r_Bx2: jax.Array, x_BxV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(int32 [B] tokens, float32 [B] log of sum(exp(x - max x))): per row a token drawn from
+    softmax(x) (float32 x, -inf for excluded tokens, at least one finite a row) by inverse transform
+    in two stages, with r's two numbers in [0, 1]: a block of CDF_BLOCK tokens with probability its
+    mass (r[0]), then a token of the block with probability its share of the block's mass (r[1]).
+    Each stage takes the first index whose cumulative mass exceeds r times the total, among those
+    with mass; where float rounding leaves none, the last with mass. So a token of zero mass is
+    never drawn."""
+    b, v = x_BxV.shape
+    blocks = -(-v // CDF_BLOCK)
+    e_BxV = jnp.exp(x_BxV - jnp.max(x_BxV, axis=-1, keepdims=True))
+    e_BxNxC = jnp.pad(e_BxV, ((0, 0), (0, blocks * CDF_BLOCK - v))).reshape(b, blocks, CDF_BLOCK)
+    mass_BxN = jnp.sum(e_BxNxC, axis=-1)
+    block_B = _first_above(r_Bx2[:, 0], mass_BxN)
+    e_BxC = jnp.take_along_axis(e_BxNxC, block_B[:, None, None], axis=1)[:, 0]
+    token_B = (block_B * CDF_BLOCK + _first_above(r_Bx2[:, 1], e_BxC)).astype(jnp.int32)
+    return token_B, jnp.log(jnp.sum(mass_BxN, axis=-1))
+
+
+def _first_above(r_B: jax.Array, mass_BxN: jax.Array) -> jax.Array:
+    """int32 [B]: the first index with mass whose cumulative mass exceeds r * the row's total; the
+    last index with mass where rounding leaves none; 0 in a row without mass (NaN logits), so a
+    token id stays in range. One max-reduction: an index j above scores 2N - j (> any other score),
+    one with mass only scores j, one without mass 0."""
+    n = mass_BxN.shape[-1]
+    cum_BxN = jnp.cumsum(mass_BxN, axis=-1)
+    has_BxN = mass_BxN > 0
+    above_BxN = (cum_BxN > (r_B * cum_BxN[:, -1])[:, None]) & has_BxN
+    index_N = jnp.arange(n, dtype=jnp.int32)
+    best_B = jnp.max(jnp.where(above_BxN, 2 * n - index_N, jnp.where(has_BxN, index_N, 0)), axis=-1)
+    return jnp.where(best_B >= n, 2 * n - best_B, best_B)
