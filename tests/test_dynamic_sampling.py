@@ -52,6 +52,7 @@ def test_tracker_paces_admissions_by_the_keep_rate():
     tracker = ds.GroupTracker(10, G, want=2, submit=scorer, keep_rate=0.5)
     assert ds.groups_to_admit(2, 0.5) == 5  # 2 wanted / 0.5 -> 4 groups, x1.2 margin
     assert ds.groups_to_plan(32, 0.78) == 64 and ds.groups_to_plan(32, 1.0) == 48  # multiples of 16
+    assert ds.groups_to_plan(32, 0.59) == ds.groups_to_plan(32, 0.05) == 64  # at most 2 x want: 65+ admit later
     assert [ds.round_to_plan(n, 32) for n in (1, 16, 17, 59, 64, 65)] == [16, 16, 32, 64, 64, 80]
     assert ds.round_to_plan(3, 1) == 3  # want 1: every count
     assert tracker.bounds(wait=False) == (5 * G, 10 * G)
