@@ -203,6 +203,24 @@ def test_render_prompt(tok):
         pr.render_prompt(tok, "Q", template="no placeholder")
 
 
+def test_prompts_rendered_around_a_probe_equal_each_rendered_alone(tok):
+    problems = ["What is {x}?", "  padded  ", "line one\nline two", "<b>&amp;</b> 'quoted' \"x\"", ""]
+    for template, system in ((pr.DEFAULT_USER_TEMPLATE, pr.DEFAULT_SYSTEM_PROMPT), (None, None)):
+        alone = [pr.render_prompt(tok, p, template=template, system_prompt=system) for p in problems]
+        assert pr._render(tok, problems, template, system) == alone
+
+
+def test_a_template_that_changes_the_problem_renders_each_one():
+    class Trimming:  # a chat template that strips the user's content: the probe is not kept verbatim
+        chat_template = "strip"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(f"<{m['role']}>{m['content'].strip()}</{m['role']}>" for m in messages) + "<assistant>"
+
+    problems = ["  a  ", "b\n"]
+    assert pr._render(Trimming(), problems, None, None) == ["<user>a</user><assistant>", "<user>b</user><assistant>"]
+
+
 def test_tokenize_prompts_left_pads_and_drops(tok):
     prompts = ["Short one.", "A much longer problem statement " * 8, "Mid length question?"]
     ref = [
