@@ -59,7 +59,7 @@ def test_a_fast_equal_partial_arm_meets_every_rule(tmp_path):
     assert out["speed"]["per_seed"][0]["steps"] == 39
     assert out["speed"]["step_ratio"] == pytest.approx(5.0 / 8.0)
     assert out["speed"]["rollout_ratio"] == pytest.approx(2.6 / 5.1)
-    assert out["speed"]["verdict"] == "met"
+    assert out["speed"]["verdict"] == "met" and out["protocol"].endswith("rules v1")
     # rule 2: the paired difference over steps 10-39, per seed, then over seeds
     b0, a0 = (_rewards(tmp_path / f"{arm}0/tensorboard/scalars.jsonl") for arm in "ba")
     assert out["reward"]["per_seed"][0]["value"] == pytest.approx(np.mean(np.subtract(b0, a0)[10:40]))
@@ -73,7 +73,8 @@ def test_a_fast_equal_partial_arm_meets_every_rule(tmp_path):
 
 def test_a_slow_worse_partial_arm_misses_them(tmp_path):
     finals = {"a": (0.60, 0.62), "b": (0.58, 0.60)}
-    out = summarize.main(_args(tmp_path, lambda t: 0.3 + 0.004 * t, 6.0, 2.5, finals))
+    out = summarize.main([*_args(tmp_path, lambda t: 0.3 + 0.004 * t, 6.0, 2.5, finals), "--rules", "v2"])
+    assert out["protocol"].endswith("rules v2")  # K = 2 judged by the same rules
     assert out["speed"]["verdict"] == "missed"  # the step 0.75x: over 0.70
     assert out["reward"]["verdict"] == "not supported"  # 0.1 lower throughout: past the 0.03 margin
     assert out["accuracy"]["verdict"] == "missed"  # 2 points lower
@@ -85,6 +86,7 @@ def test_a_slow_worse_partial_arm_misses_them(tmp_path):
         (["--run", "c", "0", "/nowhere"], "ARM must be a (on-policy) or b"),
         (["--run", "a", "x", "/nowhere"], "SEED a number; got 'a' 'x'"),
         (["--run", "a", "0", "/nowhere"], "/nowhere/tensorboard/scalars.jsonl does not exist"),
+        (["--rules", "v3"], "--rules must be one of v1, v2; got 'v3'"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(capsys, args, expected):

@@ -1,6 +1,7 @@
-"""The verdicts of PROTOCOL.md (rules v1): partial rollouts (arm b, K = 1) against the on-policy step (arm a).
+"""The verdicts of PROTOCOL.md: partial rollouts (arm b: K = 1 in rules v1, K = 2 with the decoupled
+objective in rules v2, the same rules) against the on-policy step (arm a).
 
-    python -m experiments.partial_rollouts.summarize --run a 0 RUN_A0 --run b 0 RUN_B0 \\
+    python -m experiments.partial_rollouts.summarize [--rules v2] --run a 0 RUN_A0 --run b 0 RUN_B0 \\
         --run a 1 RUN_A1 --run b 1 RUN_B1 --out summary.json
 
 RUN is a run's workdir: its `tensorboard/scalars.jsonl` gives the per-step metrics. Its final greedy
@@ -24,7 +25,8 @@ from experiments.paired_runs import (
     write_summary,
 )
 
-PROTOCOL = "experiments/partial_rollouts/PROTOCOL.md, rules v1"
+PROTOCOL = "experiments/partial_rollouts/PROTOCOL.md, rules {}"
+RULES = ("v1", "v2")  # v2 judges arm b = K = 2 with rl.old_logp_source=proximal by v1's rules
 SPEED_STEPS = (1, 39)  # rule 1: step 0 holds the first compilation
 CURVE_STEPS = (10, 39)  # rule 2: after arm b's off-policy share settles
 STEP_TARGET, ROLLOUT_TARGET = 0.70, 0.60
@@ -60,7 +62,9 @@ def _speed_verdict(per_seed: list[dict]) -> dict:
     return {"step_ratio": step, "rollout_ratio": rollout, "verdict": verdict}
 
 
-def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[str, int], dict]) -> dict:
+def summarize(
+    runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[str, int], dict], rules: str = "v1"
+) -> dict:
     """The protocol's verdicts from each (arm, seed)'s steps (`read_steps`) and final evaluation ({"pass_at_1",
     optional "problems"}); seeds where both arms ran."""
     seeds = sorted(s for arm, s in runs if arm == "a" and ("b", s) in runs)
@@ -71,7 +75,7 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
         f"{arm}{s}": {tag: mean_logged(rows, tag) for tag in REPORTED} for (arm, s), rows in sorted(runs.items())
     }
     return {
-        "protocol": PROTOCOL,
+        "protocol": PROTOCOL.format(rules),
         "seeds": seeds,
         "speed": {"per_seed": speeds, **(_speed_verdict(speeds) if speeds else {"verdict": "no data"})},
         "reward": {
@@ -86,9 +90,12 @@ def summarize(runs: dict[tuple[str, int], dict[int, dict]], evals: dict[tuple[st
 
 def main(argv: list[str] | None = None) -> dict:
     parser = arms_parser(__doc__)
+    parser.add_argument("--rules", default="v1", help=f"the rule set of PROTOCOL.md judging arm b: {', '.join(RULES)}")
     args = parser.parse_args(argv)
+    if args.rules not in RULES:
+        parser.exit(2, f"error: --rules must be one of {', '.join(RULES)}; got {args.rules!r}\n")
     runs, evals = read_arms(parser, args, ("on-policy", "partial rollouts"))
-    out = summarize(runs, evals)
+    out = summarize(runs, evals, args.rules)
     write_summary(out, args.out, ("speed", "reward", "accuracy"))
     return out
 
