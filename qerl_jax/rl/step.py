@@ -172,9 +172,92 @@ def _grid_arrays(batch: dict[str, jax.Array], ref_logp):
     return source, resp, old, batch["advantages"].astype(jnp.float32), ref
 
 
-def _placed(tree, shardings):
-    """`tree`'s arrays as shape-only values with `shardings` (a program's output shardings for them)."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+def _mesh_of(tree) -> jax.sharding.Mesh | None:
+    """The mesh of `tree`'s first array laid out over several devices; None on one device."""
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, jax.sharding.NamedSharding) and len(s.device_set) > 1:
+            return s.mesh
+    return None
+
+
+def _canonical(sharding: Any, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """A NamedSharding on `mesh` with its spec's trailing unsharded axes dropped; anything else replicated."""
+    spec = list(sharding.spec) if isinstance(sharding, jax.sharding.NamedSharding) else []
+    while spec and spec[-1] is None:
+        spec.pop()
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+# A program's layout of a pytree it takes and returns: (treedef, its leaves' shardings), or None on one device.
+Layout = tuple[Any, tuple[jax.sharding.NamedSharding, ...]] | None
+
+
+def _layout_of(tree) -> Layout:
+    """`tree`'s layout on its mesh, each leaf's sharding canonical (`_canonical`); None on one device."""
+    mesh = _mesh_of(tree)
+    if mesh is None:
+        return None
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(_canonical(getattr(x, "sharding", None), mesh) for x in leaves)
+
+
+def _acc_layout(trainable, per_seq: dict[str, Any], acc) -> Layout:
+    """The accumulators' layout: the gradients as the trainable arrays, the [B, L-1] grids as the batch's."""
+    mesh = _mesh_of(trainable) or _mesh_of(per_seq)
+    if mesh is None:
+        return None
+    grads = [_canonical(getattr(x, "sharding", None), mesh) for x in jax.tree.leaves(trainable)]
+    leaves, treedef = jax.tree.flatten(acc)
+    grid = _canonical(getattr(per_seq["response_mask"], "sharding", None), mesh)
+    return treedef, (*grads, *[grid] * (len(leaves) - len(grads)))
+
+
+class _ByLayout:
+    """A jitted function called with its output's layout as the last argument (`Layout`): one `jax.jit` per
+    layout, whose out_shardings are that layout (None: XLA's choice), so the output comes back exactly as
+    the next call takes it. `out_shardings(layout)` gives the jit's out_shardings; `lower` as jax.jit's."""
+
+    def __init__(self, fn: Callable, out_shardings: Callable[[Layout], Any], **jit_kwargs):
+        self._fn, self._out_shardings, self._jit_kwargs = fn, out_shardings, jit_kwargs
+        self._jits: dict[Layout, Any] = {}
+
+    def _jit(self, layout: Layout):
+        if layout not in self._jits:
+            out = None if layout is None else self._out_shardings(layout)
+            kwargs = self._jit_kwargs if out is None else {**self._jit_kwargs, "out_shardings": out}
+            self._jits[layout] = jax.jit(self._fn, **kwargs)
+        return self._jits[layout]
+
+    def __call__(self, *args):
+        return self._jit(args[-1])(*args[:-1])
+
+    def lower(self, *args):
+        return self._jit(args[-1]).lower(*args[:-1])
+
+    def _cache_size(self) -> int:
+        return sum(j._cache_size() for j in self._jits.values())
+
+
+def _tree(layout: Layout):
+    return jax.tree.unflatten(layout[0], layout[1])
+
+
+def _replicated(layout: Layout) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(layout[1][0].mesh, jax.sharding.PartitionSpec())
+
+
+def _placed_as(tree, layout: Layout):
+    """`tree`'s arrays resharded to `layout` where they are not laid out so (one program, every process's
+    shards); unchanged without a layout."""
+    if layout is None or all(getattr(x, "sharding", None) == s for x, s in zip(jax.tree.leaves(tree), layout[1])):
+        return tree
+    return _resharder(layout)(tree)
+
+
+@functools.lru_cache(maxsize=16)
+def _resharder(layout: Layout):
+    return jax.jit(lambda t: t, out_shardings=_tree(layout))
 
 
 class TrainStep:
@@ -230,8 +313,13 @@ class TrainStep:
             temperature=temperature,
         )
         # one micro-batch's gradients; compiler_options: XLA's for its program (`fp8.TRAIN_COMPILER_OPTIONS`)
-        self.micro = jax.jit(self.micro_fn, donate_argnums=(7,), compiler_options=compiler_options)
-        self.update = jax.jit(self.update_fn, donate_argnums=(0,))  # the optimizer update and metrics
+        # On a mesh both programs take and return the accumulators and the state in one layout (their last
+        # argument; `_layout_of`), so a step's later micro-steps and updates reuse the first ones' programs.
+        # Fed unplaced zeros and the init state's specs, each compiled twice, and again at the second step.
+        self.micro = _ByLayout(self.micro_fn, _tree, donate_argnums=(7,), compiler_options=compiler_options)
+        self.update = _ByLayout(  # the optimizer update and the metrics (replicated scalars)
+            self.update_fn, lambda layout: (_tree(layout), _replicated(layout)), donate_argnums=(0,)
+        )
         self._checked_structures: list[Any] = []
 
     def logprobs(self, params, ids, seg):
@@ -328,10 +416,13 @@ class TrainStep:
             grid(),
             grid() if ref is None and self.loss_cfg.needs_ref else None,
         )
-        return frozen, arrays, per_seq, ref, acc
+        return frozen, arrays, per_seq, ref, _placed_as(acc, _acc_layout(trainable, per_seq, acc))
 
     def __call__(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
+        state_layout = _layout_of(state)
+        state = _placed_as(state, state_layout)
         frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
+        acc_layout = _acc_layout((state.lora, state.norms), per_seq, acc)
         r = arrays["input_ids"].shape[0]
         mb = self.micro_batch_size or r
         with linear.kernels_per_model_device(frozen):
@@ -346,17 +437,21 @@ class TrainStep:
                     per_seq,
                     ref,
                     acc,
+                    acc_layout,
                 )
-        return self.update(state, per_seq, ref, acc)
+        return self.update(state, per_seq, ref, acc, state_layout)
 
     def lower_args(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
         """(micro_args, update_args): the first micro-step's and the update's arguments for `batch`,
         e.g. `step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
+        state_layout = _layout_of(state)
+        state = _placed_as(state, state_layout)
         frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
+        acc_layout = _acc_layout((state.lora, state.norms), per_seq, acc)
         mb = self.micro_batch_size or arrays["input_ids"].shape[0]
         ids, seg = (_micro_rows(arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
-        micro_args = ((state.lora, state.norms), frozen, ids, seg, jnp.int32(0), per_seq, ref, acc)
-        return micro_args, (state, per_seq, ref, acc)
+        micro_args = ((state.lora, state.norms), frozen, ids, seg, jnp.int32(0), per_seq, ref, acc, acc_layout)
+        return micro_args, (state, per_seq, ref, acc, state_layout)
 
     def precompile(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None) -> None:
         """Compiles the two programs for batches of `batch`'s shapes (or loads them from the
@@ -364,15 +459,5 @@ class TrainStep:
         Made to run in a thread beside a rollout (XLA compiles without the GIL)."""
         micro_args, update_args = self.lower_args(state, frozen, batch, ref_logp)
         with linear.kernels_per_model_device(frozen):
-            first = self.micro.lower(*micro_args).compile()
-            # On a mesh a step's later micro-steps take the accumulators with the shardings the first one
-            # gave them, not the unplaced zeros it took, and the later steps' update the state with the
-            # shardings the first update gave it: other programs, compiled here too.
-            on_mesh = any(len(s.device_set) > 1 for s in jax.tree.leaves(first.output_shardings))
-            if on_mesh:
-                acc = _placed(micro_args[-1], first.output_shardings)
-                self.micro.lower(*micro_args[:-1], acc).compile()
-                update_args = (*update_args[:-1], acc)
-        update = self.update.lower(*update_args).compile()
-        if on_mesh:
-            self.update.lower(_placed(update_args[0], update.output_shardings[0]), *update_args[1:]).compile()
+            self.micro.lower(*micro_args).compile()
+        self.update.lower(*update_args).compile()
