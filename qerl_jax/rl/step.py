@@ -220,7 +220,7 @@ class _ByLayout:
 
     def __init__(self, fn: Callable, out_shardings: Callable[[Layout], Any], **jit_kwargs):
         self._fn, self._out_shardings, self._jit_kwargs = fn, out_shardings, jit_kwargs
-        self._jits: dict[Layout, Any] = {}
+        self._jits: dict[Layout, Any] = {None: jax.jit(fn, **jit_kwargs)}  # one device's
 
     def _jit(self, layout: Layout):
         if layout not in self._jits:
