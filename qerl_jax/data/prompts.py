@@ -75,14 +75,13 @@ def _render(tokenizer: Any, prompts: Sequence[str], template: str | None, system
     """`render_prompt` of each problem. The chat template is rendered once around a probe problem
     and each problem put in its place, when the template keeps the probe verbatim and once (the
     template then treats the problem as an opaque string); else every problem is rendered (a
-    Jinja render per problem takes ~1.5 s over GSM8K's 7,473)."""
-    if len(prompts) < 2:
-        return [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in prompts]
-    probed = render_prompt(tokenizer, _PROBE, template=template, system_prompt=system_prompt)
-    if probed.count(_PROBE) != 1:
-        return [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in prompts]
-    before, after = probed.split(_PROBE)
-    return [before + p + after for p in prompts]
+    Jinja render per problem: 0.2 s over GSM8K's 7,473 with the tiny tokenizer, ~7 s over 250k)."""
+    if len(prompts) >= 2:
+        probed = render_prompt(tokenizer, _PROBE, template=template, system_prompt=system_prompt)
+        if probed.count(_PROBE) == 1:
+            before, after = probed.split(_PROBE)
+            return [before + p + after for p in prompts]
+    return [render_prompt(tokenizer, p, template=template, system_prompt=system_prompt) for p in prompts]
 
 
 def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:

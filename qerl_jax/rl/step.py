@@ -20,7 +20,7 @@ rollout, LossConfig(old_logp_source="current") reproduces TRL's on-policy ratio 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -224,9 +224,7 @@ class _ByLayout:
 
     def _jit(self, layout: Layout):
         if layout not in self._jits:
-            out = None if layout is None else self._out_shardings(layout)
-            kwargs = self._jit_kwargs if out is None else {**self._jit_kwargs, "out_shardings": out}
-            self._jits[layout] = jax.jit(self._fn, **kwargs)
+            self._jits[layout] = jax.jit(self._fn, **self._jit_kwargs, out_shardings=self._out_shardings(layout))
         return self._jits[layout]
 
     def __call__(self, *args):
@@ -258,6 +256,20 @@ def _placed_as(tree, layout: Layout):
 @functools.lru_cache(maxsize=16)
 def _resharder(layout: Layout):
     return jax.jit(lambda t: t, out_shardings=_tree(layout))
+
+
+class _Inputs(NamedTuple):
+    """A step's inputs as its two programs take them: the state and the zero accumulators placed in their
+    layouts (`_placed_as`)."""
+
+    state: TrainState
+    frozen: dict[str, Any]  # {"base", "norms"}
+    arrays: dict[str, Any]  # `train_arrays` of the batch
+    per_seq: dict[str, Any]  # arrays but the packed rows' ids and segments
+    ref: jax.Array | None  # reference log-probs given to the step
+    acc: tuple  # zero (gradients, log-probs, entropies, reference log-probs or None)
+    acc_layout: Layout
+    state_layout: Layout
 
 
 class TrainStep:
@@ -396,15 +408,17 @@ class TrainStep:
         )
 
     def _inputs(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
-        """The checked batch as the two programs take it: (frozen, arrays, per_seq, ref, zero accumulators)."""
+        """The state and the checked batch as the two programs take them (`_Inputs`)."""
         r, length, b = validate_batch(batch, self.micro_batch_size, ref_logp)
-        trainable = (state.lora, state.norms)
-        structure = jax.tree.structure(trainable)
+        structure = jax.tree.structure((state.lora, state.norms))
         if structure not in self._checked_structures:
             check_lora(state.lora, self.config)
             if state.norms is not None:
                 check_trained_norms(state.norms, self.config)
             self._checked_structures.append(structure)
+        state_layout = _layout_of(state)
+        state = _placed_as(state, state_layout)
+        trainable = (state.lora, state.norms)
         ref = None if ref_logp is None else jnp.asarray(ref_logp, jnp.float32)
         frozen = {"base": frozen["base"], "norms": frozen["norms"]}
         arrays = train_arrays(batch)
@@ -416,42 +430,39 @@ class TrainStep:
             grid(),
             grid() if ref is None and self.loss_cfg.needs_ref else None,
         )
-        return frozen, arrays, per_seq, ref, _placed_as(acc, _acc_layout(trainable, per_seq, acc))
+        acc_layout = _acc_layout(trainable, per_seq, acc)
+        return _Inputs(state, frozen, arrays, per_seq, ref, _placed_as(acc, acc_layout), acc_layout, state_layout)
 
     def __call__(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
-        state_layout = _layout_of(state)
-        state = _placed_as(state, state_layout)
-        frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
-        acc_layout = _acc_layout((state.lora, state.norms), per_seq, acc)
-        r = arrays["input_ids"].shape[0]
+        x = self._inputs(state, frozen, batch, ref_logp)
+        acc = x.acc
+        r = x.arrays["input_ids"].shape[0]
         mb = self.micro_batch_size or r
-        with linear.kernels_per_model_device(frozen):
+        with linear.kernels_per_model_device(x.frozen):
             for first in range(0, r, mb):
                 rows = slice(first, first + mb)
                 acc = self.micro(
-                    (state.lora, state.norms),
-                    frozen,
-                    _micro_rows(arrays["input_ids"], rows),
-                    _micro_rows(arrays["segment_ids"], rows),
+                    (x.state.lora, x.state.norms),
+                    x.frozen,
+                    _micro_rows(x.arrays["input_ids"], rows),
+                    _micro_rows(x.arrays["segment_ids"], rows),
                     jnp.int32(first),
-                    per_seq,
-                    ref,
+                    x.per_seq,
+                    x.ref,
                     acc,
-                    acc_layout,
+                    x.acc_layout,
                 )
-        return self.update(state, per_seq, ref, acc, state_layout)
+        return self.update(x.state, x.per_seq, x.ref, acc, x.state_layout)
 
     def lower_args(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None):
         """(micro_args, update_args): the first micro-step's and the update's arguments for `batch`,
         e.g. `step.micro.lower(*micro_args)` (compile time, HLO, memory analysis)."""
-        state_layout = _layout_of(state)
-        state = _placed_as(state, state_layout)
-        frozen, arrays, per_seq, ref, acc = self._inputs(state, frozen, batch, ref_logp)
-        acc_layout = _acc_layout((state.lora, state.norms), per_seq, acc)
-        mb = self.micro_batch_size or arrays["input_ids"].shape[0]
-        ids, seg = (_micro_rows(arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
-        micro_args = ((state.lora, state.norms), frozen, ids, seg, jnp.int32(0), per_seq, ref, acc, acc_layout)
-        return micro_args, (state, per_seq, ref, acc, state_layout)
+        x = self._inputs(state, frozen, batch, ref_logp)
+        mb = self.micro_batch_size or x.arrays["input_ids"].shape[0]
+        ids, seg = (_micro_rows(x.arrays[k], slice(0, mb)) for k in ("input_ids", "segment_ids"))
+        trainable = (x.state.lora, x.state.norms)
+        micro_args = (trainable, x.frozen, ids, seg, jnp.int32(0), x.per_seq, x.ref, x.acc, x.acc_layout)
+        return micro_args, (x.state, x.per_seq, x.ref, x.acc, x.state_layout)
 
     def precompile(self, state: TrainState, frozen: dict[str, Any], batch: dict[str, Any], ref_logp=None) -> None:
         """Compiles the two programs for batches of `batch`'s shapes (or loads them from the
