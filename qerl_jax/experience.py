@@ -311,6 +311,7 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
         # Decode-loop steps (each one token for every live row): the tail of few rows costs steps, not
         # tokens. On a mesh: summed over the data shards' calls.
         "rollout/decode_steps": float(np.sum(np.asarray(batch.steps) - 1)),
+        **loop_seconds(batch),
         # Decoded for groups past the last one needed: admitted on the keep rate's estimate, then
         # dropped (or finished unneeded). The cost of deciding dynamic sampling in one call.
         "rollout/unused_tokens_frac": 1.0 - float(decoded[rows].sum()) / max(float(decoded.sum()), 1.0),
@@ -333,6 +334,17 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
     logp = np.asarray(batch.logprobs, np.float64)[rows]
     stats["rollout/entropy_mc"] = -float(logp[mask].sum()) / max(int(mask.sum()), 1)
     return stats
+
+
+def loop_seconds(batch) -> dict[str, float]:
+    """Where the decode loop's time went (`RolloutBatch.segment_s`; on a mesh summed over the data
+    shards' calls): the host's work between segments (scheduling, admission inputs, harvests: the
+    device idles once what was queued is done) and the wait for the device (admissions, compactions
+    and decoding). time/rollout_s less both is the call's set-up (weights, programs) and assembly."""
+    if batch.segment_s is None:
+        return {}
+    host_s, wait_s = np.asarray(batch.segment_s, np.float64).reshape(-1, 2).sum(axis=0)
+    return {"time/rollout_loop_host_s": float(host_s), "time/rollout_loop_wait_s": float(wait_s)}
 
 
 def kept_experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampled: int) -> Experience:

@@ -48,6 +48,7 @@ def _rows(n: int, prompt_len: int, first: int):
         prompt_ids=jnp.tile(row[:, None], (1, prompt_len)), prompt_mask=jnp.ones((n, prompt_len), jnp.int32),
         tokens=jnp.tile(row[:, None], (1, 3)), logprobs=-jnp.ones((n, 3)), response_mask=jnp.ones((n, 3), jnp.int32),
         lengths=jnp.full((n,), 3), decoded=jnp.full((n,), 3), truncated=jnp.zeros((n,), bool), prompt_index=row, steps=jnp.asarray([first + 4]),
+        segment_s=jnp.asarray([[first, 1.0]]),
     )  # fmt: skip
 
 
@@ -61,6 +62,9 @@ def test_select_and_concat_keep_rows_in_order_and_left_pad_the_prompts():
     assert np.asarray(joined.prompt_mask)[:2].tolist() == [[0, 0, 1, 1, 1, 1]] * 2  # padded on the left
     assert np.asarray(joined.prompt_ids)[3].tolist() == [12] * 6
     assert np.asarray(joined.steps).tolist() == [4, 14]
+    assert np.asarray(joined.segment_s).tolist() == [[0, 1], [10, 1]]
+    untimed = _rows(2, 4, first=0).replace(segment_s=None)
+    assert concat([untimed, _rows(1, 4, first=5)]).segment_s is None  # not every batch timed
 
 
 def test_concat_and_select_rows_of_any_row_count_compile_nothing():

@@ -83,7 +83,7 @@ def test_compare_gives_finished_runs_as_ratios_of_the_first(tmp_path, capsys):
     _write_run(tmp_path / "new", [9.0, 4.0, 3.0, 5.0], [0.0, 0.0, 0.0, 0.0], [20.0, 8.0, 7.0, 9.0],
                **{"rollout/tokens_per_s": 100.0, "rollout/unused_tokens_frac": 0.25,
                   "rollout/offpolicy_tokens_frac": 0.3, "rollout/staleness_max": 1.0,
-                  "rollout/decode_steps": 600.0})  # fmt: skip
+                  "rollout/decode_steps": 600.0, "time/rollout_loop_host_s": 0.5})  # fmt: skip
     s = real_run.summarize(str(tmp_path / "ref"), group_size=4)
     assert s["rollout_reward_s"] == pytest.approx(7.5) and s["rollout_reward_median_s"] == pytest.approx(7.0)
     assert s["finished_tokens"] == 0.0 and math.isnan(s["unused_tokens_frac"])
@@ -91,6 +91,7 @@ def test_compare_gives_finished_runs_as_ratios_of_the_first(tmp_path, capsys):
     assert new["finished_tokens"] == pytest.approx(400.0) and new["unused_tokens_frac"] == pytest.approx(0.25)
     assert new["offpolicy_tokens_frac"] == pytest.approx(0.3) and new["staleness_max"] == 1.0
     assert new["decode_steps"] == 600.0 and math.isnan(s["decode_steps"])
+    assert new["rollout_loop_host_s"] == 0.5 and math.isnan(new["rollout_loop_wait_s"])
     assert real_run.main(["--compare", str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert last[-2:] == [f"{4.0 / 7.5:.2f}/{4.0 / 7.0:.2f}", f"{8.0 / (32 / 3):.2f}/{8.0 / 10.0:.2f}"]

@@ -5,6 +5,7 @@ budget; the errors raised before anything is compiled."""
 
 import dataclasses
 import threading
+import time
 import types
 
 import jax
@@ -30,6 +31,7 @@ from qerl_jax.rollout import (
     generate,
     plan_rollout,
     sampler,
+    scheduler,
     to_train_batch,
 )
 from qerl_jax.rollout import batch as rollout_batch
@@ -310,6 +312,31 @@ def test_continuous_batching_samples_what_one_batch_samples(f32_model):
         if name == "all rows, compacted":
             assert other.steps.shape[0] > 1  # compacted: the tail ran in smaller buckets
             assert plan_rollout(config, params, 12, 16, 64, group_size=3, options=opts).rows == 16
+
+
+def test_segment_seconds_split_the_loop_into_host_work_and_waiting(f32_model, monkeypatch):
+    """Host work between segments (here a slow retire: the scheduler's step after each wait) counts as
+    host seconds, each segment's wait for the device apart; both inside the call's wall time."""
+    config, params, _ = f32_model
+    ids, mask = _four_prompts(config.vocab_size)
+    opts = f32_options(smaller_rows=(4, 2))
+    args = (config, params, ids, mask, jax.random.key(7), _batching_sampling())
+    generate(*args, group_size=3, max_batch=5, options=opts)  # compiled before the timed call
+    retire = scheduler.Scheduler.retire
+
+    def slow_retire(self, live):
+        time.sleep(0.05)
+        return retire(self, live)
+
+    monkeypatch.setattr(scheduler.Scheduler, "retire", slow_retire)
+    t0 = time.perf_counter()
+    batch = generate(*args, group_size=3, max_batch=5, options=opts)
+    wall = time.perf_counter() - t0
+    seconds = np.asarray(batch.segment_s)
+    assert seconds.shape == (batch.steps.shape[0], 2) and batch.steps.shape[0] > 3 and (seconds >= 0).all()
+    host, wait = seconds.sum(axis=0)
+    assert host >= 0.05 * batch.steps.shape[0]  # every retire's sleep, the last one's too
+    assert host + wait <= wall
 
 
 def test_per_sequence_token_limits(f32_model):

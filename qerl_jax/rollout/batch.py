@@ -26,6 +26,10 @@ class RolloutBatch:
     prompt_index: int32 [N] the prompt (row of the input) each row was sampled from.
     steps: int32 [C] per decode segment (a run of the decode loop between admissions and
       compactions), 1 + the steps it ran (one segment: the sampling steps, <= M).
+    segment_s: float32 [C, 2] per decode segment, the host's seconds before it was dispatched
+      (scheduling, admissions, harvesting the previous segment's rows: the device runs only what
+      was queued) and its seconds waiting for the device (the queued admissions and compactions
+      and the segment itself). None where not timed.
     group_size: G (static).
     """
 
@@ -39,6 +43,7 @@ class RolloutBatch:
     truncated: jax.Array
     prompt_index: jax.Array
     steps: jax.Array
+    segment_s: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=1)
 
 
@@ -56,13 +61,14 @@ PER_ROW = (
 
 
 def select_rows(batch: RolloutBatch, rows) -> RolloutBatch:
-    """The given rows of a rollout (its per-row fields; `steps` kept)."""
+    """The given rows of a rollout (its per-row fields; `steps` and `segment_s` kept)."""
     return batch.replace(**{f: getattr(batch, f)[rows] for f in PER_ROW})
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     """The rows of several rollouts, in order, on the host (numpy fields: joining device arrays compiles
-    programs for every new row count): prompts left-padded to the widest, `steps` joined."""
+    programs for every new row count): prompts left-padded to the widest, `steps` and `segment_s`
+    joined (`segment_s` where every batch has it)."""
     width = max(b.prompt_ids.shape[1] for b in batches)
 
     def join(field: str) -> np.ndarray:
@@ -71,7 +77,10 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
             parts = [np.pad(x, ((0, 0), (width - x.shape[1], 0))) for x in parts]
         return np.concatenate(parts)
 
-    return batches[0].replace(**{f: join(f) for f in (*PER_ROW, "steps")})
+    timed = all(b.segment_s is not None for b in batches)
+    return batches[0].replace(
+        **{f: join(f) for f in (*PER_ROW, "steps")}, segment_s=join("segment_s") if timed else None
+    )
 
 
 def to_train_batch(batch: RolloutBatch, *, trim_to_multiple: int | None = None) -> dict[str, jax.Array]:

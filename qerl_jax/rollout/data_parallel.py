@@ -132,7 +132,7 @@ def gather_blocks(blocks: dict[int, dict[str, np.ndarray]], num_shards: int) -> 
 
 def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
     out = {f: np.asarray(getattr(batch, f)) for f in PER_ROW}
-    out["steps"] = np.asarray(batch.steps)
+    out["steps"], out["segment_s"] = np.asarray(batch.steps), np.asarray(batch.segment_s)
     return out
 
 
@@ -248,5 +248,6 @@ def in_prompt_order(parts: list[dict[str, np.ndarray]], group_size: int) -> Roll
     """One RolloutBatch of the shards' rows (`prompt_index` global), sorted back into prompt-major
     order (a stable sort: sample g of a prompt stays its row g)."""
     # Joined and sorted on the host, put on the device once (`concat`).
-    joined = concat([RolloutBatch(**{f: p[f] for f in (*PER_ROW, "steps")}, group_size=group_size) for p in parts])
+    fields = (*PER_ROW, "steps", "segment_s")
+    joined = concat([RolloutBatch(**{f: p[f] for f in fields}, group_size=group_size) for p in parts])
     return jax.device_put(select_rows(joined, np.argsort(joined.prompt_index, kind="stable")))

@@ -25,8 +25,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib.util
+import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -629,7 +630,7 @@ def _decode_all(
 ) -> tuple[_Outputs, list[int]]:  # fmt: skip
     """Runs the scheduler over the device programs until no sequence is left to decode: admit into
     free rows, decode, harvest the rows that stopped (telling the monitor), compact the tail. The
-    outputs and the decode steps of each segment. placement: of the cache and rows (`_committed_placement`).
+    outputs and each segment's decode steps and seconds (`_Segments`). placement: of the cache and rows (`_committed_placement`).
     partial: sequences under way (`generate`); the outputs' `paused` then holds those paused."""
     batch_sharding, total = options.batch_sharding, call.total
     put = (lambda a: a) if batch_sharding is None else (lambda a: jax.device_put(a, batch_sharding))
@@ -639,7 +640,7 @@ def _decode_all(
     cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, placement)
     prompt_of_seq = np.arange(total) // call.group_size
     max_steps = np.int32(MONITOR_STEPS if monitor is not None else call.static.new_slots)
-    segments = []
+    segments, seconds, clock = [], [], time.perf_counter()
     while True:
         if monitor is not None:
             dropped, dropped_seqs = sched.set_bounds(*monitor.bounds(wait=sched.idle))
@@ -670,8 +671,11 @@ def _decode_all(
         cache, rows, steps = programs.decode(
             call.static, run_params, cache, rows, key, call.stop_V, exit_live, max_steps
         )
+        dispatched = time.perf_counter()
         live = np.asarray(rows.live)
         segments.append(int(steps))
+        seconds.append((dispatched - clock, time.perf_counter() - dispatched))
+        clock = time.perf_counter()
         done_rows, done_seqs = sched.retire(live)
         if done_rows.size:
             out.harvest(jax.device_get((rows.t, rows.stopped, rows.tokens, rows.logp)), done_rows, done_seqs)
@@ -682,10 +686,19 @@ def _decode_all(
             valid = sched.row_seq >= 0
             cache, rows = programs.compact(call.static, cache, rows, put(keep.astype(np.int32)), put(valid))
     del cache, rows
-    return out, segments
+    if seconds:  # the last harvest, compaction or pause: host work after the last segment
+        seconds[-1] = (seconds[-1][0] + time.perf_counter() - clock, seconds[-1][1])
+    return out, _Segments(segments, seconds)
 
 
-def _rollout_batch(call: _Call, out: _Outputs, segments: list[int]) -> RolloutBatch:
+class _Segments(NamedTuple):
+    """The decode loop's segments: the steps each ran, and (host, waiting) seconds of each."""
+
+    steps: list[int]
+    seconds: list[tuple[float, float]]
+
+
+def _rollout_batch(call: _Call, out: _Outputs, segments: _Segments) -> RolloutBatch:
     """The call's `RolloutBatch`: each sequence's prompt beside its harvested response."""
     prompt_index = np.arange(call.total, dtype=np.int32) // call.group_size
     response_mask = (np.arange(call.max_new)[None, :] < out.lengths[:, None]).astype(np.int32)
@@ -701,7 +714,8 @@ def _rollout_batch(call: _Call, out: _Outputs, segments: list[int]) -> RolloutBa
         decoded=jax.device_put(out.decoded),
         truncated=jax.device_put(~out.stopped),
         prompt_index=jax.device_put(prompt_index),
-        steps=jax.device_put(np.asarray([s + 1 for s in segments], np.int32)),
+        steps=jax.device_put(np.asarray([s + 1 for s in segments.steps], np.int32)),
+        segment_s=jax.device_put(np.asarray(segments.seconds, np.float32).reshape(-1, 2)),
         group_size=call.group_size,
     )
 
