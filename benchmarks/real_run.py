@@ -172,12 +172,12 @@ def summarize(workdir: str, group_size: int) -> dict:
     )
     # decode_steps: the decode loop's steps a step (on a mesh summed over its data shards), the tail's length;
     # offpolicy_tokens_frac (partial rollouts, rollout.max_staleness >= 1): the trained tokens' off-policy share.
-    for name in ("unused_tokens_frac", "decode_steps", "offpolicy_tokens_frac"):
+    for name in ("unused_tokens_frac", "decode_steps", "decode_segments", "offpolicy_tokens_frac"):
         logged = [r[f"rollout/{name}"] for r in later if f"rollout/{name}" in r]  # older trees log fewer
         out[name] = statistics.mean(logged) if logged else float("nan")
-    # The decode loop's host work and its wait for the device, summed over its segments (trees since
-    # these were logged): time/rollout_s less both is the call's set-up and assembly.
-    for name in ("rollout_loop_host_s", "rollout_loop_wait_s"):
+    # The decode loop's host work between its segments and the segments themselves (trees since these
+    # were logged): time/rollout_s less both is the call's set-up and assembly.
+    for name in ("rollout_loop_host_s", "rollout_loop_device_s"):
         logged = [r[f"time/{name}"] for r in later if f"time/{name}" in r]
         out[name] = statistics.mean(logged) if logged else float("nan")
     out["staleness_max"] = max((r["rollout/staleness_max"] for r in later if "rollout/staleness_max" in r), default=0.0)

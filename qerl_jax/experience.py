@@ -311,6 +311,8 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
         # Decode-loop steps (each one token for every live row): the tail of few rows costs steps, not
         # tokens. On a mesh: summed over the data shards' calls.
         "rollout/decode_steps": float(np.sum(np.asarray(batch.steps) - 1)),
+        # Its segments: each hands control back to the host (refills, compactions, the monitor's checks).
+        "rollout/decode_segments": float(np.asarray(batch.steps).shape[0]),
         **loop_seconds(batch),
         # Decoded for groups past the last one needed: admitted on the keep rate's estimate, then
         # dropped (or finished unneeded). The cost of deciding dynamic sampling in one call.
@@ -338,13 +340,13 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
 
 def loop_seconds(batch) -> dict[str, float]:
     """Where the decode loop's time went (`RolloutBatch.segment_s`; on a mesh summed over the data
-    shards' calls): the host's work between segments (scheduling, admission inputs, harvests: the
-    device idles once what was queued is done) and the wait for the device (admissions, compactions
-    and decoding). time/rollout_s less both is the call's set-up (weights, programs) and assembly."""
+    shards' calls): the host's work between segments (scheduling, admission inputs, harvests) and
+    the segments themselves (the device's admissions, compactions and decoding). time/rollout_s
+    less both is the call's set-up (weights, programs) and assembly."""
     if batch.segment_s is None:
         return {}
-    host_s, wait_s = np.asarray(batch.segment_s, np.float64).reshape(-1, 2).sum(axis=0)
-    return {"time/rollout_loop_host_s": float(host_s), "time/rollout_loop_wait_s": float(wait_s)}
+    host_s, device_s = np.asarray(batch.segment_s, np.float64).reshape(-1, 2).sum(axis=0)
+    return {"time/rollout_loop_host_s": float(host_s), "time/rollout_loop_device_s": float(device_s)}
 
 
 def kept_experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampled: int) -> Experience:

@@ -91,7 +91,7 @@ def test_compare_gives_finished_runs_as_ratios_of_the_first(tmp_path, capsys):
     assert new["finished_tokens"] == pytest.approx(400.0) and new["unused_tokens_frac"] == pytest.approx(0.25)
     assert new["offpolicy_tokens_frac"] == pytest.approx(0.3) and new["staleness_max"] == 1.0
     assert new["decode_steps"] == 600.0 and math.isnan(s["decode_steps"])
-    assert new["rollout_loop_host_s"] == 0.5 and math.isnan(new["rollout_loop_wait_s"])
+    assert new["rollout_loop_host_s"] == 0.5 and math.isnan(new["rollout_loop_device_s"])
     assert real_run.main(["--compare", str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert last[-2:] == [f"{4.0 / 7.5:.2f}/{4.0 / 7.0:.2f}", f"{8.0 / (32 / 3):.2f}/{8.0 / 10.0:.2f}"]

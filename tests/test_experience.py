@@ -92,7 +92,8 @@ def test_one_call_keeps_what_refill_rounds_keep(tmp_path, tiny_model_dir, pool, 
     assert 0.0 <= stats["rollout/unused_tokens_frac"] < 1.0
     # every token after a sequence's first (sampled by its admission) took a decode step
     assert int(np.max(exp.rollout.lengths)) - 1 <= stats["rollout/decode_steps"] <= stats["rollout/decoded_tokens"]
-    loop_s = stats["time/rollout_loop_host_s"] + stats["time/rollout_loop_wait_s"]
+    assert 1 <= stats["rollout/decode_segments"] <= stats["rollout/decode_steps"]
+    loop_s = stats["time/rollout_loop_host_s"] + stats["time/rollout_loop_device_s"]
     assert 0 < loop_s <= stats["time/rollout_s"]
 
 

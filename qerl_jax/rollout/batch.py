@@ -26,10 +26,10 @@ class RolloutBatch:
     prompt_index: int32 [N] the prompt (row of the input) each row was sampled from.
     steps: int32 [C] per decode segment (a run of the decode loop between admissions and
       compactions), 1 + the steps it ran (one segment: the sampling steps, <= M).
-    segment_s: float32 [C, 2] per decode segment, the host's seconds before it was dispatched
-      (scheduling, admissions, harvesting the previous segment's rows: the device runs only what
-      was queued) and its seconds waiting for the device (the queued admissions and compactions
-      and the segment itself). None where not timed.
+    segment_s: float32 [C, 2] per decode segment, the host's seconds before it (scheduling, the
+      admissions' inputs and dispatch, harvesting the previous segment's rows) and the segment's
+      own, from its dispatch to its live rows on the host (the queued admissions and compactions,
+      then the decode loop). None where not timed.
     group_size: G (static).
     """
 

@@ -668,13 +668,15 @@ def _decode_all(
                 call.static, run_params, cache, rows, *map(put, args), key, call.stop_V, np.int32(call.pad_id)
             )
         exit_live = np.int32(sched.exit_live())
+        decoding = time.perf_counter()
+        # On a GPU the call itself holds this thread until XLA's while loop ends (each iteration's
+        # condition is read on the host), so the segment is timed from its dispatch to its live rows.
         cache, rows, steps = programs.decode(
             call.static, run_params, cache, rows, key, call.stop_V, exit_live, max_steps
         )
-        dispatched = time.perf_counter()
         live = np.asarray(rows.live)
         segments.append(int(steps))
-        seconds.append((dispatched - clock, time.perf_counter() - dispatched))
+        seconds.append((decoding - clock, time.perf_counter() - decoding))
         clock = time.perf_counter()
         done_rows, done_seqs = sched.retire(live)
         if done_rows.size:
@@ -692,7 +694,7 @@ def _decode_all(
 
 
 class _Segments(NamedTuple):
-    """The decode loop's segments: the steps each ran, and (host, waiting) seconds of each."""
+    """The decode loop's segments: the steps each ran, and (host, device) seconds of each."""
 
     steps: list[int]
     seconds: list[tuple[float, float]]
