@@ -359,7 +359,7 @@ def _partial_stats(
 ) -> dict[str, float]:
     """The off-policy share of the trained tokens (drawn under an earlier step's adapter), the largest
     staleness among the kept groups, the groups forced to finish and those carried on (started, and
-    unstarted); the tokens this call decoded (the carried ones' earlier tokens not counted again) and
+    unstarted), the carried tokens re-prefilled; the tokens this call decoded (the carried ones' earlier tokens not counted again) and
     their rate."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
     before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)  # tokens each row had when the call began
@@ -367,6 +367,7 @@ def _partial_stats(
     trained = float(np.asarray(batch.lengths)[rows].sum())
     ages = [step - carry[i].since for i in kept if i < len(carry) and carry[i].since is not None]
     decoded = float(np.asarray(batch.decoded).sum() - before_N.sum())
+    resumed = sum(len(t) for c in carry for t, done in zip(c.tokens, c.finished) if not done)
     return {
         "rollout/decoded_tokens": decoded,
         "rollout/tokens_per_s": decoded / max(t_rollout, 1e-9),
@@ -375,4 +376,6 @@ def _partial_stats(
         "rollout/carried_groups": float(sum(c.since is not None for c in new_carry)),
         "rollout/unstarted_groups": float(sum(c.since is None for c in new_carry)),
         "rollout/forced_groups": float(must_G.sum()),
+        # Re-prefilled (with their prompts) as their sequences resumed: the cost of carrying, in tokens.
+        "rollout/resumed_tokens": float(resumed),
     }

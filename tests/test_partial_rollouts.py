@@ -193,6 +193,8 @@ def test_steps_carry_paused_groups_force_the_old_ones_and_train_each_token_with_
             unstarted_ever += len(unstarted)
             forced = [c for c in before if c.since is not None]
             assert stats["rollout/forced_groups"] == len(forced)  # K = 1: every started carried group must finish
+            unfinished = [len(t) for c in forced for t, done in zip(c.tokens, c.finished) if not done]
+            assert stats["rollout/resumed_tokens"] == sum(unfinished) and (sum(unfinished) > 0) == bool(forced)
             assert all(c.since == step for c in started)  # ... and did: none is carried twice
             assert {c.prompt for c in forced} <= set(exp.prompts)  # ... and was kept
             assert stats["rollout/staleness_max"] == (1.0 if forced else 0.0)
