@@ -627,7 +627,7 @@ def _stop_and_pad(config: ModelConfig, sampling: SamplingConfig) -> tuple[np.nda
 def _decode_all(
     call: _Call, plan: RolloutPlan, run_params, key: jax.Array, monitor: RolloutMonitor | None, options: RolloutOptions,
     placement: jax.sharding.Sharding | None, partial: Partial | None = None,
-) -> tuple[_Outputs, list[int]]:  # fmt: skip
+) -> tuple[_Outputs, _Segments]:  # fmt: skip
     """Runs the scheduler over the device programs until no sequence is left to decode: admit into
     free rows, decode, harvest the rows that stopped (telling the monitor), compact the tail. The
     outputs and each segment's decode steps and seconds (`_Segments`). placement: of the cache and rows (`_committed_placement`).
@@ -638,7 +638,6 @@ def _decode_all(
     skip, resume_of = out.take_partial(partial, monitor)
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller, skip=skip)
     cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, placement)
-    prompt_of_seq = np.arange(total) // call.group_size
     max_steps = np.int32(MONITOR_STEPS if monitor is not None else call.static.new_slots)
     segments, seconds, clock = [], [], time.perf_counter()
     while True:
@@ -652,21 +651,7 @@ def _decode_all(
                 break
         if sched.idle:
             break
-        seqs, dest = sched.admissions()
-        if resume_of is not None:  # carried sequences come first in the queue: resumed, not prefilled anew
-            again = resume_of[seqs] >= 0
-            cache, rows = _resume_rows(call, plan, run_params, cache, rows, partial, resume_of[seqs[again]],
-                                       dest[again], sched.rows, put)  # fmt: skip
-            seqs, dest = seqs[~again], dest[~again]
-        for i in range(0, len(seqs), plan.admit_rows):
-            args = _admission(
-                call.ids_np, call.mask_np, prompt_of_seq, call.limits, seqs[i : i + plan.admit_rows],
-                dest[i : i + plan.admit_rows], rows=sched.rows, admit_rows=plan.admit_rows,
-                admit_prompts=plan.admit_prompts, share=options.share_prefill, streams=call.streams_N,
-            )  # fmt: skip
-            cache, rows = programs.admit(
-                call.static, run_params, cache, rows, *map(put, args), key, call.stop_V, np.int32(call.pad_id)
-            )
+        cache, rows = _fill_free_rows(call, plan, run_params, cache, rows, sched, partial, resume_of, key, options, put)
         exit_live = np.int32(sched.exit_live())
         decoding = time.perf_counter()
         # On a GPU the call itself holds this thread until XLA's while loop ends (each iteration's
@@ -691,6 +676,30 @@ def _decode_all(
     if seconds:  # the last harvest, compaction or pause: host work after the last segment
         seconds[-1] = (seconds[-1][0] + time.perf_counter() - clock, seconds[-1][1])
     return out, _Segments(segments, seconds)
+
+
+def _fill_free_rows(
+    call: _Call, plan: RolloutPlan, run_params, cache, rows, sched, partial, resume_of, key, options, put
+):
+    """(cache, rows) with the scheduler's next sequences in its free rows: carried sequences (`partial`,
+    first in the queue) resumed, the others admitted (their prompts prefilled), admit_rows a program."""
+    seqs, dest = sched.admissions()
+    if resume_of is not None:  # carried sequences come first in the queue: resumed, not prefilled anew
+        again = resume_of[seqs] >= 0
+        cache, rows = _resume_rows(call, plan, run_params, cache, rows, partial, resume_of[seqs[again]],
+                                   dest[again], sched.rows, put)  # fmt: skip
+        seqs, dest = seqs[~again], dest[~again]
+    prompt_of_seq = np.arange(call.total) // call.group_size
+    for i in range(0, len(seqs), plan.admit_rows):
+        args = _admission(
+            call.ids_np, call.mask_np, prompt_of_seq, call.limits, seqs[i : i + plan.admit_rows],
+            dest[i : i + plan.admit_rows], rows=sched.rows, admit_rows=plan.admit_rows,
+            admit_prompts=plan.admit_prompts, share=options.share_prefill, streams=call.streams_N,
+        )  # fmt: skip
+        cache, rows = programs.admit(
+            call.static, run_params, cache, rows, *map(put, args), key, call.stop_V, np.int32(call.pad_id)
+        )
+    return cache, rows
 
 
 class _Segments(NamedTuple):
