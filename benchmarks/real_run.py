@@ -172,7 +172,10 @@ def summarize(workdir: str, group_size: int) -> dict:
     )
     # decode_steps: the decode loop's steps a step (on a mesh summed over its data shards), the tail's length;
     # offpolicy_tokens_frac (partial rollouts, rollout.max_staleness >= 1): the trained tokens' off-policy share.
-    for name in ("unused_tokens_frac", "decode_steps", "decode_segments", "offpolicy_tokens_frac", "resumed_tokens"):
+    for name in (
+        "unused_tokens_frac", "decode_steps", "decode_segments", "rows_per_decode_step", "offpolicy_tokens_frac",
+        "resumed_tokens",
+    ):  # fmt: skip
         logged = [r[f"rollout/{name}"] for r in later if f"rollout/{name}" in r]  # older trees log fewer
         out[name] = statistics.mean(logged) if logged else float("nan")
     # The decode loop's host work between its segments and the segments themselves (trees since these

@@ -313,7 +313,7 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
         "rollout/decode_steps": float(np.sum(np.asarray(batch.steps) - 1)),
         # Its segments: each hands control back to the host (refills, compactions, the monitor's checks).
         "rollout/decode_segments": float(np.asarray(batch.steps).shape[0]),
-        **loop_seconds(batch),
+        **loop_stats(batch),
         # Decoded for groups past the last one needed: admitted on the keep rate's estimate, then
         # dropped (or finished unneeded). The cost of deciding dynamic sampling in one call.
         "rollout/unused_tokens_frac": 1.0 - float(decoded[rows].sum()) / max(float(decoded.sum()), 1.0),
@@ -338,15 +338,21 @@ def rollout_stats(cfg, scorer, batch, shaped_N, each_RxN, sampled, kept, used, t
     return stats
 
 
-def loop_seconds(batch) -> dict[str, float]:
+def loop_stats(batch) -> dict[str, float]:
     """Where the decode loop's time went (`RolloutBatch.segment_s`; on a mesh summed over the data
     shards' calls): the host's work between segments (scheduling, admission inputs, harvests) and
     the segments themselves (the device's admissions, compactions and decoding). time/rollout_s
-    less both is the call's set-up (weights, programs) and assembly."""
-    if batch.segment_s is None:
-        return {}
-    host_s, device_s = np.asarray(batch.segment_s, np.float64).reshape(-1, 2).sum(axis=0)
-    return {"time/rollout_loop_host_s": float(host_s), "time/rollout_loop_device_s": float(device_s)}
+    less both is the call's set-up (weights, programs) and assembly. And the rows a decode step ran
+    on average (its bucket's, `segment_rows`)."""
+    out = {}
+    if batch.segment_s is not None:
+        host_s, device_s = np.asarray(batch.segment_s, np.float64).reshape(-1, 2).sum(axis=0)
+        out |= {"time/rollout_loop_host_s": float(host_s), "time/rollout_loop_device_s": float(device_s)}
+    if batch.segment_rows is not None:  # a loop step's cost follows its bucket's rows, live or not
+        steps = np.asarray(batch.steps, np.float64) - 1
+        rows = np.asarray(batch.segment_rows, np.float64)
+        out["rollout/rows_per_decode_step"] = float((steps * rows).sum() / max(steps.sum(), 1.0))
+    return out
 
 
 def kept_experience(batch, scorer, step, shaped_N, each_RxN, kept, g: int, sampled: int) -> Experience:

@@ -62,7 +62,7 @@ def test_select_and_concat_keep_rows_in_order_and_left_pad_the_prompts():
     assert np.asarray(joined.prompt_mask)[:2].tolist() == [[0, 0, 1, 1, 1, 1]] * 2  # padded on the left
     assert np.asarray(joined.prompt_ids)[3].tolist() == [12] * 6
     assert np.asarray(joined.steps).tolist() == [4, 14]
-    assert np.asarray(joined.segment_s).tolist() == [[0, 1], [10, 1]]
+    assert np.asarray(joined.segment_s).tolist() == [[0, 1], [10, 1]] and joined.segment_rows is None
     untimed = _rows(2, 4, first=0).replace(segment_s=None)
     assert concat([untimed, _rows(1, 4, first=5)]).segment_s is None  # not every batch timed
 

@@ -93,6 +93,8 @@ def test_one_call_keeps_what_refill_rounds_keep(tmp_path, tiny_model_dir, pool, 
     # every token after a sequence's first (sampled by its admission) took a decode step
     assert int(np.max(exp.rollout.lengths)) - 1 <= stats["rollout/decode_steps"] <= stats["rollout/decoded_tokens"]
     assert 1 <= stats["rollout/decode_segments"] <= stats["rollout/decode_steps"]
+    # max_batch 6: a bucket of 8 rows (then the tail's); unbounded: at most every sequence sampled at once
+    assert 1 <= stats["rollout/rows_per_decode_step"] <= (8 if max_batch else 4 * 4 * rounds)
     loop_s = stats["time/rollout_loop_host_s"] + stats["time/rollout_loop_device_s"]
     assert 0 < loop_s <= stats["time/rollout_s"]
 

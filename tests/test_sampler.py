@@ -345,6 +345,8 @@ def test_segment_seconds_split_the_loop_into_host_work_and_the_segments(f32_mode
     assert host >= 0.05 * segments and device >= 0.03 * segments  # every retire's sleep, the last one's too
     assert (seconds[:, 1] >= 0.03).all()
     assert host + device <= wall
+    rows = np.asarray(batch.segment_rows).tolist()  # 8 rows (5 sequences at once), the tail in 4, then 2
+    assert len(rows) == segments and rows[0] == 8 and rows == sorted(rows, reverse=True) and rows[-1] < 8
 
 
 def test_per_sequence_token_limits(f32_model):

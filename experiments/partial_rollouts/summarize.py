@@ -35,7 +35,8 @@ ACCURACY_MARGIN = 0.01  # 1 point of pass@1
 REPORTED = ("rollout/offpolicy_tokens_frac", "rollout/staleness_max", "rollout/carried_groups",
             "rollout/forced_groups", "rollout/response_length_p10", "rollout/response_length_p50",
             "rollout/response_length_p90", "rollout/tokens_per_s", "rollout/decoded_tokens", "rollout/decode_steps",
-            "time/rollout_loop_host_s", "time/rollout_loop_device_s", "rollout/resumed_tokens")  # fmt: skip
+            "time/rollout_loop_host_s", "time/rollout_loop_device_s", "rollout/resumed_tokens",
+            "rollout/rows_per_decode_step")  # fmt: skip
 
 
 def speed(a: dict[int, dict], b: dict[int, dict]) -> dict[str, float]:

@@ -30,6 +30,8 @@ class RolloutBatch:
       admissions' inputs and dispatch, harvesting the previous segment's rows) and the segment's
       own, from its dispatch to its live rows on the host (the queued admissions and compactions,
       then the decode loop). None where not timed.
+    segment_rows: int32 [C] per decode segment, the rows of its bucket (each of its steps decodes
+      that many, live or not). None where not recorded.
     group_size: G (static).
     """
 
@@ -44,9 +46,12 @@ class RolloutBatch:
     prompt_index: jax.Array
     steps: jax.Array
     segment_s: jax.Array | None = None
+    segment_rows: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=1)
 
 
+# Per decode segment: `steps` always, the others where recorded.
+PER_SEGMENT = ("steps", "segment_s", "segment_rows")
 PER_ROW = (
     "prompt_ids",
     "prompt_mask",
@@ -61,14 +66,14 @@ PER_ROW = (
 
 
 def select_rows(batch: RolloutBatch, rows) -> RolloutBatch:
-    """The given rows of a rollout (its per-row fields; `steps` and `segment_s` kept)."""
+    """The given rows of a rollout (its per-row fields; the per-segment ones kept)."""
     return batch.replace(**{f: getattr(batch, f)[rows] for f in PER_ROW})
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     """The rows of several rollouts, in order, on the host (numpy fields: joining device arrays compiles
-    programs for every new row count): prompts left-padded to the widest, `steps` and `segment_s`
-    joined (`segment_s` where every batch has it)."""
+    programs for every new row count): prompts left-padded to the widest, the per-segment fields
+    joined (the optional ones where every batch has them)."""
     width = max(b.prompt_ids.shape[1] for b in batches)
 
     def join(field: str) -> np.ndarray:
@@ -77,10 +82,9 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
             parts = [np.pad(x, ((0, 0), (width - x.shape[1], 0))) for x in parts]
         return np.concatenate(parts)
 
-    timed = all(b.segment_s is not None for b in batches)
-    return batches[0].replace(
-        **{f: join(f) for f in (*PER_ROW, "steps")}, segment_s=join("segment_s") if timed else None
-    )
+    held = {f for f in PER_SEGMENT if all(getattr(b, f) is not None for b in batches)}
+    joined = {f: join(f) if f in held else None for f in PER_SEGMENT}
+    return batches[0].replace(**{f: join(f) for f in PER_ROW}, **joined)
 
 
 def to_train_batch(batch: RolloutBatch, *, trim_to_multiple: int | None = None) -> dict[str, jax.Array]:

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qerl_jax.rollout.batch import PER_ROW, RolloutBatch, concat, select_rows
+from qerl_jax.rollout.batch import PER_ROW, PER_SEGMENT, RolloutBatch, concat, select_rows
 from qerl_jax.rollout.sampler import Partial, RolloutOptions, RolloutPart, generate
 
 
@@ -132,8 +132,7 @@ def gather_blocks(blocks: dict[int, dict[str, np.ndarray]], num_shards: int) -> 
 
 def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
     out = {f: np.asarray(getattr(batch, f)) for f in PER_ROW}
-    out["steps"], out["segment_s"] = np.asarray(batch.steps), np.asarray(batch.segment_s)
-    return out
+    return out | {f: np.asarray(getattr(batch, f)) for f in PER_SEGMENT}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -248,6 +247,6 @@ def in_prompt_order(parts: list[dict[str, np.ndarray]], group_size: int) -> Roll
     """One RolloutBatch of the shards' rows (`prompt_index` global), sorted back into prompt-major
     order (a stable sort: sample g of a prompt stays its row g)."""
     # Joined and sorted on the host, put on the device once (`concat`).
-    fields = (*PER_ROW, "steps", "segment_s")
+    fields = (*PER_ROW, *PER_SEGMENT)
     joined = concat([RolloutBatch(**{f: p[f] for f in fields}, group_size=group_size) for p in parts])
     return jax.device_put(select_rows(joined, np.argsort(joined.prompt_index, kind="stable")))

@@ -660,7 +660,7 @@ def _decode_all(
             call.static, run_params, cache, rows, key, call.stop_V, exit_live, max_steps
         )
         live = np.asarray(rows.live)
-        segments.append(int(steps))
+        segments.append((int(steps), sched.rows))
         seconds.append((decoding - clock, time.perf_counter() - decoding))
         clock = time.perf_counter()
         done_rows, done_seqs = sched.retire(live)
@@ -703,9 +703,9 @@ def _fill_free_rows(
 
 
 class _Segments(NamedTuple):
-    """The decode loop's segments: the steps each ran, and (host, device) seconds of each."""
+    """The decode loop's segments: (the steps each ran, its bucket's rows), and (host, device) seconds of each."""
 
-    steps: list[int]
+    steps_rows: list[tuple[int, int]]
     seconds: list[tuple[float, float]]
 
 
@@ -725,8 +725,9 @@ def _rollout_batch(call: _Call, out: _Outputs, segments: _Segments) -> RolloutBa
         decoded=jax.device_put(out.decoded),
         truncated=jax.device_put(~out.stopped),
         prompt_index=jax.device_put(prompt_index),
-        steps=jax.device_put(np.asarray([s + 1 for s in segments.steps], np.int32)),
+        steps=jax.device_put(np.asarray([s + 1 for s, _ in segments.steps_rows], np.int32)),
         segment_s=jax.device_put(np.asarray(segments.seconds, np.float32).reshape(-1, 2)),
+        segment_rows=jax.device_put(np.asarray([r for _, r in segments.steps_rows], np.int32)),
         group_size=call.group_size,
     )
 
