@@ -22,6 +22,7 @@ from qerl_jax.models.qwen2 import ATTENTION_MODES, REMAT_MODES
 from qerl_jax.projections import PROJECTIONS
 from qerl_jax.quant.formats import CONFIG_FORMATS
 from qerl_jax.rl.losses import IS_CORRECTIONS, LOSS_KINDS, OLD_LOGP_SOURCES, REWARD_SCALES
+from qerl_jax.rollout.scheduler import DEFAULT_SMALLER_ROWS
 from qerl_jax.schema import (
     boolean,
     choice,
@@ -31,6 +32,7 @@ from qerl_jax.schema import (
     number,
     numbers,
     paths,
+    positive_ints,
     section,
     setting,
     subsection,
@@ -120,6 +122,12 @@ class RolloutSection:
     top_k: int = setting(0, "sample among the k most likely tokens; 0 = all", integer(0))
     max_batch: int = setting(
         0, "sequences decoded at once (refilled as they stop); 0 = sized to the free device memory", integer(0)
+    )
+    compaction_rows: tuple[int, ...] = setting(
+        DEFAULT_SMALLER_ROWS,
+        "the smaller row buckets a rollout's tail moves into once no sequence is queued and its live rows fit "
+        "(a decode step costs its bucket's rows, live or not; each bucket compiles its own programs)",
+        positive_ints(),
     )
     max_staleness: int = setting(
         0,

@@ -106,10 +106,10 @@ def sampling_config(run: RunConfig, policy) -> SamplingConfig:
 def rollout_options(run: RunConfig, policy) -> RolloutOptions:
     """The engine's options of a run's rollouts (training and evaluation alike): `policy`'s matmul
     backend, prompts padded to data.max_prompt_len, the FP8 copies of model.fp8_matmul and the
-    one-row step's norms of rollout.norm_parts."""
+    one-row step's norms of rollout.norm_parts, the tail's buckets of rollout.compaction_rows."""
     return RolloutOptions(
         backend=policy.backend, min_prompt_len=run.data.max_prompt_len, fp8_matmul=run.model.fp8_matmul,
-        norm_parts=run.rollout.norm_parts,
+        norm_parts=run.rollout.norm_parts, smaller_rows=tuple(run.rollout.compaction_rows),
     )  # fmt: skip
 
 

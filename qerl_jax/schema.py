@@ -190,6 +190,15 @@ def numbers() -> Check:
     return check
 
 
+def positive_ints(nonempty: bool = False) -> Check:
+    def check(v):
+        if isinstance(v, str) or not isinstance(v, (tuple, list)) or not all(_is_int(x) and x >= 1 for x in v):
+            return f"expected a tuple of positive integers, got {v!r}"
+        return "must not be empty" if nonempty and not v else None
+
+    return check
+
+
 def mesh_axis() -> Check:
     def check(v):
         if not _is_int(v) or (v < 1 and v != -1):

@@ -141,8 +141,10 @@ def test_library_objects_of_the_tree():
     assert (sampling.top_k, sampling.max_new_tokens, sampling.eos_ids, sampling.pad_id) == (5, 64, (7, 9), 3)
     Policy.backend = "xla"
     assert run_config.rollout_options(run, Policy()).norm_parts is True
-    cfg.rollout.norm_parts = False
-    assert run_config.rollout_options(run_config.from_config_dict(cfg), Policy()).norm_parts is False
+    assert run_config.rollout_options(run, Policy()).smaller_rows == (64, 16)
+    cfg.rollout.norm_parts, cfg.rollout.compaction_rows = False, (128, 32)
+    options = run_config.rollout_options(run_config.from_config_dict(cfg), Policy())
+    assert options.norm_parts is False and options.smaller_rows == (128, 32)
     _, schedule = run_config.optimizer_from_config(run)
     reference = optim.make_schedule(2e-5, warmup_steps=10, total_steps=50, schedule="cosine")
     for step in (0, 5, 10, 30, 49):

@@ -6,7 +6,7 @@ import ml_collections
 import pytest
 
 from qerl_jax import config, schema
-from qerl_jax.schema import choice, integer, number, section, setting, subsection
+from qerl_jax.schema import choice, integer, number, positive_ints, section, setting, subsection
 
 
 @section
@@ -72,10 +72,18 @@ def test_recipe_fields_are_those_declared_recipe():
         (integer(2, " (why)"), 1, "must be >= 2 (why)"),
         (integer(), True, "expected an integer, got bool"),
         (choice(("x", "y")), "z", "expected one of x, y"),
+        (positive_ints(), (64, 0), "expected a tuple of positive integers, got (64, 0)"),
+        (positive_ints(), (True,), "expected a tuple of positive integers, got (True,)"),
+        (positive_ints(), "64", "expected a tuple of positive integers, got '64'"),
+        (positive_ints(nonempty=True), (), "must not be empty"),
     ],
 )
 def test_checks_say_what_is_wrong(check, value, message):
     assert check(value) == message
+
+
+def test_positive_ints_take_tuples_and_lists_of_them():
+    assert positive_ints()((64, 16)) is positive_ints()([8]) is positive_ints()(()) is None
 
 
 def test_a_section_is_frozen():
