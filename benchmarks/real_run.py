@@ -172,17 +172,15 @@ def summarize(workdir: str, group_size: int) -> dict:
     )
     # decode_steps: the decode loop's steps a step (on a mesh summed over its data shards), the tail's length;
     # offpolicy_tokens_frac (partial rollouts, rollout.max_staleness >= 1): the trained tokens' off-policy share.
-    for name in (
-        "unused_tokens_frac", "decode_steps", "decode_segments", "rows_per_decode_step", "offpolicy_tokens_frac",
-        "resumed_tokens",
+    # time/rollout_loop_*: the decode loop's host work between its segments and the segments themselves;
+    # time/rollout_s less both is the call's set-up and assembly.
+    for tag in (
+        "rollout/unused_tokens_frac", "rollout/decode_steps", "rollout/decode_segments",
+        "rollout/rows_per_decode_step", "rollout/offpolicy_tokens_frac", "rollout/resumed_tokens",
+        "time/rollout_loop_host_s", "time/rollout_loop_device_s",
     ):  # fmt: skip
-        logged = [r[f"rollout/{name}"] for r in later if f"rollout/{name}" in r]  # older trees log fewer
-        out[name] = statistics.mean(logged) if logged else float("nan")
-    # The decode loop's host work between its segments and the segments themselves (trees since these
-    # were logged): time/rollout_s less both is the call's set-up and assembly.
-    for name in ("rollout_loop_host_s", "rollout_loop_device_s"):
-        logged = [r[f"time/{name}"] for r in later if f"time/{name}" in r]
-        out[name] = statistics.mean(logged) if logged else float("nan")
+        logged = [r[tag] for r in later if tag in r]  # older trees log fewer
+        out[tag.split("/", 1)[1]] = statistics.mean(logged) if logged else float("nan")
     out["staleness_max"] = max((r["rollout/staleness_max"] for r in later if "rollout/staleness_max" in r), default=0.0)
     return out
 

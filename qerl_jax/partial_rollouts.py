@@ -359,8 +359,8 @@ def _partial_stats(
 ) -> dict[str, float]:
     """The off-policy share of the trained tokens (drawn under an earlier step's adapter), the largest
     staleness among the kept groups, the groups forced to finish and those carried on (started, and
-    unstarted), the carried tokens re-prefilled; the tokens this call decoded (the carried ones' earlier tokens not counted again) and
-    their rate."""
+    unstarted), the carried tokens re-prefilled; the tokens this call decoded (the carried ones' earlier
+    tokens not counted again) and their rate."""
     rows = (kept[:, None] * g + np.arange(g)).reshape(-1)
     before_N = np.zeros((len(np.asarray(batch.lengths)),), np.int64)  # tokens each row had when the call began
     before_N[: len(carry) * g] = [len(t) for c in carry for t in c.tokens]

@@ -131,8 +131,7 @@ def gather_blocks(blocks: dict[int, dict[str, np.ndarray]], num_shards: int) -> 
 
 
 def _host(batch: RolloutBatch) -> dict[str, np.ndarray]:
-    out = {f: np.asarray(getattr(batch, f)) for f in PER_ROW}
-    return out | {f: np.asarray(getattr(batch, f)) for f in PER_SEGMENT}
+    return {f: np.asarray(getattr(batch, f)) for f in (*PER_ROW, *PER_SEGMENT)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.util
 import time
 from collections.abc import Sequence
@@ -567,6 +568,11 @@ class _Call:
     def prompt_slots(self) -> int:
         return self.ids_np.shape[1]
 
+    @functools.cached_property
+    def prompt_of_seq(self) -> np.ndarray:
+        """int32 [N] the prompt (row of ids_np) each sequence samples from."""
+        return np.arange(self.total, dtype=np.int32) // self.group_size
+
 
 def _prepare_call(
     config: ModelConfig, prompt_ids, prompt_mask, sampling: SamplingConfig, group_size: int, lora_scale: float,
@@ -639,7 +645,7 @@ def _decode_all(
     sched = scheduler.Scheduler(total, rows=plan.rows, max_batch=plan.max_batch, smaller=plan.smaller, skip=skip)
     cache, rows = programs.new_rows(call.static, plan.rows, call.prompt_slots, call.pad_id, placement)
     max_steps = np.int32(MONITOR_STEPS if monitor is not None else call.static.new_slots)
-    segments, seconds, clock = [], [], time.perf_counter()
+    segments, clock = _Segments([], [], []), time.perf_counter()
     while True:
         if monitor is not None:
             dropped, dropped_seqs = sched.set_bounds(*monitor.bounds(wait=sched.idle))
@@ -660,8 +666,9 @@ def _decode_all(
             call.static, run_params, cache, rows, key, call.stop_V, exit_live, max_steps
         )
         live = np.asarray(rows.live)
-        segments.append((int(steps), sched.rows))
-        seconds.append((decoding - clock, time.perf_counter() - decoding))
+        segments.steps.append(int(steps))
+        segments.rows.append(sched.rows)
+        segments.seconds.append((decoding - clock, time.perf_counter() - decoding))
         clock = time.perf_counter()
         done_rows, done_seqs = sched.retire(live)
         if done_rows.size:
@@ -673,9 +680,10 @@ def _decode_all(
             valid = sched.row_seq >= 0
             cache, rows = programs.compact(call.static, cache, rows, put(keep.astype(np.int32)), put(valid))
     del cache, rows
-    if seconds:  # the last harvest, compaction or pause: host work after the last segment
-        seconds[-1] = (seconds[-1][0] + time.perf_counter() - clock, seconds[-1][1])
-    return out, _Segments(segments, seconds)
+    if segments.seconds:  # the last harvest, compaction or pause: host work after the last segment
+        host, device = segments.seconds[-1]
+        segments.seconds[-1] = (host + time.perf_counter() - clock, device)
+    return out, segments
 
 
 def _fill_free_rows(
@@ -689,10 +697,9 @@ def _fill_free_rows(
         cache, rows = _resume_rows(call, plan, run_params, cache, rows, partial, resume_of[seqs[again]],
                                    dest[again], sched.rows, put)  # fmt: skip
         seqs, dest = seqs[~again], dest[~again]
-    prompt_of_seq = np.arange(call.total) // call.group_size
     for i in range(0, len(seqs), plan.admit_rows):
         args = _admission(
-            call.ids_np, call.mask_np, prompt_of_seq, call.limits, seqs[i : i + plan.admit_rows],
+            call.ids_np, call.mask_np, call.prompt_of_seq, call.limits, seqs[i : i + plan.admit_rows],
             dest[i : i + plan.admit_rows], rows=sched.rows, admit_rows=plan.admit_rows,
             admit_prompts=plan.admit_prompts, share=options.share_prefill, streams=call.streams_N,
         )  # fmt: skip
@@ -703,15 +710,16 @@ def _fill_free_rows(
 
 
 class _Segments(NamedTuple):
-    """The decode loop's segments: (the steps each ran, its bucket's rows), and (host, device) seconds of each."""
+    """The decode loop's segments: the steps each ran, its bucket's rows, and its (host, device) seconds."""
 
-    steps_rows: list[tuple[int, int]]
+    steps: list[int]
+    rows: list[int]
     seconds: list[tuple[float, float]]
 
 
 def _rollout_batch(call: _Call, out: _Outputs, segments: _Segments) -> RolloutBatch:
     """The call's `RolloutBatch`: each sequence's prompt beside its harvested response."""
-    prompt_index = np.arange(call.total, dtype=np.int32) // call.group_size
+    prompt_index = call.prompt_of_seq
     response_mask = (np.arange(call.max_new)[None, :] < out.lengths[:, None]).astype(np.int32)
     # device_put, not jnp.asarray: that compiles a program for each new shape, and a call's row count
     # changes from step to step.
@@ -725,9 +733,9 @@ def _rollout_batch(call: _Call, out: _Outputs, segments: _Segments) -> RolloutBa
         decoded=jax.device_put(out.decoded),
         truncated=jax.device_put(~out.stopped),
         prompt_index=jax.device_put(prompt_index),
-        steps=jax.device_put(np.asarray([s + 1 for s, _ in segments.steps_rows], np.int32)),
+        steps=jax.device_put(np.asarray(segments.steps, np.int32) + 1),
         segment_s=jax.device_put(np.asarray(segments.seconds, np.float32).reshape(-1, 2)),
-        segment_rows=jax.device_put(np.asarray([r for _, r in segments.steps_rows], np.int32)),
+        segment_rows=jax.device_put(np.asarray(segments.rows, np.int32)),
         group_size=call.group_size,
     )
 
